@@ -1,0 +1,269 @@
+"""Arrays <-> wire messages, with no per-element Python loop.
+
+Both sides use this module: the teacher encodes ``[S, K]`` arrays into a
+``SequencePayload``; the student decodes one back into numpy arrays or torch tensors.
+All arrays on the wire are little-endian and row-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from student_client.wire._generated import teacher_pb2 as pb
+
+__all__ = [
+    "DTYPE_NAMES",
+    "SCHEMA_VERSION",
+    "DecodedSequence",
+    "decode_sequence",
+    "decode_sequence_torch",
+    "decode_token_ids",
+    "dtype_from_name",
+    "dtype_name",
+    "encode_sequence",
+    "encode_token_ids",
+    "itemsize",
+]
+
+SCHEMA_VERSION = pb.SCHEMA_VERSION_1
+
+DTYPE_NAMES: dict[str, int] = {
+    "float32": pb.LOGPROB_DTYPE_FLOAT32,
+    "float16": pb.LOGPROB_DTYPE_FLOAT16,
+    "bfloat16": pb.LOGPROB_DTYPE_BFLOAT16,
+}
+_ENUM_TO_NAME: dict[int, str] = {v: k for k, v in DTYPE_NAMES.items()}
+_ITEMSIZE: dict[int, int] = {
+    pb.LOGPROB_DTYPE_FLOAT32: 4,
+    pb.LOGPROB_DTYPE_FLOAT16: 2,
+    pb.LOGPROB_DTYPE_BFLOAT16: 2,
+}
+_TORCH_DTYPE: dict[int, torch.dtype] = {
+    pb.LOGPROB_DTYPE_FLOAT32: torch.float32,
+    pb.LOGPROB_DTYPE_FLOAT16: torch.float16,
+    pb.LOGPROB_DTYPE_BFLOAT16: torch.bfloat16,
+}
+if not np.little_endian:  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("topk-distill's torch decoding assumes a little-endian host")
+_LE_I32 = np.dtype("<i4")
+_LE_F32 = np.dtype("<f4")
+_LE_F16 = np.dtype("<f2")
+_LE_U16 = np.dtype("<u2")
+_LE_U32 = np.dtype("<u4")
+
+
+def dtype_from_name(name: str | int) -> int:
+    """``"float16"`` -> ``LOGPROB_DTYPE_FLOAT16``; enum values pass through (UNSPECIFIED ->
+    FLOAT16). Raises ``ValueError`` naming ``dtype`` for anything else."""
+    if isinstance(name, int) and not isinstance(name, bool):
+        if name == pb.LOGPROB_DTYPE_UNSPECIFIED:
+            return pb.LOGPROB_DTYPE_FLOAT16
+        if name in _ENUM_TO_NAME:
+            return name
+        raise ValueError(f"dtype: unknown log-prob dtype enum {name}; use one of {DTYPE_NAMES}")
+    if isinstance(name, str) and name in DTYPE_NAMES:
+        return DTYPE_NAMES[name]
+    raise ValueError(f"dtype: unknown log-prob dtype {name!r}; use one of {sorted(DTYPE_NAMES)}")
+
+
+def dtype_name(value: int) -> str:
+    """``LOGPROB_DTYPE_FLOAT16`` -> ``"float16"``."""
+    return _ENUM_TO_NAME[dtype_from_name(value)]
+
+
+def itemsize(dtype: int) -> int:
+    """Bytes per log-prob on the wire for a dtype enum."""
+    return _ITEMSIZE[dtype_from_name(dtype)]
+
+
+def _f32_to_bf16_bits(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """float32 -> bfloat16 bit patterns, round-to-nearest-even, NaN kept quiet NaN."""
+    u = np.ascontiguousarray(x, dtype=_LE_F32).view(_LE_U32)
+    rounding = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    out = ((u + rounding) >> np.uint32(16)).astype(_LE_U16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    return (bits.astype(_LE_U32) << np.uint32(16)).view(_LE_F32)
+
+
+def _encode_floats(x: npt.ArrayLike, dtype: int) -> bytes:
+    arr = np.asarray(x, dtype=np.float32)
+    if dtype == pb.LOGPROB_DTYPE_FLOAT32:
+        return arr.astype(_LE_F32, copy=False).tobytes()
+    if dtype == pb.LOGPROB_DTYPE_FLOAT16:
+        return arr.astype(_LE_F16).tobytes()
+    return _f32_to_bf16_bits(arr).tobytes()
+
+
+def _decode_floats_np(buf: bytes, dtype: int, count: int, field: str) -> npt.NDArray[np.float32]:
+    size = _ITEMSIZE[dtype]
+    if len(buf) != count * size:
+        raise ValueError(
+            f"{field}: expected {count * size} bytes ({count} x {size}), got {len(buf)}"
+        )
+    if dtype == pb.LOGPROB_DTYPE_FLOAT32:
+        return np.frombuffer(buf, dtype=_LE_F32).astype(np.float32, copy=False)
+    if dtype == pb.LOGPROB_DTYPE_FLOAT16:
+        return np.frombuffer(buf, dtype=_LE_F16).astype(np.float32)
+    return _bf16_bits_to_f32(np.frombuffer(buf, dtype=_LE_U16))
+
+
+def encode_token_ids(token_ids: npt.ArrayLike) -> bytes:
+    """``[L]`` integer token ids -> int32 little-endian bytes."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token_ids: expected integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("token_ids: values must fit in int32")
+    return arr.astype(_LE_I32, copy=False).tobytes()
+
+
+def decode_token_ids(buf: bytes) -> npt.NDArray[np.int32]:
+    """int32 little-endian bytes -> ``[L]`` int32 array (read-only view of ``buf``)."""
+    if len(buf) % 4:
+        raise ValueError(f"token_ids: byte length {len(buf)} is not a multiple of 4 (int32)")
+    return np.frombuffer(buf, dtype=_LE_I32)
+
+
+def encode_sequence(
+    ids: npt.ArrayLike,
+    logprobs: npt.ArrayLike,
+    sampled_logprobs: npt.ArrayLike | None,
+    *,
+    dtype: int | str = "float16",
+    position_start: int = 0,
+    sequence_index: int = 0,
+) -> pb.SequencePayload:
+    """Pack one sequence's payload.
+
+    Args:
+        ids: ``[S, K]`` integer token ids, each row sorted by log-prob, descending.
+        logprobs: ``[S, K]`` float log-probs.
+        sampled_logprobs: ``[S]`` log-prob of the token that follows (NaN where none),
+            or ``None`` to omit.
+        dtype: wire dtype of the log-probs (name or enum).
+        position_start: absolute position of row 0.
+        sequence_index: index of the sequence in its request.
+    """
+    ids_a = np.asarray(ids)
+    lp = np.asarray(logprobs, dtype=np.float32)
+    if ids_a.ndim != 2 or lp.shape != ids_a.shape:
+        raise ValueError(
+            f"ids/logprobs: expected equal [S, K] shapes, got {ids_a.shape} and {lp.shape}"
+        )
+    s, k = ids_a.shape
+    enum = dtype_from_name(dtype)
+    msg = pb.SequencePayload(
+        sequence_index=sequence_index,
+        position_start=position_start,
+        num_positions=s,
+        top_k=k,
+        dtype=enum,  # type: ignore[arg-type]
+        ids=ids_a.astype(_LE_I32, copy=False).tobytes(),
+        logprobs=_encode_floats(lp, enum),
+    )
+    if sampled_logprobs is not None:
+        sp = np.asarray(sampled_logprobs, dtype=np.float32)
+        if sp.shape != (s,):
+            raise ValueError(f"sampled_logprobs: expected shape ({s},), got {sp.shape}")
+        msg.sampled_logprobs = _encode_floats(sp, enum)
+    return msg
+
+
+@dataclass(frozen=True)
+class DecodedSequence:
+    """One sequence's payload as numpy arrays.
+
+    ``ids`` ``[S, K]`` int32, ``logprobs`` ``[S, K]`` float32, ``sampled_logprobs`` ``[S]``
+    float32 or ``None`` when the teacher did not send them; ``position_start`` is the
+    absolute position of row 0.
+    """
+
+    ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    sampled_logprobs: npt.NDArray[np.float32] | None
+    position_start: int
+    sequence_index: int
+
+
+def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:
+    s, k = int(msg.num_positions), int(msg.top_k)
+    enum = dtype_from_name(int(msg.dtype))
+    if len(msg.ids) != s * k * 4:
+        raise ValueError(
+            f"ids: expected {s * k * 4} bytes for [{s}, {k}] int32, got {len(msg.ids)}"
+        )
+    return s, k, enum
+
+
+def decode_sequence(msg: pb.SequencePayload) -> DecodedSequence:
+    """``SequencePayload`` -> numpy arrays (float32 log-probs whatever the wire dtype)."""
+    s, k, enum = _check_shape(msg)
+    ids = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(s, k)
+    lp = _decode_floats_np(msg.logprobs, enum, s * k, "logprobs").reshape(s, k)
+    sp = (
+        _decode_floats_np(msg.sampled_logprobs, enum, s, "sampled_logprobs")
+        if msg.sampled_logprobs
+        else (None if s else np.zeros(0, np.float32))
+    )
+    return DecodedSequence(ids, lp, sp, int(msg.position_start), int(msg.sequence_index))
+
+
+def _torch_from_bytes(buf: bytes, dtype: torch.dtype, count: int, field: str) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    if len(buf) != count * size:
+        raise ValueError(
+            f"{field}: expected {count * size} bytes ({count} x {size}), got {len(buf)}"
+        )
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    # bytearray: torch.frombuffer wants a writable buffer; one memcpy, no Python loop.
+    return torch.frombuffer(bytearray(buf), dtype=dtype)
+
+
+def decode_sequence_torch(
+    msg: pb.SequencePayload, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``SequencePayload`` -> ``(ids [S, K] int32, logprobs [S, K] wire dtype,
+    sampled_logprobs [S] wire dtype or None)`` torch tensors on ``device``."""
+    s, k, enum = _check_shape(msg)
+    tdt = _TORCH_DTYPE[enum]
+    ids = _torch_from_bytes(msg.ids, torch.int32, s * k, "ids").reshape(s, k)
+    lp = _torch_from_bytes(msg.logprobs, tdt, s * k, "logprobs").reshape(s, k)
+    sp = (
+        _torch_from_bytes(msg.sampled_logprobs, tdt, s, "sampled_logprobs")
+        if msg.sampled_logprobs
+        else None
+    )
+    if str(device) != "cpu":
+        ids, lp = ids.to(device, non_blocking=True), lp.to(device, non_blocking=True)
+        sp = sp.to(device, non_blocking=True) if sp is not None else None
+    return ids, lp, sp
+
+
+def concat_chunks(chunks: Sequence[DecodedSequence]) -> DecodedSequence:
+    """Join row chunks of one sequence (in order) into one ``DecodedSequence``."""
+    if not chunks:
+        raise ValueError("chunks: need at least one chunk")
+    if len(chunks) == 1:
+        return chunks[0]
+    sp_parts = [c.sampled_logprobs for c in chunks]
+    return DecodedSequence(
+        np.concatenate([c.ids for c in chunks]),
+        np.concatenate([c.logprobs for c in chunks]),
+        None if any(p is None for p in sp_parts) else np.concatenate(sp_parts),  # type: ignore[arg-type]
+        chunks[0].position_start,
+        chunks[0].sequence_index,
+    )

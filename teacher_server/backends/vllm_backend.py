@@ -1,0 +1,192 @@
+"""vLLM backend on the fast log-prob path (SPEC section 5).
+
+One ``SamplingParams(max_tokens=1, prompt_logprobs=K, logprobs=K, flat_logprobs=True,
+detokenize=False)`` request per sequence; vLLM batches concurrent requests. Prompt
+log-prob row ``i`` (``i >= 1``) is the distribution that predicts ``x[i]``, so payload
+position ``t < L-1`` comes from prompt row ``t+1`` and position ``L-1`` from the one
+generated token's log-probs (SPEC section 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
+
+__all__ = ["VLLMBackend", "flat_to_topk"]
+
+
+def flat_to_topk(
+    token_ids: list[int],
+    logprobs: list[float],
+    starts: list[int],
+    ends: list[int],
+    top_k: int,
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """Convert flat vLLM log-probs of ``P`` positions into ``[P, K]`` arrays with numpy.
+
+    Every position holds the actual next token first (with its true rank) and then the
+    top-K; when the actual token is itself in the top-K, vLLM may have de-duplicated it, so
+    a position holds K+1 or K entries. Returns ``(ids [P, K] int32, logprobs [P, K]
+    float32 sorted descending, actual [P] float32)``.
+    """
+    n = len(starts)
+    k = top_k
+    if n == 0:
+        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32), np.zeros(0, np.float32)
+    st = np.asarray(starts, dtype=np.int64)
+    cnt = np.asarray(ends, dtype=np.int64) - st
+    base = st[0]
+    tid = np.asarray(token_ids[base : ends[-1]], dtype=np.int32)
+    lp = np.asarray(logprobs[base : ends[-1]], dtype=np.float32)
+    st = st - base
+    if np.any((cnt != k) & (cnt != k + 1)):
+        bad = int(np.flatnonzero((cnt != k) & (cnt != k + 1))[0])
+        raise RuntimeError(
+            f"vLLM returned {cnt[bad]} log-prob entries at a position; expected {k} or {k + 1}"
+        )
+    actual = lp[st]
+    # K+1 entries: skip the leading actual-token entry. K entries: it is one of the top-K.
+    first = st + (cnt == k + 1)
+    cols = first[:, None] + np.arange(k)[None, :]
+    ids = tid[cols]
+    vals = lp[cols]
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return (
+        np.take_along_axis(ids, order, axis=1),
+        np.take_along_axis(vals, order, axis=1),
+        actual,
+    )
+
+
+class VLLMBackend(Backend):
+    """Scores sequences with ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+    Args:
+        model: model directory (or name vLLM can load).
+        max_top_k: largest K served; becomes the engine's ``max_logprobs``.
+        dtype: engine dtype (``float32`` makes payloads comparable to the reference).
+        max_model_len: longest sequence (prompt + 1 generated token).
+        engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``tensor_parallel_size``).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        max_top_k: int = 64,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        served_model_name: str | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self._model = str(model)
+        self._max_top_k = max_top_k
+        self._dtype = dtype
+        self._max_model_len = max_model_len
+        self._served_name = served_model_name or Path(self._model).name
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._engine: Any = None
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = {
+            "model": self._model,
+            "dtype": self._dtype,
+            "max_logprobs": self._max_top_k,
+            # Stale prompt log-probs have been reported with prefix caching (SPEC 5).
+            "enable_prefix_caching": False,
+        }
+        if self._max_model_len:
+            kwargs["max_model_len"] = self._max_model_len
+        kwargs.update(self._engine_kwargs)
+        args = AsyncEngineArgs(**kwargs)
+        self._engine = AsyncLLM.from_engine_args(args)
+        cfg = self._engine.model_config
+        tokenizer = await _get_tokenizer(self._engine)
+        self.info = BackendInfo(
+            model_name=self._served_name,
+            vocab_size=int(cfg.get_vocab_size()),
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer else "",
+            max_top_k=self._max_top_k,
+            # One generated token rides along: the prompt may use all but one slot.
+            max_sequence_length=int(cfg.max_model_len) - 1,
+            name="vllm",
+        )
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    async def score(
+        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
+    ) -> ScoredSequence:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=top_k,
+            logprobs=top_k,
+            flat_logprobs=True,
+            detokenize=False,
+        )
+        request_id = f"topk-{next(self._ids)}"
+        t0 = time.perf_counter()
+        final = None
+        try:
+            async for out in self._engine.generate(
+                TokensPrompt(prompt_token_ids=token_ids.tolist()), params, request_id=request_id
+            ):
+                final = out
+        except asyncio.CancelledError:
+            # A cancelled or expired call: free the engine's slot at once.
+            await self._engine.abort(request_id)
+            raise
+        if final is None:  # pragma: no cover - the engine always yields a final output
+            raise RuntimeError("vLLM returned no output")
+        return self._to_payload(final, token_ids, top_k, start, end, time.perf_counter() - t0)
+
+    @staticmethod
+    def _to_payload(
+        out: Any, token_ids: npt.NDArray[np.int32], k: int, start: int, end: int, secs: float
+    ) -> ScoredSequence:
+        n = len(token_ids)
+        pl = out.prompt_logprobs  # FlatLogprobs, row 0 empty
+        # Payload positions [start, min(end, n-1)) come from prompt rows [start+1, ...).
+        p_end = min(end, n - 1)
+        rows = slice(start + 1, p_end + 1)
+        ids, lps, actual = flat_to_topk(
+            pl.token_ids, pl.logprobs, pl.start_indices[rows], pl.end_indices[rows], k
+        )
+        if end == n:  # the last position: the generated token's distribution
+            gl = out.outputs[0].logprobs
+            l_ids, l_lps, _ = flat_to_topk(
+                gl.token_ids, gl.logprobs, gl.start_indices[:1], gl.end_indices[:1], k
+            )
+            ids = np.concatenate([ids, l_ids])
+            lps = np.concatenate([lps, l_lps])
+            actual = np.concatenate([actual, np.array([np.nan], np.float32)])
+        return ScoredSequence(ids, lps, actual, start, secs)
+
+
+async def _get_tokenizer(engine: Any) -> Any:
+    get = getattr(engine, "get_tokenizer", None)
+    if get is None:
+        return getattr(engine, "tokenizer", None)
+    tok = get()
+    if asyncio.iscoroutine(tok):
+        tok = await tok
+    return tok

@@ -1,0 +1,66 @@
+"""HTTP side of the teacher (FastAPI, served by uvicorn in the server's process).
+
+``GET /healthz`` alive; ``GET /readyz`` 200 once the engine is loaded and warmed up, 503
+before and while draining; ``GET /metrics`` Prometheus text; ``GET /v1/info`` GetInfo as
+JSON (needs the bearer token when one is configured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from google.protobuf.json_format import MessageToDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from student_client.wire import pb
+from teacher_server.auth import token_matches
+from teacher_server.metrics import TeacherMetrics
+
+__all__ = ["build_http_app"]
+
+
+def build_http_app(
+    *,
+    is_ready: Callable[[], bool],
+    is_draining: Callable[[], bool],
+    info: Callable[[], pb.TeacherInfo | None],
+    metrics: TeacherMetrics,
+    token: str | None = None,
+) -> FastAPI:
+    """The HTTP app; state is read through the callables on every request."""
+    app = FastAPI(title="topk-distill teacher", docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/readyz")
+    def readyz() -> Response:
+        if is_draining():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not is_ready():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/info")
+    def v1_info(request: Request) -> Response:
+        if token and not token_matches(request.headers.get("authorization"), token):
+            return JSONResponse(
+                {"error": "authorization: missing or wrong bearer token"}, status_code=401
+            )
+        msg = info()
+        if msg is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        body: dict[str, Any] = MessageToDict(
+            msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        return JSONResponse(body)
+
+    return app

@@ -1,0 +1,44 @@
+"""Prometheus metrics of the teacher, on a registry of their own (one per server)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["TeacherMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class TeacherMetrics:
+    """Counters and histograms exported on ``GET /metrics``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "topk_teacher_requests",
+            "Score requests answered, by method and gRPC status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.positions = Counter(
+            "topk_teacher_positions_scored",
+            "Positions scored (rows of payload sent).",
+            registry=self.registry,
+        )
+        self.payload_bytes = Counter(
+            "topk_teacher_payload_bytes",
+            "Bytes of payload arrays (ids, log-probs, sampled log-probs) sent.",
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "topk_teacher_request_latency_seconds",
+            "Time from request received to last response message, by method.",
+            ["method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "topk_teacher_requests_in_flight",
+            "Score requests being worked on now.",
+            registry=self.registry,
+        )

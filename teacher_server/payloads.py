@@ -1,0 +1,82 @@
+"""Scored arrays -> response messages: one message per request (Score) or row chunks
+that stay under a byte budget (ScoreStream)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from student_client.wire import encode_sequence, itemsize, pb
+from teacher_server.backends.base import ScoredSequence
+
+__all__ = ["bytes_per_row", "encode_scored", "iter_stream_responses"]
+
+
+def bytes_per_row(top_k: int, dtype: int, include_sampled: bool) -> int:
+    """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)."""
+    size = itemsize(dtype)
+    return top_k * (4 + size) + (size if include_sampled else 0)
+
+
+def encode_scored(
+    scored: ScoredSequence,
+    *,
+    dtype: int,
+    include_sampled: bool,
+    sequence_index: int,
+    rows: slice = slice(None),
+) -> pb.SequencePayload:
+    """Encode rows ``rows`` of one scored sequence (``[S, K]`` arrays) as a payload."""
+    start = rows.start or 0
+    return encode_sequence(
+        scored.ids[rows],
+        scored.logprobs[rows],
+        scored.sampled_logprobs[rows] if include_sampled else None,
+        dtype=dtype,
+        position_start=scored.position_start + start,
+        sequence_index=sequence_index,
+    )
+
+
+def iter_stream_responses(
+    request_id: str,
+    scored: Sequence[ScoredSequence],
+    *,
+    top_k: int,
+    dtype: int,
+    include_sampled: bool,
+    chunk_bytes: int,
+    teacher_seconds: float = 0.0,
+) -> Iterator[pb.ScoreResponse]:
+    """Pack all sequences' rows, in order, into messages of at most ``chunk_bytes`` of
+    payload arrays (at least one row each). Sequences with no rows still get an empty
+    piece, so the client sees every sequence. The last message has ``final`` set."""
+    per_row = bytes_per_row(top_k, dtype, include_sampled)
+    budget_rows = max(1, chunk_bytes // per_row)
+    msg = pb.ScoreResponse(request_id=request_id)
+    room = budget_rows
+    for index, seq in enumerate(scored):
+        n = len(seq.ids)
+        done = 0
+        while True:
+            take = min(n - done, room)
+            if take > 0 or n == 0:
+                msg.sequences.append(
+                    encode_scored(
+                        seq,
+                        dtype=dtype,
+                        include_sampled=include_sampled,
+                        sequence_index=index,
+                        rows=slice(done, done + take),
+                    )
+                )
+            done += take
+            room -= take
+            if done >= n:
+                break
+            # This message is full: send it and start the next one.
+            yield msg
+            msg = pb.ScoreResponse(request_id=request_id)
+            room = budget_rows
+    msg.final = True
+    msg.teacher_seconds = teacher_seconds
+    yield msg

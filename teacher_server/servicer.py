@@ -1,0 +1,276 @@
+"""The ``topk_distill.v1.Teacher`` gRPC servicer: validation, admission, scoring, packing.
+
+State lives in private fields; errors go out as ``context.abort`` with a precise status
+(unary) or as an ``Error`` in the response for that request (stream, which goes on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import numpy as np
+
+from student_client.wire import SCHEMA_VERSION, pb, pb_grpc
+from student_client.wire.codec import DTYPE_NAMES
+from teacher_server.backends.base import Backend, ScoredSequence
+from teacher_server.metrics import TeacherMetrics
+from teacher_server.payloads import encode_scored, iter_stream_responses
+from teacher_server.validation import (
+    Limits,
+    ParsedRequest,
+    ParsedSequence,
+    RequestError,
+    parse_request,
+)
+
+__all__ = ["TeacherServicer", "teacher_info_message"]
+
+log = logging.getLogger(__name__)
+
+# Room for protobuf framing around the payload arrays when checking the unary size limit.
+_FRAMING_BYTES = 64
+
+
+def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
+    """The ``GetInfo`` answer for a loaded backend."""
+    info = backend.info
+    return pb.TeacherInfo(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        max_top_k=limits.max_top_k,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        schema_version=SCHEMA_VERSION,
+        supported_dtypes=list(DTYPE_NAMES.values()),  # type: ignore[arg-type]
+        backend=info.name,
+        max_tokens_per_request=limits.max_tokens_per_request,
+        max_message_bytes=limits.max_message_bytes,
+        max_sequence_length=limits.max_sequence_length,
+    )
+
+
+class TeacherServicer(pb_grpc.TeacherServicer):
+    """Serves ``GetInfo``, ``Score`` and ``ScoreStream`` from a :class:`Backend`.
+
+    Call :meth:`set_ready` once the backend is loaded and warmed up; before that, scoring
+    calls fail with UNAVAILABLE. :meth:`set_draining` refuses new requests the same way
+    while those in flight finish.
+    """
+
+    def __init__(self, backend: Backend, limits: Limits, metrics: TeacherMetrics) -> None:
+        self._backend = backend
+        self._limits = limits
+        self._metrics = metrics
+        self._in_flight = 0
+        self._ready = False
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def set_ready(self, limits: Limits) -> None:
+        """Backend loaded: start serving with the final limits (vocab size now known)."""
+        self._limits = limits
+        self._ready = True
+
+    def set_draining(self) -> None:
+        self._draining = True
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+        await self._idle.wait()
+
+    # -- admission ---------------------------------------------------------------------
+    def _admit(self, request: pb.ScoreRequest) -> ParsedRequest:
+        if not self._ready:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "teacher: still loading; retry later")
+        if self._draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "teacher: shutting down; retry elsewhere"
+            )
+        parsed = parse_request(request, self._limits)
+        if self._in_flight >= self._limits.max_inflight_requests:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"requests in flight: the limit max_inflight_requests "
+                f"{self._limits.max_inflight_requests} is reached; retry later",
+            )
+        self._in_flight += 1
+        self._idle.clear()
+        self._metrics.in_flight.set(self._in_flight)
+        return parsed
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        self._metrics.in_flight.set(self._in_flight)
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def _score(self, parsed: ParsedRequest) -> list[ScoredSequence]:
+        """Score every sequence concurrently (the engine batches them)."""
+        k = parsed.top_k
+
+        async def one(seq: ParsedSequence) -> ScoredSequence:
+            if seq.start == seq.end:  # nothing asked: no engine call
+                return ScoredSequence(
+                    np.zeros((0, k), np.int32),
+                    np.zeros((0, k), np.float32),
+                    np.zeros(0, np.float32),
+                    seq.start,
+                )
+            return await self._backend.score(seq.token_ids, k, seq.start, seq.end)
+
+        return list(await asyncio.gather(*(one(s) for s in parsed.sequences)))
+
+    def _count(self, method: str, code: grpc.StatusCode, t0: float) -> None:
+        self._metrics.requests.labels(method, code.name).inc()
+        self._metrics.latency.labels(method).observe(time.perf_counter() - t0)
+
+    def _count_payload(self, parsed: ParsedRequest) -> None:
+        self._metrics.positions.inc(parsed.num_positions)
+        self._metrics.payload_bytes.inc(parsed.response_bytes())
+
+    # -- RPCs --------------------------------------------------------------------------
+    async def GetInfo(
+        self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TeacherInfo:
+        if not self._ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "teacher: still loading; retry later")
+        return teacher_info_message(self._backend, self._limits)
+
+    async def Score(
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreResponse:
+        t0 = time.perf_counter()
+        try:
+            parsed = self._admit(request)
+        except RequestError as e:
+            self._count("Score", e.code, t0)
+            await context.abort(e.code, e.message)
+        try:
+            size = parsed.response_bytes() + _FRAMING_BYTES * (len(parsed.sequences) + 1)
+            if size > self._limits.max_message_bytes:
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"response: {size} bytes would exceed max_message_bytes "
+                    f"{self._limits.max_message_bytes}; use ScoreStream or fewer positions",
+                )
+            scored = await self._score(parsed)
+            resp = pb.ScoreResponse(
+                request_id=parsed.request_id,
+                sequences=[
+                    encode_scored(
+                        s,
+                        dtype=parsed.dtype,
+                        include_sampled=parsed.include_sampled,
+                        sequence_index=i,
+                    )
+                    for i, s in enumerate(scored)
+                ],
+                final=True,
+                teacher_seconds=time.perf_counter() - t0,
+            )
+        except RequestError as e:
+            self._count("Score", e.code, t0)
+            await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            self._count("Score", grpc.StatusCode.CANCELLED, t0)
+            raise
+        except Exception as e:
+            log.exception("Score failed")
+            self._count("Score", grpc.StatusCode.INTERNAL, t0)
+            await context.abort(grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}")
+        finally:
+            self._release()
+        self._count_payload(parsed)
+        self._count("Score", grpc.StatusCode.OK, t0)
+        return resp
+
+    async def _stream_one(
+        self, request: pb.ScoreRequest, out: asyncio.Queue[pb.ScoreResponse | None]
+    ) -> None:
+        """Answer one request of a stream: its chunks, or one ``Error`` message."""
+        t0 = time.perf_counter()
+        try:
+            parsed = self._admit(request)
+        except RequestError as e:
+            self._count("ScoreStream", e.code, t0)
+            await out.put(_error_response(request.request_id, e.code, e.message))
+            return
+        try:
+            scored = await self._score(parsed)
+            responses: Iterator[pb.ScoreResponse] = iter_stream_responses(
+                parsed.request_id,
+                scored,
+                top_k=parsed.top_k,
+                dtype=parsed.dtype,
+                include_sampled=parsed.include_sampled,
+                chunk_bytes=min(self._limits.chunk_bytes, self._limits.max_message_bytes // 2),
+                teacher_seconds=time.perf_counter() - t0,
+            )
+            for msg in responses:
+                await out.put(msg)
+        except asyncio.CancelledError:
+            self._count("ScoreStream", grpc.StatusCode.CANCELLED, t0)
+            raise
+        except Exception as e:
+            log.exception("ScoreStream request failed")
+            self._count("ScoreStream", grpc.StatusCode.INTERNAL, t0)
+            await out.put(
+                _error_response(
+                    parsed.request_id, grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}"
+                )
+            )
+            return
+        finally:
+            self._release()
+        self._count_payload(parsed)
+        self._count("ScoreStream", grpc.StatusCode.OK, t0)
+
+    async def ScoreStream(
+        self,
+        request_iterator: AsyncIterator[pb.ScoreRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ScoreResponse]:
+        out: asyncio.Queue[pb.ScoreResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(self._stream_one(request, out))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*list(tasks))
+            finally:
+                await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (msg := await out.get()) is not None:
+                yield msg
+            await reader
+        finally:
+            # Client gone, cancelled or deadline expired: stop the engine work too.
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+
+
+def _error_response(request_id: str, code: grpc.StatusCode, message: str) -> pb.ScoreResponse:
+    return pb.ScoreResponse(
+        request_id=request_id,
+        final=True,
+        error=pb.Error(code=code.value[0], message=message),
+    )

@@ -1,0 +1,122 @@
+"""Write a tiny Qwen2 model directory (weights + byte-level tokenizer) for tests and examples.
+
+The architecture follows SPEC section 5: it loads in vLLM's CPU backend (head_dim 64; 16
+fails in the CPU attention kernel) and in transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["byte_tokenizer", "tiny_qwen2_config", "write_tiny_model"]
+
+#: Special tokens placed right after the 256 byte tokens.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer: ids 0..255 are the bytes, 256.. the special tokens.
+
+    Returns a ``transformers.PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
+    assert set(byte_to_char.values()) == set(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[1],
+    )
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+def tiny_qwen2_config(
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    max_position_embeddings: int = 8192,
+    initializer_range: float = 0.2,
+) -> Any:
+    """A ``transformers.Qwen2Config`` for a tiny model (SPEC section 5)."""
+    from transformers import Qwen2Config
+
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=256,
+        pad_token_id=257,
+        torch_dtype="float32",
+    )
+    return Qwen2Config(**fields)
+
+
+def write_tiny_model(path: str | Path, *, seed: int = 0, **config_kwargs: Any) -> Path:
+    """Write random weights + config + byte tokenizer to ``path`` and return it.
+
+    ``initializer_range`` defaults to 0.2 (not 0.02) so that the next-token distribution
+    is peaked rather than nearly uniform: top-k ids are then well separated, which makes
+    engine-vs-reference comparisons meaningful.
+    """
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(**config_kwargs))
+    model.save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Write a tiny random Qwen2 model directory.")
+    ap.add_argument("path")
+    ap.add_argument("--vocab-size", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write_tiny_model(args.path, seed=args.seed, vocab_size=args.vocab_size))
+
+
+if __name__ == "__main__":
+    main()

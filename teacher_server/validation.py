@@ -1,0 +1,133 @@
+"""Request validation: every rule names the field and the limit, and maps to a gRPC status.
+
+Pure functions over the wire message; the servicer turns :class:`RequestError` into
+``context.abort`` (unary) or an ``Error`` response (stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from student_client.wire import itemsize, pb
+from student_client.wire.codec import DTYPE_NAMES
+
+__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "RequestError", "parse_request"]
+
+
+class RequestError(Exception):
+    """A request the server refuses: ``code`` is the gRPC status, ``message`` says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side limits (all configurable from the CLI)."""
+
+    vocab_size: int
+    max_top_k: int = 64
+    max_tokens_per_request: int = 262_144
+    max_sequence_length: int = 0  # 0: no limit
+    max_inflight_requests: int = 64
+    max_message_bytes: int = 64 * 1024 * 1024
+    chunk_bytes: int = 1024 * 1024  # target size of one ScoreStream response message
+
+
+@dataclass(frozen=True)
+class ParsedSequence:
+    """One validated sequence: ``token_ids`` ``[L]`` int32 and positions ``[start, end)``."""
+
+    token_ids: npt.NDArray[np.int32]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request_id: str
+    sequences: list[ParsedSequence]
+    top_k: int
+    dtype: int
+    include_sampled: bool
+
+    @property
+    def num_positions(self) -> int:
+        return sum(s.end - s.start for s in self.sequences)
+
+    def response_bytes(self) -> int:
+        """Bytes of the payload arrays this request will produce."""
+        per_row = self.top_k * (4 + itemsize(self.dtype))
+        if self.include_sampled:
+            per_row += itemsize(self.dtype)
+        return self.num_positions * per_row
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
+    """Validate ``req`` against ``limits``; raise :class:`RequestError` on the first problem."""
+    if not req.sequences:
+        raise _invalid("sequences: empty; a request needs at least 1 sequence")
+    if not 1 <= req.top_k <= limits.max_top_k:
+        raise _invalid(f"top_k: {req.top_k} is outside [1, {limits.max_top_k}] (max_top_k)")
+    dtype: int
+    if req.dtype == pb.LOGPROB_DTYPE_UNSPECIFIED:
+        dtype = pb.LOGPROB_DTYPE_FLOAT16
+    elif req.dtype in DTYPE_NAMES.values():
+        dtype = int(req.dtype)
+    else:
+        raise _invalid(
+            f"dtype: unknown log-prob dtype {req.dtype}; supported: "
+            + ", ".join(f"{v} ({k})" for k, v in DTYPE_NAMES.items())
+        )
+    total = 0
+    for i, seq in enumerate(req.sequences):
+        n_bytes = len(seq.token_ids)
+        if n_bytes % 4:
+            raise _invalid(
+                f"sequences[{i}].token_ids: {n_bytes} bytes is not a multiple of 4 (int32)"
+            )
+        total += n_bytes // 4
+    if total > limits.max_tokens_per_request:
+        raise RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"sequences: {total} tokens in total exceeds max_tokens_per_request "
+            f"{limits.max_tokens_per_request}; split the batch",
+        )
+    parsed: list[ParsedSequence] = []
+    for i, seq in enumerate(req.sequences):
+        ids = np.frombuffer(seq.token_ids, dtype="<i4")
+        n = len(ids)
+        if n == 0:
+            raise _invalid(f"sequences[{i}].token_ids: empty; a sequence needs at least 1 token")
+        if limits.max_sequence_length and n > limits.max_sequence_length:
+            raise _invalid(
+                f"sequences[{i}].token_ids: length {n} exceeds max_sequence_length "
+                f"{limits.max_sequence_length}"
+            )
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= limits.vocab_size:
+            j = int(np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))[0])
+            raise _invalid(
+                f"sequences[{i}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+        start = seq.position_start if seq.HasField("position_start") else 0
+        end = seq.position_end if seq.HasField("position_end") else n
+        if not 0 <= start <= end <= n:
+            raise _invalid(
+                f"sequences[{i}].position_start/position_end: [{start}, {end}) is not a range "
+                f"inside the sequence's {n} positions [0, {n}]"
+            )
+        parsed.append(ParsedSequence(ids, int(start), int(end)))
+    include = req.include_sampled_logprobs if req.HasField("include_sampled_logprobs") else True
+    return ParsedRequest(req.request_id, parsed, int(req.top_k), dtype, bool(include))
