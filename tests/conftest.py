@@ -71,7 +71,11 @@ def http_status(url: str, headers: dict[str, str] | None = None) -> int:
 
 
 def start_server(
-    args: list[str], log_path: Path, *, ready_timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str],
+    log_path: Path,
+    *,
+    ready_timeout: float = 300,
+    env: dict[str, str] | None = None,
 ) -> ServerProcess:
     """Start ``python -m teacher_server serve ARGS`` and wait until ``/readyz`` says 200."""
     port, http_port = free_port(), free_port()
@@ -95,7 +99,9 @@ def start_server(
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"teacher-server exited with {proc.returncode}:\n{server.log()[-4000:]}")
+            raise RuntimeError(
+                f"teacher-server exited with {proc.returncode}:\n{server.log()[-4000:]}"
+            )
         with contextlib.suppress(OSError):
             if http_status(f"{server.http}/readyz") == 200:
                 return server
@@ -151,3 +157,19 @@ def reference_backend(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     backend = TransformersBackend(tiny_model_dir, max_top_k=256, dtype="float32")
     asyncio.run(backend.start())
     return backend
+
+
+@pytest.fixture
+def teacher_factory(tmp_path: Path) -> Iterator[object]:
+    """``start(args) -> ServerProcess``: start extra servers (e.g. ``--backend transformers``);
+    every one still running is stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def start(args: list[str], **kwargs: object) -> ServerProcess:
+        server = start_server(args, tmp_path / f"server-{len(started)}.log", **kwargs)  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -244,7 +244,7 @@ def decode_sequence_torch(
     lp = _torch_from_bytes(msg.logprobs, tdt, s * k, "logprobs").reshape(s, k)
     sp = (
         _torch_from_bytes(msg.sampled_logprobs, tdt, s, "sampled_logprobs")
-        if msg.sampled_logprobs
+        if msg.sampled_logprobs or s == 0
         else None
     )
     if str(device) != "cpu":

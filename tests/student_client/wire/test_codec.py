@@ -1,0 +1,134 @@
+"""Round trips of the wire codec for every dtype and edge shapes (no server)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from student_client.wire import (
+    decode_sequence,
+    decode_sequence_torch,
+    decode_token_ids,
+    dtype_from_name,
+    encode_sequence,
+    encode_token_ids,
+    pb,
+)
+from student_client.wire.codec import concat_chunks
+
+SHAPES = [(0, 4), (1, 1), (1, 64), (47, 1), (47, 8), (3, 256), (129, 64)]
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def _arrays(s: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 150_000, size=(s, k), dtype=np.int64)
+    lp = -np.sort(rng.exponential(3.0, size=(s, k)), axis=1).astype(np.float32)
+    sampled = -rng.exponential(3.0, size=s).astype(np.float32)
+    if s:
+        sampled[-1] = np.nan
+    return ids, lp, sampled
+
+
+def _expected(x: np.ndarray, dtype: str) -> np.ndarray:
+    t = torch.from_numpy(x.astype(np.float32)).to(getattr(torch, dtype))
+    return t.float().numpy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_trip_numpy(shape: tuple[int, int], dtype: str) -> None:
+    ids, lp, sampled = _arrays(*shape)
+    msg = encode_sequence(ids, lp, sampled, dtype=dtype, position_start=5, sequence_index=2)
+    wire = pb.SequencePayload.FromString(msg.SerializeToString())
+    out = decode_sequence(wire)
+    assert out.ids.shape == shape and out.ids.dtype == np.int32
+    np.testing.assert_array_equal(out.ids, ids)
+    # Same rounding as torch's own conversion (bfloat16: round-to-nearest-even).
+    np.testing.assert_array_equal(out.logprobs, _expected(lp, dtype))
+    assert out.sampled_logprobs is not None
+    np.testing.assert_array_equal(out.sampled_logprobs, _expected(sampled, dtype))
+    assert (out.position_start, out.sequence_index) == (5, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_round_trip_torch(shape: tuple[int, int], dtype: str) -> None:
+    ids, lp, sampled = _arrays(*shape, seed=1)
+    msg = encode_sequence(ids, lp, sampled, dtype=dtype)
+    t_ids, t_lp, t_sp = decode_sequence_torch(msg)
+    assert t_ids.shape == shape and t_ids.dtype == torch.int32
+    assert t_lp.dtype == getattr(torch, dtype) and t_lp.shape == shape
+    assert t_sp is not None and t_sp.shape == (shape[0],)
+    np.testing.assert_array_equal(t_ids.numpy(), ids)
+    np.testing.assert_array_equal(t_lp.float().numpy(), _expected(lp, dtype))
+    np.testing.assert_array_equal(t_sp.float().numpy(), _expected(sampled, dtype))
+
+
+def test_payload_size_at_k64_float16() -> None:
+    ids, lp, sampled = _arrays(100, 64)
+    msg = encode_sequence(ids, lp, sampled, dtype="float16")
+    per_position = len(msg.SerializeToString()) / 100
+    assert 386 <= per_position <= 390  # 64 x (4 + 2) + 2 plus a few bytes of framing
+
+
+def test_bfloat16_rounding_and_nan() -> None:
+    x = np.array([1.0, 1.00390625, 1.01171875, -0.0, np.inf, -np.inf, np.nan], np.float32)
+    msg = encode_sequence(np.zeros((1, 7), np.int32), x[None], None, dtype="bfloat16")
+    got = decode_sequence(msg).logprobs[0]
+    want = torch.from_numpy(x).bfloat16().float().numpy()
+    np.testing.assert_array_equal(got[:-1], want[:-1])
+    assert np.isnan(got[-1])
+
+
+def test_sampled_omitted() -> None:
+    ids, lp, _ = _arrays(4, 2)
+    msg = encode_sequence(ids, lp, None, dtype="float32")
+    assert decode_sequence(msg).sampled_logprobs is None
+    assert decode_sequence_torch(msg)[2] is None
+
+
+def test_token_ids_round_trip() -> None:
+    x = np.array([0, 1, 2**31 - 1, 255], np.int64)
+    np.testing.assert_array_equal(decode_token_ids(encode_token_ids(x)), x)
+    with pytest.raises(ValueError, match="token_ids"):
+        encode_token_ids(np.array([2**31]))
+    with pytest.raises(ValueError, match="token_ids"):
+        encode_token_ids(np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match="token_ids"):
+        decode_token_ids(b"abc")
+
+
+def test_bad_messages_name_the_field() -> None:
+    ids, lp, sampled = _arrays(3, 4)
+    msg = encode_sequence(ids, lp, sampled, dtype="float16")
+    msg.num_positions = 4
+    with pytest.raises(ValueError, match="ids"):
+        decode_sequence(msg)
+    msg = encode_sequence(ids, lp, sampled, dtype="float16")
+    msg.logprobs = msg.logprobs[:-2]
+    with pytest.raises(ValueError, match="logprobs"):
+        decode_sequence(msg)
+    with pytest.raises(ValueError, match="logprobs"):
+        decode_sequence_torch(msg)
+    with pytest.raises(ValueError, match="dtype"):
+        dtype_from_name("float64")
+    with pytest.raises(ValueError, match="dtype"):
+        dtype_from_name(9)
+    assert dtype_from_name(pb.LOGPROB_DTYPE_UNSPECIFIED) == pb.LOGPROB_DTYPE_FLOAT16
+
+
+def test_concat_chunks() -> None:
+    ids, lp, sampled = _arrays(47, 8)
+    parts = [
+        decode_sequence(
+            encode_sequence(ids[a:b], lp[a:b], sampled[a:b], dtype="float32", position_start=a)
+        )
+        for a, b in [(0, 1), (1, 20), (20, 47)]
+    ]
+    whole = concat_chunks(parts)
+    np.testing.assert_array_equal(whole.ids, ids)
+    np.testing.assert_array_equal(whole.logprobs, lp)
+    assert whole.sampled_logprobs is not None
+    np.testing.assert_array_equal(whole.sampled_logprobs, sampled)

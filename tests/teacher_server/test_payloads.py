@@ -1,0 +1,89 @@
+"""Pure conversions of the server: vLLM flat log-probs -> arrays, dense -> top-k, and the
+packing of stream responses under a byte budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from student_client.wire import decode_sequence, pb
+from student_client.wire.codec import concat_chunks
+from teacher_server.backends.base import ScoredSequence, topk_from_logprobs
+from teacher_server.backends.vllm_backend import flat_to_topk
+from teacher_server.payloads import bytes_per_row, iter_stream_responses
+
+
+def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:
+    k = 3
+    # Position 0: actual token 9 outside the top-3 -> K+1 entries, actual first.
+    # Position 1: actual token 5 inside the top-3 and de-duplicated -> K entries.
+    # Position 2: K+1 entries where the actual token repeats inside the top-k.
+    token_ids = [9, 1, 2, 3, 5, 4, 6, 7, 7, 8, 2]
+    logprobs = [-9.0, -0.5, -1.0, -2.0, -1.5, -0.7, -3.0, -0.2, -0.2, -0.9, -1.1]
+    starts, ends = [0, 4, 7], [4, 7, 11]
+    # Deliberately offset the flat lists, as a slice of a longer FlatLogprobs would be.
+    pad = [0] * 5
+    ids, lps, actual = flat_to_topk(
+        pad + token_ids, [0.0] * 5 + logprobs, [s + 5 for s in starts], [e + 5 for e in ends], k
+    )
+    np.testing.assert_array_equal(ids, [[1, 2, 3], [4, 5, 6], [7, 8, 2]])
+    np.testing.assert_allclose(lps[0], [-0.5, -1.0, -2.0])
+    np.testing.assert_allclose(lps[1], [-0.7, -1.5, -3.0])
+    np.testing.assert_allclose(lps[2], [-0.2, -0.9, -1.1])
+    np.testing.assert_allclose(actual, [-9.0, -1.5, -0.2])
+    assert np.all(np.diff(lps, axis=1) <= 0)
+
+
+def test_flat_to_topk_rejects_wrong_entry_count() -> None:
+    with pytest.raises(RuntimeError, match="expected 3 or 4"):
+        flat_to_topk([1, 2], [-1.0, -2.0], [0], [2], 3)
+
+
+def test_flat_to_topk_empty() -> None:
+    ids, lps, actual = flat_to_topk([], [], [], [], 5)
+    assert ids.shape == (0, 5) and lps.shape == (0, 5) and actual.shape == (0,)
+
+
+def test_topk_from_logprobs_alignment() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 50)).astype(np.float32)
+    lp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    tokens = rng.integers(0, 50, size=6).astype(np.int32)
+    out = topk_from_logprobs(lp, tokens, 4)
+    np.testing.assert_array_equal(out.ids, np.argsort(-lp, axis=1)[:, :4])
+    np.testing.assert_allclose(out.sampled_logprobs[:-1], lp[np.arange(5), tokens[1:]])
+    assert np.isnan(out.sampled_logprobs[-1])
+
+
+def _scored(n: int, k: int, start: int = 0) -> ScoredSequence:
+    ids = np.arange(n * k, dtype=np.int32).reshape(n, k)
+    lps = -np.arange(n * k, dtype=np.float32).reshape(n, k) / 10
+    return ScoredSequence(ids, lps, -np.arange(n, dtype=np.float32), start)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 10, 1000])
+def test_stream_chunks_cover_every_row_once_under_budget(chunk_rows: int) -> None:
+    k, dtype = 4, pb.LOGPROB_DTYPE_FLOAT32
+    seqs = [_scored(23, k, 3), _scored(0, k, 5), _scored(1, k), _scored(10, k)]
+    per_row = bytes_per_row(k, dtype, True)
+    msgs = list(
+        iter_stream_responses(
+            "r", seqs, top_k=k, dtype=dtype, include_sampled=True, chunk_bytes=chunk_rows * per_row
+        )
+    )
+    assert [m.final for m in msgs] == [False] * (len(msgs) - 1) + [True]
+    assert all(m.request_id == "r" for m in msgs)
+    pieces: dict[int, list] = {i: [] for i in range(len(seqs))}
+    for m in msgs:
+        assert sum(p.num_positions for p in m.sequences) <= chunk_rows
+        for p in m.sequences:
+            pieces[p.sequence_index].append(decode_sequence(p))
+    for i, seq in enumerate(seqs):
+        whole = concat_chunks(pieces[i])
+        np.testing.assert_array_equal(whole.ids, seq.ids)
+        np.testing.assert_array_equal(whole.logprobs, seq.logprobs)
+        assert whole.position_start == seq.position_start
+        starts = [c.position_start for c in pieces[i]]
+        assert starts == sorted(starts)
+    total_rows = sum(len(s.ids) for s in seqs)
+    assert len(msgs) == max(1, -(-total_rows // chunk_rows))

@@ -1,0 +1,249 @@
+"""The real teacher: vLLM backend in a subprocess (one per session, ``vllm_teacher``),
+checked over loopback gRPC/HTTP against the transformers forward pass on the same weights."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from student_client.wire import decode_sequence, encode_token_ids, pb, pb_grpc
+from student_client.wire.codec import DecodedSequence, concat_chunks
+
+pytestmark = pytest.mark.vllm
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def channel(vllm_teacher) -> Iterator[grpc.Channel]:  # type: ignore[no-untyped-def]
+    opts = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    with grpc.insecure_channel(vllm_teacher.target, options=opts) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> pb_grpc.TeacherStub:
+    return pb_grpc.TeacherStub(channel)
+
+
+def _sequences(seed: int, lengths: list[int], vocab: int = 512) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n).astype(np.int32) for n in lengths]
+
+
+def _request(
+    seqs: list[np.ndarray],
+    k: int,
+    dtype: int = pb.LOGPROB_DTYPE_FLOAT32,
+    ranges: list[tuple[int, int] | None] | None = None,
+    request_id: str = "t",
+) -> pb.ScoreRequest:
+    req = pb.ScoreRequest(request_id=request_id, top_k=k, dtype=dtype)  # type: ignore[arg-type]
+    for i, s in enumerate(seqs):
+        sr = req.sequences.add(token_ids=encode_token_ids(s))
+        if ranges and ranges[i] is not None:
+            sr.position_start, sr.position_end = ranges[i]  # type: ignore[misc]
+    return req
+
+
+def _check_against_reference(got: DecodedSequence, ref: DecodedSequence | object) -> None:
+    """Same ids wherever neighbouring log-probs differ by more than the tolerance; log-probs
+    within TOL (float32)."""
+    ref_ids, ref_lp = ref.ids, ref.logprobs  # type: ignore[attr-defined]
+    assert got.ids.shape == ref_ids.shape
+    np.testing.assert_allclose(got.logprobs, ref_lp, atol=TOL, rtol=0)
+    gaps = np.abs(np.diff(ref_lp, axis=1))
+    separated = np.ones_like(ref_ids, dtype=bool)
+    separated[:, 1:] &= gaps > TOL
+    separated[:, :-1] &= gaps > TOL
+    assert separated.mean() > 0.9, "reference too flat for a meaningful comparison"
+    np.testing.assert_array_equal(got.ids[separated], ref_ids[separated])
+
+
+def test_get_info(stub: pb_grpc.TeacherStub, reference_backend) -> None:  # type: ignore[no-untyped-def]
+    info = stub.GetInfo(pb.GetInfoRequest())
+    assert info.vocab_size == 512
+    assert info.max_top_k == 256
+    assert info.backend == "vllm"
+    assert info.schema_version == pb.SCHEMA_VERSION_1
+    assert info.tokenizer_fingerprint == reference_backend.info.tokenizer_fingerprint
+    assert set(info.supported_dtypes) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("k", [1, 8, 64])
+def test_matches_transformers_reference(stub, reference_backend, k: int) -> None:  # type: ignore[no-untyped-def]
+    seqs = _sequences(k, [1, 2, 47, 300, 1000])
+    resp = stub.Score(_request(seqs, k))
+    assert resp.final and len(resp.sequences) == len(seqs)
+    for i, (seq, payload) in enumerate(zip(seqs, resp.sequences, strict=True)):
+        got = decode_sequence(payload)
+        assert got.sequence_index == i and got.position_start == 0
+        ref = reference_backend.score_sync(seq, k, 0, len(seq))
+        _check_against_reference(got, ref)
+        assert got.sampled_logprobs is not None
+        np.testing.assert_allclose(got.sampled_logprobs[:-1], ref.sampled_logprobs[:-1], atol=TOL)
+
+
+def test_alignment(stub, reference_backend) -> None:  # type: ignore[no-untyped-def]
+    """Position t predicts x[t+1]: the sampled log-prob at t is the reference's log-prob of
+    x[t+1]; where x[t+1] is in the top-k it equals that entry; the last position has NaN
+    sampled log-prob but a full top-k (the next token after the sequence)."""
+    import torch
+
+    (seq,) = _sequences(7, [64])
+    got = decode_sequence(stub.Score(_request([seq], 256)).sequences[0])
+    with torch.inference_mode():
+        logits = reference_backend._model(input_ids=torch.as_tensor(seq[None]).long()).logits[0]
+        dense = torch.log_softmax(logits.float(), -1).numpy()
+    assert got.sampled_logprobs is not None
+    np.testing.assert_allclose(got.sampled_logprobs[:-1], dense[np.arange(63), seq[1:]], atol=TOL)
+    assert np.isnan(got.sampled_logprobs[-1])
+    hits = 0
+    for t in range(63):
+        where = np.flatnonzero(got.ids[t] == seq[t + 1])
+        if where.size:
+            hits += 1
+            assert abs(got.logprobs[t, where[0]] - got.sampled_logprobs[t]) < TOL
+    assert hits > 10
+    # The last row is the distribution after the whole sequence.
+    np.testing.assert_allclose(got.logprobs[-1], np.sort(dense[-1])[::-1][:256], atol=TOL)
+    assert np.all(np.diff(got.logprobs, axis=1) <= 0)
+
+
+def test_sub_ranges(stub) -> None:  # type: ignore[no-untyped-def]
+    seqs = _sequences(3, [50, 50, 50, 50])
+    full = [decode_sequence(p) for p in stub.Score(_request(seqs, 8)).sequences]
+    ranges: list[tuple[int, int] | None] = [(10, 20), (0, 1), (49, 50), (25, 25)]
+    part = stub.Score(_request(seqs, 8, ranges=ranges)).sequences
+    for (a, b), f, p in zip(ranges, full, part, strict=True):  # type: ignore[misc]
+        d = decode_sequence(p)
+        assert d.position_start == a and d.ids.shape == (b - a, 8)
+        np.testing.assert_array_equal(d.ids, f.ids[a:b])
+        np.testing.assert_allclose(d.logprobs, f.logprobs[a:b], atol=TOL)
+        assert d.sampled_logprobs is not None and f.sampled_logprobs is not None
+        np.testing.assert_allclose(d.sampled_logprobs, f.sampled_logprobs[a:b], atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "atol"),
+    [
+        (pb.LOGPROB_DTYPE_FLOAT16, 1e-2),
+        (pb.LOGPROB_DTYPE_BFLOAT16, 6e-2),
+        (pb.LOGPROB_DTYPE_UNSPECIFIED, 1e-2),
+    ],
+)
+def test_dtypes(stub, dtype: int, atol: float) -> None:  # type: ignore[no-untyped-def]
+    seqs = _sequences(11, [100])
+    ref = decode_sequence(stub.Score(_request(seqs, 16)).sequences[0])
+    payload = stub.Score(_request(seqs, 16, dtype=dtype)).sequences[0]
+    want = pb.LOGPROB_DTYPE_FLOAT16 if dtype == pb.LOGPROB_DTYPE_UNSPECIFIED else dtype
+    assert payload.dtype == want
+    assert len(payload.logprobs) == 100 * 16 * 2
+    got = decode_sequence(payload)
+    np.testing.assert_array_equal(got.ids, ref.ids)
+    np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=atol, rtol=1e-2)
+
+
+def test_sampled_logprobs_can_be_omitted(stub) -> None:  # type: ignore[no-untyped-def]
+    req = _request(_sequences(1, [20]), 4)
+    req.include_sampled_logprobs = False
+    payload = stub.Score(req).sequences[0]
+    assert payload.sampled_logprobs == b"" and decode_sequence(payload).sampled_logprobs is None
+
+
+def test_score_stream_chunks_and_interleaves(stub) -> None:  # type: ignore[no-untyped-def]
+    """A 4000-token sequence at K=256 is ~8 MB of payload: it comes back in row chunks under
+    the 1 MiB chunk budget; several requests share the stream and are matched by id."""
+    long_seq = _sequences(5, [4000])
+    short = _sequences(6, [30, 5])
+    reqs = [
+        _request(long_seq, 256, request_id="long"),
+        _request(short, 8, request_id="short"),
+        _request(long_seq, 4, ranges=[(3990, 4000)], request_id="range"),
+    ]
+    msgs = list(stub.ScoreStream(iter(reqs)))
+    by_id: dict[str, list[pb.ScoreResponse]] = {}
+    for m in msgs:
+        assert m.ByteSize() <= 1024 * 1024 + 4096
+        assert not m.HasField("error")
+        by_id.setdefault(m.request_id, []).append(m)
+    assert set(by_id) == {"long", "short", "range"}
+    for rid, parts in by_id.items():
+        assert [m.final for m in parts] == [False] * (len(parts) - 1) + [True], rid
+    assert len(by_id["long"]) >= 8
+    chunks = [decode_sequence(p) for m in by_id["long"] for p in m.sequences]
+    whole = concat_chunks(chunks)
+    unary = stub.Score(_request(long_seq, 256), timeout=120)
+    ref = decode_sequence(unary.sequences[0])
+    np.testing.assert_array_equal(whole.ids, ref.ids)
+    np.testing.assert_array_equal(whole.logprobs, ref.logprobs)
+    tail = decode_sequence(by_id["range"][-1].sequences[0])
+    assert tail.position_start == 3990
+    np.testing.assert_array_equal(tail.ids, ref.ids[3990:, :4])
+
+
+def test_concurrent_requests(channel: grpc.Channel) -> None:
+    """Concurrent calls are batched by the engine and all answered correctly."""
+    stub = pb_grpc.TeacherStub(channel)
+    seqs = _sequences(9, [200] * 8)
+    want = [decode_sequence(stub.Score(_request([s], 8)).sequences[0]) for s in seqs]
+    futures = [stub.Score.future(_request([s], 8)) for s in seqs]
+    for f, w in zip(futures, want, strict=True):
+        got = decode_sequence(f.result().sequences[0])
+        np.testing.assert_array_equal(got.ids, w.ids)
+        np.testing.assert_allclose(got.logprobs, w.logprobs, atol=TOL)
+
+
+def test_health_and_reflection(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "topk_distill.v1.Teacher"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = list(
+        refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    )
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert "topk_distill.v1.Teacher" in names and "grpc.health.v1.Health" in names
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return int(r.status), r.read()
+
+
+def test_http_endpoints(vllm_teacher, stub) -> None:  # type: ignore[no-untyped-def]
+    assert _get(f"{vllm_teacher.http}/healthz")[0] == 200
+    assert _get(f"{vllm_teacher.http}/readyz") == (200, b'{"status":"ready"}')
+    status, body = _get(f"{vllm_teacher.http}/v1/info")
+    info = json.loads(body)
+    assert status == 200 and info["vocab_size"] == 512 and info["backend"] == "vllm"
+    assert info["max_top_k"] == 256
+
+    def counter(text: str, name: str) -> float:
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    before = _get(f"{vllm_teacher.http}/metrics")[1].decode()
+    stub.Score(_request(_sequences(2, [10, 20]), 8, dtype=pb.LOGPROB_DTYPE_FLOAT16))
+    after = _get(f"{vllm_teacher.http}/metrics")[1].decode()
+    assert (
+        counter(after, "topk_teacher_positions_scored_total")
+        - counter(before, "topk_teacher_positions_scored_total")
+        == 30
+    )
+    assert counter(after, "topk_teacher_payload_bytes_total") - counter(
+        before, "topk_teacher_payload_bytes_total"
+    ) == 30 * (8 * 6 + 2)
+    assert counter(after, 'topk_teacher_requests_total{code="OK",method="Score"}') >= 1
+    assert "topk_teacher_request_latency_seconds_bucket" in after
+    assert "topk_teacher_requests_in_flight" in after
