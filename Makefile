@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy teacher_server student_client
+	$(VENV)/bin/mypy teacher_server student_client examples benchmarks scripts
 
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint typecheck

@@ -1,0 +1,205 @@
+"""Training text that exists on every machine, as byte-level token streams.
+
+The corpus is the Python standard library's own ``.py`` sources
+(``sysconfig.get_paths()["stdlib"]``, test suites and third-party packages left out),
+in sorted path order. Every ``heldout_every``-th file (by that order) is held out, so the
+split is by file and the same on every run. Token ids follow
+:func:`teacher_server.tiny_model.byte_tokenizer`: ids 0..255 are the bytes, files are
+separated by ``<|endoftext|>`` (256).
+
+The teacher's pretraining and the distillation demo both draw ``[B, T]`` windows from
+these streams with :class:`WindowSampler` (random, seeded) or :func:`fixed_windows`
+(evenly spaced, for evaluation).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = [
+    "EOT_ID",
+    "NUM_TOKENS",
+    "PAD_ID",
+    "ByteCorpus",
+    "WindowSampler",
+    "decode_bytes",
+    "encode_bytes",
+    "fixed_windows",
+    "join_documents",
+    "load_stdlib_corpus",
+    "stdlib_root",
+    "stdlib_source_files",
+]
+
+#: ``<|endoftext|>``: separates files in a stream.
+EOT_ID = 256
+#: ``<|pad|>``: never appears in a stream.
+PAD_ID = 257
+#: Ids the byte tokenizer defines (the model's vocabulary may be padded beyond this).
+NUM_TOKENS = 258
+
+#: Directory names skipped under the stdlib root: other people's packages, and the test
+#: suites (which some distributions do not ship, so leaving them out keeps the corpus
+#: alike across machines).
+EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+
+TokenStream = npt.NDArray[np.uint16]
+
+
+def stdlib_root() -> Path:
+    """Where this interpreter's standard library sources live."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_source_files(root: str | Path | None = None) -> list[Path]:
+    """``.py`` files under ``root`` (default :func:`stdlib_root`), sorted by relative path,
+    without those under :data:`EXCLUDED_DIRS`."""
+    base = Path(root) if root is not None else stdlib_root()
+    if not base.is_dir():
+        raise FileNotFoundError(f"root: {base} is not a directory")
+    files = [
+        p
+        for p in base.rglob("*.py")
+        if p.is_file() and not EXCLUDED_DIRS.intersection(p.relative_to(base).parts[:-1])
+    ]
+    return sorted(files, key=lambda p: p.relative_to(base).as_posix())
+
+
+def encode_bytes(data: bytes | str) -> TokenStream:
+    """Byte-level ids of ``data`` (``str`` is encoded as UTF-8)."""
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    return np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+
+
+def decode_bytes(ids: Sequence[int] | npt.NDArray[Any] | torch.Tensor) -> str:
+    """Text of byte ids; ``<|endoftext|>`` becomes a newline, other specials are dropped."""
+    arr = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
+    arr = np.where(arr == EOT_ID, ord("\n"), arr)
+    return bytes(arr[(arr >= 0) & (arr < 256)].astype(np.uint8)).decode("utf-8", "replace")
+
+
+def join_documents(docs: Iterable[bytes]) -> TokenStream:
+    """One stream: ``doc0 <|endoftext|> doc1 <|endoftext|> ...``."""
+    parts: list[TokenStream] = []
+    eot = np.array([EOT_ID], dtype=np.uint16)
+    for doc in docs:
+        parts.extend((encode_bytes(doc), eot))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+@dataclass(frozen=True)
+class ByteCorpus:
+    """Train and held-out token streams (read-only ``uint16`` arrays)."""
+
+    train: TokenStream
+    heldout: TokenStream
+    train_files: int
+    heldout_files: int
+    root: str
+    heldout_every: int
+    #: sha256 over the relative paths and contents of the files read.
+    fingerprint: str
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary (sizes, split, fingerprint)."""
+        return {
+            "source": "python-stdlib",
+            "root": self.root,
+            "train_files": self.train_files,
+            "heldout_files": self.heldout_files,
+            "heldout_every": self.heldout_every,
+            "train_tokens": len(self.train),
+            "heldout_tokens": len(self.heldout),
+            "fingerprint": self.fingerprint,
+        }
+
+
+@functools.lru_cache(maxsize=4)
+def load_stdlib_corpus(
+    root: str | Path | None = None, *, heldout_every: int = 10, max_bytes: int | None = None
+) -> ByteCorpus:
+    """Read the corpus. File ``i`` (in :func:`stdlib_source_files` order) is held out when
+    ``i % heldout_every == heldout_every - 1``. ``max_bytes`` stops reading once that many
+    bytes were read (the split of the files read stays the same). Cached per arguments."""
+    if heldout_every < 2:
+        raise ValueError(f"heldout_every: must be >= 2, got {heldout_every}")
+    base = Path(root) if root is not None else stdlib_root()
+    files = stdlib_source_files(base)
+    digest = hashlib.sha256()
+    train_docs: list[bytes] = []
+    heldout_docs: list[bytes] = []
+    total = 0
+    for i, path in enumerate(files):
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = path.read_bytes()
+        total += len(data)
+        digest.update(path.relative_to(base).as_posix().encode() + b"\0" + data + b"\0")
+        (heldout_docs if i % heldout_every == heldout_every - 1 else train_docs).append(data)
+    if not train_docs or not heldout_docs:
+        raise ValueError(
+            f"root: {base} gives {len(train_docs)} train and {len(heldout_docs)} held-out "
+            f"files; need at least one of each"
+        )
+    train, heldout = join_documents(train_docs), join_documents(heldout_docs)
+    train.flags.writeable = False
+    heldout.flags.writeable = False
+    return ByteCorpus(
+        train=train,
+        heldout=heldout,
+        train_files=len(train_docs),
+        heldout_files=len(heldout_docs),
+        root=str(base),
+        heldout_every=heldout_every,
+        fingerprint=digest.hexdigest(),
+    )
+
+
+class WindowSampler:
+    """Random ``[batch_size, length]`` int64 windows of a stream, reproducible from ``seed``.
+
+    ``length`` is what the model sees plus one when the caller wants inputs and shifted
+    targets from the same window.
+    """
+
+    def __init__(self, stream: TokenStream, *, batch_size: int, length: int, seed: int = 0):
+        if batch_size < 1 or length < 1:
+            raise ValueError(f"batch_size, length: must be >= 1, got {batch_size}, {length}")
+        if len(stream) < length:
+            raise ValueError(f"length: {length} exceeds the stream's {len(stream)} tokens")
+        self.stream = stream
+        self.batch_size = batch_size
+        self.length = length
+        self._rng = np.random.default_rng(seed)
+        self._offsets = np.arange(length)
+
+    def sample(self) -> torch.Tensor:
+        """The next batch, ``[batch_size, length]`` int64."""
+        starts = self._rng.integers(0, len(self.stream) - self.length + 1, size=self.batch_size)
+        return torch.from_numpy(self.stream[starts[:, None] + self._offsets].astype(np.int64))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield self.sample()
+
+
+def fixed_windows(stream: TokenStream, *, length: int, count: int) -> torch.Tensor:
+    """``[count, length]`` int64 windows at evenly spaced offsets (same on every call)."""
+    if count < 1 or length < 1:
+        raise ValueError(f"count, length: must be >= 1, got {count}, {length}")
+    if len(stream) < length:
+        raise ValueError(f"length: {length} exceeds the stream's {len(stream)} tokens")
+    starts = np.linspace(0, len(stream) - length, num=count).astype(np.int64)
+    return torch.from_numpy(stream[starts[:, None] + np.arange(length)].astype(np.int64))
