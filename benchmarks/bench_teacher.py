@@ -146,7 +146,7 @@ def bench_openai(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, l
                 times, nbytes = [], 0
                 for rep in range(reps + 1):
                     t0 = time.perf_counter()
-                    nbytes = sum(pool.map(lambda s: one(s, k), seqs))
+                    nbytes = sum(pool.map(one, seqs, [k] * len(seqs)))
                     if rep:
                         times.append(time.perf_counter() - t0)
                 results[k] = (statistics.median(times), nbytes)
@@ -180,8 +180,13 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for k in args.k:
         (t_o, b_o), (t_v, b_v) = ours[k], theirs[k]
-        print(f"| {k} | vLLM OpenAI server, prompt_logprobs (JSON) | {positions / t_v:,.0f} | {b_v / positions:,.0f} | 1.0x |")
-        print(f"| {k} | topk-distill ScoreStream (float16) | {positions / t_o:,.0f} | {b_o / positions:,.0f} | {t_v / t_o:.1f}x |")
+        rows = [
+            ("vLLM OpenAI server, prompt_logprobs (JSON)", t_v, b_v),
+            ("topk-distill ScoreStream (float16)", t_o, b_o),
+        ]
+        for name, t, b in rows:
+            speed, size = positions / t, b / positions
+            print(f"| {k} | {name} | {speed:,.0f} | {size:,.0f} | {t_v / t:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""Student-side distillation losses against a teacher's top-k log-probs (SPEC section 4).
+
+Entry points: `topk_kl_loss` (function) and `TopKKLLoss` (module), both chunked over rows,
+vocab-parallel aware, with an analytic backward. `topk_kl_reference` is the dense slow path.
+"""
+
+from student_client.losses.api import topk_kl_loss
+from student_client.losses.chunked import DEFAULT_CHUNK_BYTES, auto_chunk_rows
+from student_client.losses.module import TopKKLLoss
+from student_client.losses.reference import topk_kl_reference
+from student_client.losses.types import (
+    LOSS_MODES,
+    REDUCTIONS,
+    LossMode,
+    Reduction,
+    RowTerms,
+    TopKKLStats,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LOSS_MODES",
+    "REDUCTIONS",
+    "LossMode",
+    "Reduction",
+    "RowTerms",
+    "TopKKLLoss",
+    "TopKKLStats",
+    "auto_chunk_rows",
+    "topk_kl_loss",
+    "topk_kl_reference",
+]

@@ -1,0 +1,335 @@
+"""Chunked top-k KL: a custom autograd function that never materializes `[N, V]` in fp32.
+
+Forward walks row chunks: each `[chunk, V_local]` block of logits is copied into one reused
+fp32 work buffer, centred on the row max, and reduced to a few numbers per row (see
+`functional.VocabReductions`). It saves only the logits (their own dtype) and per-row fp32
+statistics (`[N]`, plus the teacher's `[N, K]`). Backward walks the same chunks, rebuilds
+`exp(s - max)` from the saved row max (never from a rounded log-sum-exp, so a common offset
+of the logits changes nothing), and writes the analytic gradient chunk by chunk into one
+buffer of the logits' dtype. No autograd graph is built through `[N, V]`.
+
+Peak extra memory: the gradient buffer (1x the logits) plus one fp32 chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from student_client.losses.functional import (
+    GradientCoefficients,
+    VocabReductions,
+    row_terms,
+    teacher_column_gradient,
+    teacher_mass,
+)
+from student_client.losses.parallel import VocabShard, gather_columns, put_columns
+from student_client.losses.types import RowTerms
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ChunkedSettings",
+    "ChunkedTopKKLFunction",
+    "auto_chunk_rows",
+    "chunked_topk_kl_rows",
+    "statistics_dtype",
+    "working_dtype",
+]
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+"""Default size of the fp32 work block of one chunk (64 MiB)."""
+
+
+def auto_chunk_rows(
+    local_vocab: int, *, element_bytes: int = 4, budget_bytes: int = DEFAULT_CHUNK_BYTES
+) -> int:
+    """Rows per chunk so that one `[rows, local_vocab]` work block fits `budget_bytes` (>= 1)."""
+    return max(1, budget_bytes // max(1, local_vocab * element_bytes))
+
+
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype the math runs in: float64 for float64 logits, float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def statistics_dtype(device: torch.device) -> torch.dtype:
+    """Dtype of the per-position `[N]` / `[N, K]` math: float64 (float32 on MPS, which has none)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+@dataclass(frozen=True)
+class ChunkedSettings:
+    """Fixed parameters of one chunked loss call (validated by the caller)."""
+
+    tail_mode: bool
+    temperature: float
+    tail_mass_eps: float
+    chunk_rows: int
+    shard: VocabShard
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
+
+@dataclass(frozen=True)
+class _TeacherColumns:
+    """The teacher's top-k as seen from one vocab shard.
+
+    - `index`: local column of each teacher id, `[N, K]` int64 (0 where not owned).
+    - `owned`: bool `[N, K]`, ids held by this shard (None: all of them).
+    - `logprobs`: `[N, K]` in the statistics dtype (`statistics_dtype`).
+    """
+
+    index: Tensor
+    owned: Tensor | None
+    logprobs: Tensor
+
+
+def _center_(work: Tensor, row_max: Tensor, inv_temperature: float) -> None:
+    """In place: `work` `[n, V_local]` <- `(work - row_max) / T`, `row_max` `[n]`."""
+    work.sub_(row_max.unsqueeze(1))
+    if inv_temperature != 1.0:
+        work.mul_(inv_temperature)
+
+
+def _reduce_chunk(
+    chunk: Tensor,
+    work: Tensor,
+    teacher: _TeacherColumns,
+    settings: ChunkedSettings,
+) -> tuple[Tensor, VocabReductions]:
+    """One row chunk's pass over the vocabulary.
+
+    Args:
+        chunk: student logits of the chunk, `[n, V_local]`, any float dtype.
+        work: scratch buffer `[n, V_local]` in the working dtype (overwritten).
+        teacher: the teacher columns of the chunk's rows (`[n, K]`).
+        settings: loss parameters and the vocab shard.
+
+    Returns:
+        `(row_max, reductions)`: the global row max of the raw logits `[n]`, and the
+        reductions summed over all shards.
+    """
+    shard = settings.shard
+    top_k = teacher.index.shape[1]
+    work.copy_(chunk)
+    row_max = shard.all_reduce_max_(work.amax(dim=1))
+    _center_(work, row_max, settings.inv_temperature)
+
+    teacher_logits = gather_columns(work, teacher.index, teacher.owned)
+    local_top = torch.topk(work, min(top_k, work.shape[1]), dim=1, sorted=False).values
+
+    work.exp_()
+    exp_inside = gather_columns(work, teacher.index, teacher.owned)
+    put_columns(work, teacher.index, teacher.owned, torch.zeros_like(exp_inside))
+    packed = torch.cat(
+        [work.sum(dim=1, keepdim=True), exp_inside.sum(dim=1, keepdim=True), teacher_logits],
+        dim=1,
+    )
+    shard.all_reduce_sum_(packed)
+
+    candidates = shard.all_gather_columns(local_top)
+    if candidates.shape[1] > top_k:
+        candidates = torch.topk(candidates, top_k, dim=1, sorted=False).values
+    reductions = VocabReductions(
+        sum_outside=packed[:, 0],
+        sum_inside=packed[:, 1],
+        teacher_logits=packed[:, 2:],
+        kth_largest=candidates.amin(dim=1),
+    )
+    return row_max, reductions
+
+
+def _chunk_bounds(n_rows: int, chunk_rows: int) -> list[slice]:
+    """Row slices of at most `chunk_rows` rows covering `[0, n_rows)`."""
+    return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
+
+
+def _chunked_gradient(
+    logits: Tensor,
+    index: Tensor,
+    owned: Tensor | None,
+    teacher_probs: Tensor,
+    row_max: Tensor,
+    total: Tensor,
+    coefficients: GradientCoefficients,
+    grad_rows: Tensor,
+    settings: ChunkedSettings,
+) -> Tensor:
+    """Analytic gradient w.r.t. the logits, written chunk by chunk.
+
+    Args:
+        logits: `[N, V_local]` saved student logits.
+        index: local column of each teacher id, `[N, K]` int64.
+        owned: bool `[N, K]`, ids held by this shard (None: all).
+        teacher_probs: `p_i`, `[N, K]`.
+        row_max: global row max of the raw logits, `[N]`.
+        total: `sum_j exp(s_j)` over the whole vocabulary, `[N]`.
+        coefficients: `a`, `b` per row, `[N]` each.
+        grad_rows: upstream gradient of each row's loss, `[N]`.
+        settings: loss parameters and the vocab shard.
+
+    Returns:
+        `[N, V_local]` in the logits' dtype.
+    """
+    work_dtype = working_dtype(logits.dtype)
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    in_place = grad.dtype == work_dtype
+    n_rows, local_vocab = logits.shape
+    buffer = None
+    if not in_place:
+        buffer = logits.new_empty((min(settings.chunk_rows, n_rows), local_vocab), dtype=work_dtype)
+    scale = grad_rows.to(work_dtype) * settings.inv_temperature
+
+    for rows in _chunk_bounds(n_rows, settings.chunk_rows):
+        target = grad[rows]
+        work = target if buffer is None else buffer[: target.shape[0]]
+        chunk_owned = None if owned is None else owned[rows]
+        chunk_index = index[rows]
+        work.copy_(logits[rows])
+        _center_(work, row_max[rows], settings.inv_temperature)
+        work.exp_()
+        inv_total = total[rows].reciprocal()
+        student_probs = gather_columns(work, chunk_index, chunk_owned) * inv_total.unsqueeze(1)
+        chunk_coefficients = GradientCoefficients(
+            outside=coefficients.outside[rows], inside_extra=coefficients.inside_extra[rows]
+        )
+        inside = teacher_column_gradient(
+            student_probs, teacher_probs[rows], chunk_coefficients, scale[rows]
+        )
+        work.mul_((scale[rows] * chunk_coefficients.outside * inv_total).unsqueeze(1))
+        put_columns(work, chunk_index, chunk_owned, inside)
+        if work is not target:
+            target.copy_(work)  # the only rounding to the logits' dtype
+    return grad
+
+
+class ChunkedTopKKLFunction(torch.autograd.Function):
+    """Per-position top-k KL terms with a chunked analytic backward.
+
+    `apply(logits, teacher, settings)`: `logits` `[N, V_local]`; returns the six `[N]`
+    tensors of `RowTerms` in field order. Only the first (`loss`) is differentiable.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, teacher: _TeacherColumns, settings: ChunkedSettings
+    ) -> tuple[Tensor, ...]:
+        n_rows, local_vocab = logits.shape
+        top_k = teacher.index.shape[1]
+        work_dtype = working_dtype(logits.dtype)
+        factory: dict[str, Any] = {"dtype": work_dtype, "device": logits.device}
+        row_max = torch.empty(n_rows, **factory)
+        sum_outside = torch.empty(n_rows, **factory)
+        sum_inside = torch.empty(n_rows, **factory)
+        teacher_logits = torch.empty(n_rows, top_k, **factory)
+        kth_largest = torch.empty(n_rows, **factory)
+        work = torch.empty(min(settings.chunk_rows, n_rows), local_vocab, **factory)
+        for rows in _chunk_bounds(n_rows, settings.chunk_rows):
+            chunk = logits[rows]
+            chunk_teacher = _TeacherColumns(
+                index=teacher.index[rows],
+                owned=None if teacher.owned is None else teacher.owned[rows],
+                logprobs=teacher.logprobs[rows],
+            )
+            chunk_max, reduced = _reduce_chunk(
+                chunk, work[: chunk.shape[0]], chunk_teacher, settings
+            )
+            row_max[rows] = chunk_max
+            sum_outside[rows] = reduced.sum_outside
+            sum_inside[rows] = reduced.sum_inside
+            teacher_logits[rows] = reduced.teacher_logits
+            kth_largest[rows] = reduced.kth_largest
+
+        # The per-position math works on [N] / [N, K] values only, so it runs in float64
+        # (cheap): the cancellations in `log p - log q` and in `1 - P` at large K then cost
+        # no fp32 digits. Results go back to the working dtype.
+        stats_dtype = teacher.logprobs.dtype
+        reductions = VocabReductions(
+            sum_outside=sum_outside.to(stats_dtype),
+            sum_inside=sum_inside.to(stats_dtype),
+            teacher_logits=teacher_logits.to(stats_dtype),
+            kth_largest=kth_largest.to(stats_dtype),
+        )
+        masses = teacher_mass(teacher.logprobs)
+        terms, coefficients = row_terms(
+            teacher.logprobs,
+            masses,
+            reductions,
+            tail_mode=settings.tail_mode,
+            tail_mass_eps=settings.tail_mass_eps,
+        )
+        ctx.save_for_backward(
+            logits,
+            teacher.index,
+            teacher.owned,
+            masses.probs.to(work_dtype),
+            row_max,
+            sum_outside + sum_inside,
+            coefficients.outside.to(work_dtype),
+            coefficients.inside_extra.to(work_dtype),
+        )
+        ctx.settings = settings
+        outputs = tuple(term.to(work_dtype) for term in terms)
+        ctx.mark_non_differentiable(*outputs[1:])  # only `loss` is differentiable
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, *_diagnostic_grads: Tensor) -> tuple[Any, ...]:
+        (
+            logits,
+            index,
+            owned,
+            teacher_probs,
+            row_max,
+            total,
+            outside,
+            inside_extra,
+        ) = ctx.saved_tensors
+        grad_logits = None
+        if ctx.needs_input_grad[0]:
+            grad_logits = _chunked_gradient(
+                logits,
+                index,
+                owned,
+                teacher_probs,
+                row_max,
+                total,
+                GradientCoefficients(outside=outside, inside_extra=inside_extra),
+                grad_loss,
+                ctx.settings,
+            )
+        teacher_grad = None  # the teacher's top-k is data, not a parameter
+        settings_grad = None  # plain configuration
+        return grad_logits, teacher_grad, settings_grad
+
+
+def chunked_topk_kl_rows(
+    logits: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    settings: ChunkedSettings,
+) -> RowTerms:
+    """Per-position top-k KL terms of already validated inputs (no masking, no reduction).
+
+    Args:
+        logits: student logits `[N, V_local]` (this rank's vocab shard), float dtype.
+        teacher_ids: global teacher ids `[N, K]`, integer, distinct within a row.
+        teacher_logprobs: teacher log-probs `[N, K]`.
+        settings: mode, temperature, guard, chunk rows and the vocab shard.
+
+    Returns:
+        `RowTerms` of `[N]` tensors in the working dtype; `loss` is differentiable.
+    """
+    index, owned = settings.shard.localize(teacher_ids)
+    teacher = _TeacherColumns(
+        index=index,
+        owned=owned,
+        logprobs=teacher_logprobs.to(dtype=statistics_dtype(logits.device)),
+    )
+    outputs = ChunkedTopKKLFunction.apply(logits, teacher, settings)
+    return RowTerms(*outputs)

@@ -1,0 +1,160 @@
+"""Input checks of `topk_kl_loss`: every problem is a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from student_client.losses.types import LOSS_MODES, REDUCTIONS
+
+__all__ = [
+    "LOGIT_DTYPES",
+    "LOGPROB_TOLERANCE",
+    "check_options",
+    "check_teacher_values",
+    "check_tensors",
+]
+
+LOGPROB_TOLERANCE = 1e-3
+"""Teacher log-probs above this are rejected (a little above 0 is rounding)."""
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _fail(argument: str, problem: str) -> ValueError:
+    return ValueError(f"{argument}: {problem}")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_options(
+    *,
+    mode: str,
+    reduction: str,
+    chunk_size: int | None,
+    temperature: float,
+    tail_mass_eps: float,
+    clamp_min: float | None,
+) -> None:
+    """Check the non-tensor arguments of `topk_kl_loss`."""
+    if mode not in LOSS_MODES:
+        raise _fail("mode", f"must be one of {LOSS_MODES}, got {mode!r}")
+    if reduction not in REDUCTIONS:
+        raise _fail("reduction", f"must be one of {REDUCTIONS}, got {reduction!r}")
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    ):
+        raise _fail("chunk_size", f"must be None or an int >= 1, got {chunk_size!r}")
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature <= 0:
+        raise _fail("temperature", f"must be a finite number > 0, got {temperature!r}")
+    if not _is_real(tail_mass_eps) or not 0.0 < tail_mass_eps < 1.0:
+        raise _fail("tail_mass_eps", f"must lie strictly between 0 and 1, got {tail_mass_eps!r}")
+    if clamp_min is not None:
+        if mode != "truncated":
+            raise _fail("clamp_min", f"applies to mode 'truncated' only, not {mode!r}")
+        if not _is_real(clamp_min) or math.isnan(clamp_min):
+            raise _fail("clamp_min", f"must be None or a number, got {clamp_min!r}")
+
+
+def check_tensors(
+    logits: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor | None,
+    *,
+    global_vocab: int,
+) -> None:
+    """Check types, dtypes, devices and shapes.
+
+    Expected: `logits` `[..., V_local]`, `teacher_ids` and `teacher_logprobs` `[..., K]`
+    with `1 <= K <= global_vocab`, `mask` `[...]` or None.
+    """
+    for name, value in (
+        ("logits", logits),
+        ("teacher_ids", teacher_ids),
+        ("teacher_logprobs", teacher_logprobs),
+    ):
+        if not isinstance(value, Tensor):
+            raise _fail(name, f"must be a torch.Tensor, got {type(value).__name__}")
+    if logits.dtype not in LOGIT_DTYPES:
+        raise _fail("logits", f"dtype must be one of {LOGIT_DTYPES}, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise _fail(
+            "logits", f"must have shape [..., V_local] with V_local >= 1, got {_shape(logits)}"
+        )
+    if teacher_ids.dtype.is_floating_point or teacher_ids.dtype.is_complex:
+        raise _fail("teacher_ids", f"must be an integer tensor, got {teacher_ids.dtype}")
+    if teacher_ids.dtype == torch.bool:
+        raise _fail("teacher_ids", "must be an integer tensor, got torch.bool")
+    if not teacher_logprobs.dtype.is_floating_point:
+        raise _fail("teacher_logprobs", f"must be a float tensor, got {teacher_logprobs.dtype}")
+    positions = logits.shape[:-1]
+    if teacher_ids.dim() != logits.dim() or teacher_ids.shape[:-1] != positions:
+        raise _fail(
+            "teacher_ids",
+            f"shape {_shape(teacher_ids)} must be [..., K] with [...] = {_shape(logits)[:-1]} "
+            f"(the logits' leading dims)",
+        )
+    top_k = teacher_ids.shape[-1]
+    if not 1 <= top_k <= global_vocab:
+        raise _fail("teacher_ids", f"K = {top_k} must lie in [1, vocab size {global_vocab}]")
+    if teacher_logprobs.shape != teacher_ids.shape:
+        raise _fail(
+            "teacher_logprobs",
+            f"shape {_shape(teacher_logprobs)} must equal teacher_ids' {_shape(teacher_ids)}",
+        )
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise _fail("mask", f"must be None or a torch.Tensor, got {type(mask).__name__}")
+        if mask.shape != positions:
+            raise _fail("mask", f"shape {_shape(mask)} must equal {_shape(logits)[:-1]}")
+        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+            raise _fail("mask", "must be bool or hold only 0 and 1")
+    others: dict[str, Tensor | None] = {
+        "teacher_ids": teacher_ids,
+        "teacher_logprobs": teacher_logprobs,
+        "mask": mask,
+    }
+    for name, other in others.items():
+        if other is not None and other.device != logits.device:
+            raise _fail(name, f"is on {other.device}, logits on {logits.device}")
+
+
+def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_vocab: int) -> None:
+    """Check the teacher rows of the positions that count.
+
+    Args:
+        teacher_ids: `[n, K]` global ids: must lie in `[0, global_vocab)` and be distinct
+            within a row (a vLLM payload never repeats an id; a repeated id would count
+            its student log-prob twice, so it is rejected rather than silently used).
+        teacher_logprobs: `[n, K]`: no NaN, none above `LOGPROB_TOLERANCE`; `-inf` is allowed.
+        global_vocab: vocabulary size over all shards.
+    """
+    if teacher_ids.numel() == 0:
+        return
+    low, high = int(teacher_ids.min()), int(teacher_ids.max())
+    if low < 0 or high >= global_vocab:
+        raise _fail(
+            "teacher_ids",
+            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
+        )
+    ordered = teacher_ids.sort(dim=-1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise _fail("teacher_ids", "an id repeats within a position; ids must be distinct")
+    if bool(teacher_logprobs.isnan().any()):
+        raise _fail("teacher_logprobs", "contains NaN")
+    largest = float(teacher_logprobs.max())
+    if largest > LOGPROB_TOLERANCE:
+        raise _fail(
+            "teacher_logprobs",
+            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}), got {largest:.6g}",
+        )
+
+
+def _shape(tensor: Tensor) -> list[int]:
+    """Shape as a plain list, for messages."""
+    return list(tensor.shape)
