@@ -218,6 +218,10 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             )
             for msg in responses:
                 await out.put(msg)
+        except RequestError as e:  # refused by the backend (e.g. replay: not recorded)
+            self._count("ScoreStream", e.code, t0)
+            await out.put(_error_response(parsed.request_id, e.code, e.message))
+            return
         except asyncio.CancelledError:
             self._count("ScoreStream", grpc.StatusCode.CANCELLED, t0)
             raise

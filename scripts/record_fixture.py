@@ -1,0 +1,200 @@
+"""Regenerate ``tests/data/tiny_vllm_recording.tkrec``: a small recording of the real
+vLLM-backed teacher on the tiny test model (``write_tiny_model(seed=0)``, vocab 512).
+
+    python scripts/record_fixture.py [--out PATH] [--compression zstd|none]
+
+Starts ``teacher-server serve --backend vllm`` itself with the engine settings of the
+``vllm_teacher`` test fixture (float32 weights, max K 256), records a few requests that
+cover the payload's facets (ragged batches through ``stream``, sub-ranges of positions,
+every dtype, no sampled log-probs, a longer sequence), then asks every request again
+(alone and in another batch) and reports whether the engine answered bit-identically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from student_client.client import ScoreBatch, TeacherClient
+from student_client.payload import TeacherPayload
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording.tkrec"
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-top-k",
+    "256",
+    "--max-model-len",
+    "4096",
+    "--max-num-batched-tokens",
+    "16384",
+    "--max-tokens-per-request",
+    "65536",
+]
+TEXTS = [
+    b"def main():\n    return 0\n",
+    b"import numpy as np\nx = np.arange(10)\n",
+    b"for i in range(3):\n    print(i)\n",
+    b"class A:\n    pass\n",
+    b"with open(path) as f:\n    data = f.read()\n",
+    b"# comment\n",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tokens(text: bytes) -> list[int]:
+    return list(text)  # the tiny tokenizer is byte-level: ids 0..255 are the bytes
+
+
+def start_vllm(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the vLLM-backed teacher; return the process and its gRPC target once ready."""
+    port, http_port = _free_port(), _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "teacher_server",
+        "serve",
+        "--backend",
+        "vllm",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        *SERVER_ARGS,
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the subprocess
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"teacher exited with {proc.returncode}; see {log_path}")
+        url = f"http://127.0.0.1:{http_port}/readyz"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
+            if r.status == 200:
+                return proc, f"127.0.0.1:{port}"
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"teacher not ready after 600 s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def record(client: TeacherClient) -> list[TeacherPayload]:
+    """The fixture's requests; returns the payloads in order."""
+    rng = np.random.default_rng(1234)
+    out = list(
+        client.stream(
+            [
+                [_tokens(TEXTS[0]), _tokens(TEXTS[1]), _tokens(TEXTS[3])],
+                [_tokens(TEXTS[2])],
+                [_tokens(TEXTS[4]), _tokens(TEXTS[5])],
+            ],
+            8,
+            depth=2,
+        )
+    )
+    out.append(
+        client.score(
+            [_tokens(TEXTS[1]), _tokens(TEXTS[4])],
+            16,
+            dtype="float32",
+            positions=[(5, 20), (30, len(TEXTS[4]))],
+        )
+    )
+    out.append(client.score([_tokens(TEXTS[2])], 4, dtype="bfloat16", include_sampled=False))
+    long_seq = torch.from_numpy(rng.integers(0, 512, size=300))
+    out.append(client.score(long_seq[None], 32, dtype="float16"))
+    out.extend(
+        client.stream(
+            [ScoreBatch([_tokens(TEXTS[0]), _tokens(TEXTS[3])], [(10, 25), (0, 1)])],
+            64,
+            dtype="bfloat16",
+        )
+    )
+    return out
+
+
+def _same(a: TeacherPayload, b: TeacherPayload) -> bool:
+    def eq(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+        if x is None or y is None:
+            return x is y
+        return bool(torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0)))
+
+    return (
+        eq(a.ids, b.ids)
+        and eq(a.logprobs, b.logprobs)
+        and eq(a.sampled_logprobs, b.sampled_logprobs)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--compression", default="zstd", choices=["zstd", "none"])
+    args = ap.parse_args(argv)
+    from teacher_server.tiny_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(Path(tmp) / "tiny-model", seed=0)
+        proc, target = start_vllm(model, Path(tmp) / "server.log")
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            meta = {"model": "teacher_server.tiny_model.write_tiny_model(seed=0)"}
+            with TeacherClient(
+                target,
+                record_to=args.out,
+                record_compression=args.compression,
+                record_metadata=meta,
+            ) as client:
+                first = record(client)
+            with TeacherClient(target) as client:
+                again = record(client)
+                # Batch 0's third sequence, alone: same rows as inside its batch?
+                n = len(TEXTS[3])
+                alone = client.score([_tokens(TEXTS[3])], 8)
+                rebatched = bool(
+                    torch.equal(alone.ids[0, :n], first[0].ids[2, :n])
+                    and torch.equal(alone.logprobs[0, :n], first[0].logprobs[2, :n])
+                )
+        finally:
+            stop(proc)
+    same = all(_same(a, b) for a, b in zip(first, again, strict=True))
+    size = args.out.stat().st_size
+    print(f"wrote {args.out} ({size} bytes, {len(first)} requests)")
+    print(f"engine bit-identical on repeated requests: {same}; alone vs in a batch: {rebatched}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
