@@ -19,17 +19,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import socket
 import statistics
 import struct
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +34,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from student_client.client import TeacherClient
 from student_client.payload import ResponseAssembler, build_request
 from student_client.wire import encode_sequence, pb
+from teacher_server.launch import TeacherProcess, start_teacher
 
 # -- decode --------------------------------------------------------------------------------
 
@@ -151,42 +145,14 @@ def bench_decode(b: int, s: int, k: int, reps: int) -> list[tuple[str, float, fl
 # -- end to end ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_vllm(model: Path, max_top_k: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port, http = _free_port(), _free_port()
-    cmd = [
-        sys.executable, "-m", "teacher_server", "serve", "--backend", "vllm",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--http-port", str(http), "--dtype", "float32", "--max-top-k", str(max_top_k),
-        "--max-model-len", "4096", "--max-num-batched-tokens", "16384",
+def start_vllm(model: Path, max_top_k: int, log: Path) -> TeacherProcess:
+    """The vLLM-backed teacher on ``model``, ready."""
+    args = [
+        "--backend", "vllm", "--model", str(model), "--dtype", "float32",
+        "--max-top-k", str(max_top_k), "--max-model-len", "4096",
+        "--max-num-batched-tokens", "16384",
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"teacher exited with {proc.returncode}; see {log}")
-        url = f"http://127.0.0.1:{http}/readyz"
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
-            if r.status == 200:
-                return proc, f"127.0.0.1:{port}"
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"teacher not ready after 600 s; see {log}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return start_teacher(args, log)
 
 
 def run_stream(
@@ -212,7 +178,8 @@ def bench_end_to_end(
     positions = args.batches * args.batch * args.seq_len
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny-model", seed=0)
-        proc, target = start_vllm(model, max(64, args.k), Path(tmp) / "server.log")
+        server = start_vllm(model, max(64, args.k), Path(tmp) / "server.log")
+        target = server.target
         try:
             with TeacherClient(target) as client:
                 run_stream(client, batches[:4], args.k, 4, 0.0)  # warm-up
@@ -224,7 +191,7 @@ def bench_end_to_end(
                     wall = run_stream(client, batches, args.k, depth, student_s)
                     rows.append((depth, wall, positions / wall))
         finally:
-            _stop(proc)
+            server.stop()
     return rows, teacher_s, student_s
 
 

@@ -22,7 +22,6 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,9 @@ import grpc
 import numpy as np
 
 from student_client.wire import decode_sequence, encode_token_ids, pb, pb_grpc
+from teacher_server.launch import free_port, start_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
@@ -70,20 +64,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench_grpc(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, log: Path) -> dict:
-    port, http_port = _free_port(), _free_port()
-    cmd = [
-        sys.executable, "-m", "teacher_server", "serve", "--backend", "vllm", "--model", model,
-        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-        "--dtype", "float32", "--max-top-k", str(max(ks)), "--max-model-len", "4096",
+    args = [
+        "--backend", "vllm", "--model", model, "--dtype", "float32",
+        "--max-top-k", str(max(ks)), "--max-model-len", "4096",
         "--max-num-batched-tokens", "16384",
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    server = start_teacher(args, log, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     results = {}
     try:
-        _wait_http(f"http://127.0.0.1:{http_port}/readyz", proc)
         opts = [("grpc.max_receive_message_length", 64 << 20)]
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+        with grpc.insecure_channel(server.target, options=opts) as ch:
             stub = pb_grpc.TeacherStub(ch)
             for k in ks:
                 req = pb.ScoreRequest(request_id="b", top_k=k, dtype=pb.LOGPROB_DTYPE_FLOAT16)
@@ -103,12 +93,12 @@ def bench_grpc(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, log
                 assert rows == sum(len(s) for s in seqs)
                 results[k] = (statistics.median(times), nbytes)
     finally:
-        _stop(proc)
+        server.stop()
     return results
 
 
 def bench_openai(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, log: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",

@@ -13,15 +13,8 @@ every dtype, no sampled log-probs, a longer sequence), then asks every request a
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +22,7 @@ import torch
 
 from student_client.client import ScoreBatch, TeacherClient
 from student_client.payload import TeacherPayload
+from teacher_server.launch import TeacherProcess, start_teacher
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording.tkrec"
@@ -54,60 +48,13 @@ TEXTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tokens(text: bytes) -> list[int]:
     return list(text)  # the tiny tokenizer is byte-level: ids 0..255 are the bytes
 
 
-def start_vllm(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the vLLM-backed teacher; return the process and its gRPC target once ready."""
-    port, http_port = _free_port(), _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "teacher_server",
-        "serve",
-        "--backend",
-        "vllm",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--http-port",
-        str(http_port),
-        *SERVER_ARGS,
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = open(log_path, "wb")  # noqa: SIM115 - owned by the subprocess
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"teacher exited with {proc.returncode}; see {log_path}")
-        url = f"http://127.0.0.1:{http_port}/readyz"
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
-            if r.status == 200:
-                return proc, f"127.0.0.1:{port}"
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"teacher not ready after 600 s; see {log_path}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def start_vllm(model: Path, log_path: Path) -> TeacherProcess:
+    """Start the vLLM-backed teacher on the tiny model and wait until it is ready."""
+    return start_teacher(["--backend", "vllm", "--model", str(model), *SERVER_ARGS], log_path)
 
 
 def record(client: TeacherClient) -> list[TeacherPayload]:
@@ -167,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny-model", seed=0)
-        proc, target = start_vllm(model, Path(tmp) / "server.log")
+        server = start_vllm(model, Path(tmp) / "server.log")
+        target = server.target
         try:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             meta = {"model": "teacher_server.tiny_model.write_tiny_model(seed=0)"}
@@ -188,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     and torch.equal(alone.logprobs[0, :n], first[0].logprobs[2, :n])
                 )
         finally:
-            stop(proc)
+            server.stop()
     same = all(_same(a, b) for a, b in zip(first, again, strict=True))
     size = args.out.stat().st_size
     print(f"wrote {args.out} ({size} bytes, {len(first)} requests)")

@@ -6,108 +6,20 @@ loopback ports; tests talk to it over real gRPC and HTTP.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from teacher_server.launch import TeacherProcess, free_port, http_status, start_teacher
+
+__all__ = ["ROOT", "ServerProcess", "free_port", "http_status", "start_server"]
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    """A ``teacher-server serve`` subprocess on loopback."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    http_port: int
-    log_path: Path
-    extra: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
-
-
-def http_status(url: str, headers: dict[str, str] | None = None) -> int:
-    req = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-
-
-def start_server(
-    args: list[str],
-    log_path: Path,
-    *,
-    ready_timeout: float = 300,
-    env: dict[str, str] | None = None,
-) -> ServerProcess:
-    """Start ``python -m teacher_server serve ARGS`` and wait until ``/readyz`` says 200."""
-    port, http_port = free_port(), free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "teacher_server",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--http-port",
-        str(http_port),
-        *args,
-    ]
-    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    log = open(log_path, "wb")  # noqa: SIM115 - owned by the subprocess
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
-    server = ServerProcess(proc, port, http_port, log_path)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"teacher-server exited with {proc.returncode}:\n{server.log()[-4000:]}"
-            )
-        with contextlib.suppress(OSError):
-            if http_status(f"{server.http}/readyz") == 200:
-                return server
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"teacher-server not ready after {ready_timeout} s:\n{server.log()[-4000:]}")
+# Shared with examples and benchmarks; re-exported under the names the tests use.
+ServerProcess = TeacherProcess
+start_server = start_teacher
 
 
 @pytest.fixture(scope="session")
