@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ import numpy.typing as npt
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
 
 __all__ = ["VLLMBackend", "flat_to_topk"]
+
+log = logging.getLogger(__name__)
 
 
 def flat_to_topk(
@@ -154,6 +157,7 @@ class VLLMBackend(Backend):
         except asyncio.CancelledError:
             # A cancelled or expired call: free the engine's slot at once.
             await self._engine.abort(request_id)
+            log.info("aborted engine request %s: the call was cancelled or expired", request_id)
             raise
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")

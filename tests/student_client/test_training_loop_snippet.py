@@ -7,9 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import ServerProcess
-
-pytest.importorskip("student_client.losses")
+from conftest import ROOT, ServerProcess
 
 from examples import training_loop
 
@@ -43,3 +41,19 @@ def test_training_loop_backprop_reaches_the_student(vllm_teacher: ServerProcess)
     loss.backward()
     grads = [p.grad for p in student.parameters()]
     assert all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+
+
+def _loop_lines(text: str) -> list[str]:
+    """The loop of a snippet: stripped lines from the ``tee`` to ``opt.step()``."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("to_student, to_teacher ="))
+    end = lines.index("opt.step()", start)
+    return [ln for ln in lines[start : end + 1] if ln]
+
+
+def test_readme_snippet_is_the_loop_that_runs() -> None:
+    """The README's snippet is, line for line, the loop the test above runs."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The training loop", 1)[1].split("```python", 1)[1].split("```")[0]
+    example = (ROOT / "examples" / "training_loop.py").read_text()
+    assert _loop_lines(section) == _loop_lines(example)

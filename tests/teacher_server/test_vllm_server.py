@@ -247,3 +247,29 @@ def test_http_endpoints(vllm_teacher, stub) -> None:  # type: ignore[no-untyped-
     assert counter(after, 'topk_teacher_requests_total{code="OK",method="Score"}') >= 1
     assert "topk_teacher_request_latency_seconds_bucket" in after
     assert "topk_teacher_requests_in_flight" in after
+
+
+def test_expired_deadline_aborts_engine_work(vllm_teacher, stub) -> None:  # type: ignore[no-untyped-def]
+    """A call whose deadline expires is cancelled on the server: its vLLM requests are
+    aborted (the server log says so), nothing stays in flight, and serving goes on."""
+    import time
+
+    heavy = _request(_sequences(21, [4000] * 8), 256, request_id="heavy")
+    aborted_before = vllm_teacher.log().count("aborted engine request")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Score(heavy, timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        aborted = vllm_teacher.log().count("aborted engine request") - aborted_before
+        metrics = _get(f"{vllm_teacher.http}/metrics")[1].decode()
+        in_flight = [
+            ln for ln in metrics.splitlines() if ln.startswith("topk_teacher_requests_in_flight ")
+        ]
+        if aborted >= 1 and in_flight == ["topk_teacher_requests_in_flight 0.0"]:
+            break
+        time.sleep(0.2)
+    assert aborted >= 1, "no engine request was aborted"
+    assert in_flight == ["topk_teacher_requests_in_flight 0.0"]
+    assert 'topk_teacher_requests_total{code="CANCELLED",method="Score"}' in metrics
+    assert stub.Score(_request(_sequences(22, [10]), 4), timeout=60).final
