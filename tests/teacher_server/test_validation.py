@@ -3,7 +3,8 @@ limit, from the pure validator and from the live vLLM server, which keeps servin
 
 from __future__ import annotations
 
-import threading
+import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -139,6 +140,13 @@ def test_unary_response_over_message_limit(vllm_teacher) -> None:  # type: ignor
     assert "max_message_bytes" in err.value.details() and "ScoreStream" in err.value.details()
 
 
+def _in_flight(http: str) -> float:
+    with urllib.request.urlopen(f"{http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("topk_teacher_requests_in_flight "))
+    return float(line.split()[1])
+
+
 def test_in_flight_limit(teacher_factory, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """With max 1 request in flight, a second concurrent one gets RESOURCE_EXHAUSTED."""
     server = teacher_factory(
@@ -155,16 +163,16 @@ def test_in_flight_limit(teacher_factory, tiny_model_dir) -> None:  # type: igno
     with grpc.insecure_channel(server.target) as ch:
         stub = pb_grpc.TeacherStub(ch)
         first = stub.Score.future(slow, timeout=120)
-        errors: list[grpc.RpcError] = []
-        while not first.done():
-            try:
-                stub.Score(_req([_seq([1, 2])]), timeout=30)
-            except grpc.RpcError as e:
-                errors.append(e)
+        # Probe only once the server has the slow request in flight.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not first.done():
+            if _in_flight(server.http) == 1:
                 break
-            threading.Event().wait(0.05)
+            time.sleep(0.02)
+        assert not first.done(), "the slow request finished before it could be observed"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(_req([_seq([1, 2])]), timeout=30)
+        assert err.value.code() == EXHAUSTED
+        assert "max_inflight_requests 1" in err.value.details()
         assert first.result().final
-        assert errors, "the first request finished before a second one could be refused"
-        assert errors[0].code() == EXHAUSTED
-        assert "max_inflight_requests 1" in errors[0].details()
         assert stub.Score(_req([_seq([1, 2])]), timeout=30).final
