@@ -23,21 +23,10 @@ import torch
 from student_client.client import ScoreBatch, TeacherClient
 from student_client.payload import TeacherPayload
 from teacher_server.launch import TeacherProcess, start_teacher
+from teacher_server.tiny_model import TINY_SERVE_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording.tkrec"
-SERVER_ARGS = [
-    "--dtype",
-    "float32",
-    "--max-top-k",
-    "256",
-    "--max-model-len",
-    "4096",
-    "--max-num-batched-tokens",
-    "16384",
-    "--max-tokens-per-request",
-    "65536",
-]
 TEXTS = [
     b"def main():\n    return 0\n",
     b"import numpy as np\nx = np.arange(10)\n",
@@ -54,7 +43,7 @@ def _tokens(text: bytes) -> list[int]:
 
 def start_vllm(model: Path, log_path: Path) -> TeacherProcess:
     """Start the vLLM-backed teacher on the tiny model and wait until it is ready."""
-    return start_teacher(["--backend", "vllm", "--model", str(model), *SERVER_ARGS], log_path)
+    return start_teacher(["--backend", "vllm", "--model", str(model), *TINY_SERVE_ARGS], log_path)
 
 
 def record(client: TeacherClient) -> list[TeacherPayload]:

@@ -10,7 +10,18 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-__all__ = ["byte_tokenizer", "tiny_qwen2_config", "write_tiny_model"]
+__all__ = ["TINY_SERVE_ARGS", "byte_tokenizer", "tiny_qwen2_config", "write_tiny_model"]
+
+#: ``teacher-server serve`` flags for the tiny model with the vLLM backend, as the tests'
+#: shared server and the recorded fixture (``scripts/record_fixture.py``) use them:
+#: float32 weights (comparable to the transformers reference), K up to 256.
+TINY_SERVE_ARGS = [
+    "--dtype", "float32",
+    "--max-top-k", "256",
+    "--max-model-len", "4096",
+    "--max-num-batched-tokens", "16384",
+    "--max-tokens-per-request", "65536",
+]  # fmt: skip
 
 #: Special tokens placed right after the 256 byte tokens.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from teacher_server.launch import TeacherProcess, free_port, http_status, start_teacher
+from teacher_server.tiny_model import TINY_SERVE_ARGS
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "http_status", "start_server"]
 
@@ -34,25 +35,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_teacher(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """The session's one vLLM-backed teacher server (float32 weights, max K 64)."""
+    """The session's one vLLM-backed teacher server on the tiny model (float32 weights,
+    max K 256, ``TINY_SERVE_ARGS``)."""
     log_path = tmp_path_factory.mktemp("vllm-teacher") / "server.log"
     server = start_server(
-        [
-            "--backend",
-            "vllm",
-            "--model",
-            str(tiny_model_dir),
-            "--dtype",
-            "float32",
-            "--max-top-k",
-            "256",
-            "--max-model-len",
-            "4096",
-            "--max-num-batched-tokens",
-            "16384",
-            "--max-tokens-per-request",
-            "65536",
-        ],
+        ["--backend", "vllm", "--model", str(tiny_model_dir), *TINY_SERVE_ARGS],
         log_path,
     )
     yield server
