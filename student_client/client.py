@@ -26,12 +26,12 @@ from collections import OrderedDict
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
 import torch
 
+from student_client._closeable import Closeable
 from student_client.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -381,7 +381,7 @@ class _BlockingStream:
         self._thread.join(timeout=5)
 
 
-class TeacherClient:
+class TeacherClient(Closeable):
     """Blocking client of a ``topk_distill.v1.Teacher`` service.
 
     Args:
@@ -697,14 +697,3 @@ class TeacherClient:
         self._core.close_recorder()
         for channel in self._channels:
             channel.close()
-
-    def __enter__(self) -> TeacherClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -32,11 +32,11 @@ import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any, BinaryIO
 
 from google.protobuf.message import DecodeError
 
+from student_client._closeable import Closeable
 from student_client.errors import RecordingError
 from student_client.payload import request_dtype, request_includes_sampled, request_spans
 from student_client.wire import pb
@@ -103,7 +103,7 @@ def _zstd() -> Any:
     return zstandard
 
 
-class RecordingWriter:
+class RecordingWriter(Closeable):
     """Appends request/answer pairs to a new recording file.
 
     Args:
@@ -199,19 +199,8 @@ class RecordingWriter:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> RecordingWriter:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class RecordingReader:
+class RecordingReader(Closeable):
     """Random access to a recording by request key.
 
     Args:
@@ -406,14 +395,3 @@ class RecordingReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def __enter__(self) -> RecordingReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

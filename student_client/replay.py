@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 import torch
 
+from student_client._closeable import Closeable
 from student_client.client import ScoreBatch
 from student_client.errors import InvalidRequestError, NotRecordedError, VocabMismatchError
 from student_client.payload import (
@@ -51,7 +51,7 @@ def describe_request(request: pb.ScoreRequest, max_tokens: int = 8) -> str:
     )
 
 
-class ReplayClient:
+class ReplayClient(Closeable):
     """Serves ``info``/``score``/``stream`` from a recording file.
 
     Args:
@@ -178,14 +178,3 @@ class ReplayClient:
 
     def close(self) -> None:
         self._reader.close()
-
-    def __enter__(self) -> ReplayClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
