@@ -399,9 +399,10 @@ class TeacherClient(Closeable):
         backoff_s, max_backoff_s: first and largest wait between tries (doubling).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against ``GetInfo``
             before the first request to a target; a mismatch raises VocabMismatchError.
-        record_to: write every answered request to this recording file.
-        record_compression: ``"auto"``, ``"zstd"`` or ``"none"``.
-        record_metadata: extra JSON metadata for the recording's header.
+        record_to: record every answered sequence to this recording directory
+            (:mod:`student_client.recording`; K and dtype of the first request).
+        record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
+        record_metadata: extra JSON metadata for the recording's ``metadata.json``.
     """
 
     def __init__(
@@ -690,7 +691,7 @@ class TeacherClient(Closeable):
             raise TeacherError("client: already closed")
 
     def close(self) -> None:
-        """Close the channels and finish the recording (index + footer)."""
+        """Close the channels and finish the recording (last rows flushed)."""
         if self._closed:
             return
         self._closed = True

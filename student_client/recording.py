@@ -1,22 +1,39 @@
-"""Recording files: teacher requests and their complete answers, with an index.
+"""Recordings: a teacher's payloads as a directory of Apache Arrow IPC stream files.
 
-Layout (all integers little-endian)::
+A recording (also a *payload dataset*) is a directory::
 
-    header   magic b"TOPKREC\\0" | u32 format version | u32 H | u32 crc32(body) |
-             body[H] = u32 I | TeacherInfo[I] (serialized) | JSON metadata (UTF-8)
-    records  u8 kind | u8 flags | u16 0 | u32 crc32(stored) | u64 N | stored[N]
-             kind 1 (exchange): body = u32 R | ScoreRequest[R] | ScoreResponse
-             kind 2 (index):    body = u32 C | C x (32-byte request key | u64 offset)
-             flags bit 0: the body is zstd-compressed (each record on its own, so any
-             record can be read alone)
-    footer   u64 index offset | u32 C | u32 crc32(previous 12 bytes) | b"TOPKEND\\0"
+    DIR/metadata.json          teacher info, temperature, recorded K and dtype, format version
+    DIR/shard-<n>-<id>.arrow   Arrow IPC *stream* files, one per writer session
 
-A record's ``ScoreResponse`` is the whole answer (stream chunks joined, see
-:meth:`~student_client.payload.ResponseAssembler.merged_response`). The key of a request
-is :func:`request_key` (its request_id does not count). Opening reads the footer and the
-index; a file without them (writer killed before ``close``) is scanned, with a warning.
-A truncated or corrupted file raises :class:`RecordingError` naming the file and the
-byte offset.
+with one row per scored sequence:
+
+============================  =========================================  ==================
+column                        Arrow type                                 meaning
+============================  =========================================  ==================
+``key``                       ``binary`` (32 bytes)                      :func:`sequence_key`
+``token_ids``                 ``list<int32>``                            ``[L]`` the sequence
+``position_start``            ``int32``                                  first position
+``position_end``              ``int32``                                  end (exclusive)
+``ids``                       ``list<fixed_size_list<int32, K>>``        ``[S, K]`` top-k ids
+``logprobs``                  ``list<fixed_size_list<F, K>>``            ``[S, K]`` sorted desc.
+``sampled_logprobs``          ``list<F>``, null when not recorded        ``[S]``, NaN at L-1
+============================  =========================================  ==================
+
+``S = position_end - position_start``; row ``j`` is position ``position_start + j``. ``F``
+is ``float16`` for a float16 recording and ``float32`` for float32 and bfloat16 ones
+(bfloat16 values widened to float32, which is exact). Plain ``pyarrow`` and the Hugging
+Face ``datasets`` library read these files without this project (see ``docs/datasets.md``).
+
+Why Arrow IPC streams (measured in ``benchmarks/bench_datasets.py``): with zstd buffer
+compression they are about as small as Parquet and read several times faster, and a
+stream is readable up to its last complete batch, so a writer killed at any moment leaves
+a readable file (a Parquet file without its footer is unreadable). Compression uses
+Arrow's built-in codecs (zstd, lz4), so a student-only install reads and writes them.
+
+Crash safety: the writer buffers rows and writes them as one record batch every
+``flush_interval_s`` seconds (a background thread flushes even when no new row comes), so
+a killed writer loses at most that interval's rows. The reader keeps every complete batch
+and lists what it skipped in :attr:`RecordingReader.skipped`.
 """
 
 from __future__ import annotations
@@ -25,97 +42,191 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import threading
 import time
+import uuid
 import warnings
-import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from google.protobuf.message import DecodeError
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+from google.protobuf import json_format
 
 from student_client._closeable import Closeable
 from student_client.errors import RecordingError
 from student_client.payload import request_dtype, request_includes_sampled, request_spans
-from student_client.wire import pb
+from student_client.wire import decode_sequence, dtype_from_name, dtype_name, pb
+from student_client.wire.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
 
 __all__ = [
-    "FILE_MAGIC",
+    "FORMAT_NAME",
     "FORMAT_VERSION",
+    "METADATA_FILE",
+    "RecordedSequence",
     "RecordingReader",
     "RecordingWriter",
-    "request_key",
+    "can_serve_dtype",
+    "recording_schema",
     "sequence_key",
 ]
 
 log = logging.getLogger(__name__)
 
-FILE_MAGIC = b"TOPKREC\x00"
-FOOTER_MAGIC = b"TOPKEND\x00"
-FORMAT_VERSION = 1
-
-_HEAD = struct.Struct("<8sIII")  # magic, version, header length, header crc
-_RECORD = struct.Struct("<BBHIQ")  # kind, flags, reserved, crc32, stored length
-_FOOTER = struct.Struct("<QII8s")  # index offset, count, crc32, magic
-_ENTRY = struct.Struct("<32sQ")
-_U32 = struct.Struct("<I")
-_KIND_EXCHANGE = 1
-_KIND_INDEX = 2
-_FLAG_ZSTD = 1
+FORMAT_NAME = "topk-distill-payloads"
+FORMAT_VERSION = 2  # 1 was the single-file ``.tkrec`` container
+METADATA_FILE = "metadata.json"
+SHARD_SUFFIX = ".arrow"
+DEFAULT_FLUSH_INTERVAL_S = 2.0
+COMPRESSIONS = ("zstd", "lz4", "none", "auto")  # auto: zstd
+_KEY_DOMAIN = b"topk-distill/sequence/v2"
 
 
-def request_key(request: pb.ScoreRequest) -> bytes:
-    """sha256 of what determines the answer: per sequence its token ids and positions
-    (unset start/end normalized to 0/L), then K, dtype (UNSPECIFIED = float16) and
-    include_sampled. The request_id is ignored. Returns 32 bytes."""
-    h = hashlib.sha256(b"topk-distill/request/v1")
-    spans = request_spans(request)
-    h.update(
-        struct.pack(
-            "<IIBI",
-            int(request.top_k),
-            request_dtype(request),
-            request_includes_sampled(request),
-            len(spans),
-        )
+def sequence_key(token_ids: bytes | npt.ArrayLike) -> bytes:
+    """The key of a recorded sequence: sha256 of its int32 little-endian token ids (32 bytes).
+
+    Only the tokens count: K, positions and dtype are columns of the row, so one recorded
+    row answers every K' <= K, position sub-range and reproducible dtype.
+    """
+    if not isinstance(token_ids, bytes | bytearray | memoryview):
+        token_ids = np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
+    return hashlib.sha256(_KEY_DOMAIN + bytes(token_ids)).digest()
+
+
+def can_serve_dtype(recorded: str, wanted: str) -> bool:
+    """Whether values recorded in ``recorded`` give exactly what the teacher sends in
+    ``wanted``: the teacher computes float32 and casts once, so a float32 recording serves
+    every dtype; a float16 or bfloat16 one only itself."""
+    return recorded == "float32" or recorded == wanted
+
+
+def _storage_type(dtype: str) -> pa.DataType:
+    return pa.float16() if dtype == "float16" else pa.float32()
+
+
+def recording_schema(top_k: int, dtype: str) -> pa.Schema:
+    """The Arrow schema of a recording with ``top_k`` and log-prob ``dtype`` (name)."""
+    f = _storage_type(dtype)
+    return pa.schema(
+        [
+            pa.field("key", pa.binary(), nullable=False),
+            pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+            pa.field("position_start", pa.int32(), nullable=False),
+            pa.field("position_end", pa.int32(), nullable=False),
+            pa.field("ids", pa.list_(pa.list_(pa.int32(), top_k)), nullable=False),
+            pa.field("logprobs", pa.list_(pa.list_(f, top_k)), nullable=False),
+            pa.field("sampled_logprobs", pa.list_(f)),
+        ],
+        metadata={"topk_distill": json.dumps({"top_k": top_k, "dtype": dtype})},
     )
-    for seq, (start, end) in zip(request.sequences, spans, strict=True):
-        h.update(struct.pack("<QII", len(seq.token_ids), start, end))
-        h.update(seq.token_ids)
-    return h.digest()
 
 
-def sequence_key(token_ids: bytes, top_k: int, start: int, end: int) -> bytes:
-    """sha256 of one sequence's scoring: int32 LE token ids, K and ``[start, end)``."""
-    h = hashlib.sha256(b"topk-distill/sequence/v1")
-    h.update(struct.pack("<IIIQ", top_k, start, end, len(token_ids)))
-    h.update(token_ids)
-    return h.digest()
+def _to_storage(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
+    """float32 -> what a ``dtype`` recording stores: the teacher's cast to ``dtype``
+    (float16: numpy's round-to-nearest-even, as the wire codec; bfloat16: rounded, then
+    widened back to float32 exactly)."""
+    if dtype == "float32":
+        return np.asarray(values, dtype=np.float32)
+    if dtype == "float16":
+        return np.asarray(values, dtype=np.float32).astype(np.float16)
+    return _bf16_bits_to_f32(_f32_to_bf16_bits(np.asarray(values, dtype=np.float32)))
 
 
-def _zstd() -> Any:
+@dataclass(frozen=True)
+class RecordedSequence:
+    """One recorded row as numpy arrays (views of the Arrow buffers where possible).
+
+    ``ids`` ``[S, K]`` int32; ``logprobs`` ``[S, K]`` and ``sampled_logprobs`` ``[S]`` (or
+    ``None``) in the storage dtype (float16, or float32); positions ``[start, end)``.
+    """
+
+    token_ids: npt.NDArray[np.int32]
+    ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[Any]
+    sampled_logprobs: npt.NDArray[Any] | None
+    start: int
+    end: int
+
+
+def _list_column(rows: list[npt.NDArray[Any]], typ: pa.DataType, width: int = 0) -> pa.Array:
+    """``[n_i]`` (or ``[n_i, width]``) arrays -> ``list<typ>`` (or ``list<fixed_size_list>``)."""
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    flat = np.concatenate([r.reshape(-1) for r in rows]) if rows else np.zeros(0)
+    values = pa.array(flat, type=typ)
+    if width:
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    return pa.ListArray.from_arrays(offsets, values)
+
+
+def _sampled_column(rows: list[npt.NDArray[Any] | None], typ: pa.DataType) -> pa.Array:
+    present = [r if r is not None else np.zeros(0, typ.to_pandas_dtype()) for r in rows]
+    lengths = np.array([len(r) for r in present], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    flat = np.concatenate(present) if present else np.zeros(0)
+    mask = pa.array([r is None for r in rows], type=pa.bool_())
+    return pa.ListArray.from_arrays(offsets, pa.array(flat, type=typ), mask=mask)
+
+
+def _read_metadata(root: Path) -> dict[str, Any]:
+    path = root / METADATA_FILE
     try:
-        import zstandard
-    except ImportError:  # pragma: no cover - zstandard is installed with the server extra
-        return None
-    return zstandard
+        meta: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecordingError(root, None, f"no {METADATA_FILE}: not a recording") from None
+    except (OSError, ValueError) as e:
+        raise RecordingError(path, None, f"unreadable: {e}") from None
+    if meta.get("format") != FORMAT_NAME:
+        raise RecordingError(path, None, f"format {meta.get('format')!r}, not {FORMAT_NAME!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise RecordingError(
+            path,
+            None,
+            f"format_version {meta.get('format_version')}; this reader reads {FORMAT_VERSION}",
+        )
+    return meta
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _info_temperature(info: pb.TeacherInfo) -> float:
+    """The teacher's announced temperature (GetInfo), 1.0 when it announces none."""
+    for name in ("teacher_temperature", "temperature"):
+        if name in info.DESCRIPTOR.fields_by_name:
+            value = float(getattr(info, name))
+            if value > 0:
+                return value
+    return 1.0
+
+
+def _shards(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob(f"*{SHARD_SUFFIX}") if p.is_file())
 
 
 class RecordingWriter(Closeable):
-    """Appends request/answer pairs to a new recording file.
+    """Appends scored sequences to a recording directory (created, or resumed).
 
     Args:
-        path: file to create (overwritten).
-        info: the teacher's ``TeacherInfo`` message, stored in the header.
-        compression: ``"zstd"``, ``"none"`` or ``"auto"`` (zstd when ``zstandard`` is
-            installed).
-        level: zstd level.
-        metadata: extra JSON-serializable metadata for the header.
+        path: the directory. When it holds a recording already, new rows go to a new shard
+            and the teacher (vocabulary, tokenizer), K and dtype must match it.
+        info: the teacher's ``TeacherInfo`` message (stored in ``metadata.json``).
+        top_k, dtype: what the recording stores; ``None`` takes them from the first
+            request written. Later requests may ask for more K or a more precise dtype
+            (the rows are cut / cast exactly as the teacher casts); less raises.
+        flush_interval_s: longest time a written row stays in memory only.
+        compression: Arrow IPC buffer codec, ``"zstd"`` (``"auto"``), ``"lz4"`` or
+            ``"none"`` (shards are then memory-mapped when read: no decompression).
+        metadata: extra JSON-serializable entries for ``metadata.json``.
 
-    Thread-safe. A request already recorded (same :func:`request_key`) is not written
-    again. :meth:`close` writes the index and the footer.
+    Thread-safe. A sequence whose positions (and sampled log-probs) are covered by a
+    recorded row is not written again.
     """
 
     def __init__(
@@ -123,275 +234,404 @@ class RecordingWriter(Closeable):
         path: str | Path,
         info: pb.TeacherInfo,
         *,
-        compression: str = "auto",
-        level: int = 3,
+        top_k: int | None = None,
+        dtype: str | None = None,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        compression: str = "zstd",
         metadata: dict[str, Any] | None = None,
     ) -> None:
-        zstd = _zstd()
-        if compression == "auto":
-            compression = "zstd" if zstd is not None else "none"
-        if compression not in ("zstd", "none"):
-            raise ValueError(f"compression: {compression!r}; use 'zstd', 'none' or 'auto'")
-        if compression == "zstd" and zstd is None:
-            raise ValueError("compression: 'zstd' needs the zstandard package")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression: {compression!r}; use one of {COMPRESSIONS}")
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s: must be > 0, got {flush_interval_s}")
+        if dtype is not None:
+            dtype = dtype_name(dtype_from_name(dtype))
         self.path = Path(path)
-        self._compressor = zstd.ZstdCompressor(level=level) if compression == "zstd" else None
-        self._lock = threading.Lock()
-        self._index: dict[bytes, int] = {}
+        self.info = info
+        self.compression = "zstd" if compression == "auto" else compression
+        self.flush_interval_s = float(flush_interval_s)
+        self._extra = dict(metadata or {})
+        self._lock = threading.RLock()
+        self._closed = False
+        self._buffer: list[tuple[bytes, RecordedSequence]] = []
+        self._file: Any = None
+        self._stream: pa.ipc.RecordBatchStreamWriter | None = None
+        self._shard: Path | None = None
+        # key -> [(start, end, has_sampled)] of every row recorded (resumed ones included)
+        self._copies: dict[bytes, list[tuple[int, int, bool]]] = {}
+        self.rows_written = 0
+        self.top_k: int | None = top_k
+        self.dtype: str | None = dtype
+        self.path.mkdir(parents=True, exist_ok=True)
+        if (self.path / METADATA_FILE).exists():
+            self._resume()
+        elif self.top_k is not None and self.dtype is not None:
+            self._write_metadata()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._flusher, daemon=True, name="recording-flush")
+        self._thread.start()
+
+    # -- metadata ----------------------------------------------------------------------
+    def _resume(self) -> None:
+        with RecordingReader(self.path) as r:
+            problems = []
+            for field in ("vocab_size", "tokenizer_fingerprint"):
+                old, new = getattr(r.info, field), getattr(self.info, field)
+                if old != new:
+                    problems.append(f"{field}: recorded {old!r}, this teacher has {new!r}")
+            for name, mine, theirs in (("top_k", self.top_k, r.top_k), ("dtype", self.dtype, r.dtype)):
+                if mine is not None and mine != theirs:
+                    problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
+            if problems:
+                raise RecordingError(self.path, None, "cannot append: " + "; ".join(problems))
+            self.top_k, self.dtype = r.top_k, r.dtype
+            for key, copies in r.copies().items():
+                self._copies[key] = [(c.start, c.end, c.has_sampled) for c in copies]
+
+    def _write_metadata(self) -> None:
+        assert self.top_k is not None and self.dtype is not None
         meta = {
-            "format": "topk-distill-recording",
+            "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "created_unix": time.time(),
-            "compression": compression,
-            **(metadata or {}),
+            "teacher": json_format.MessageToDict(self.info, preserving_proto_field_name=True),
+            "model_name": self.info.model_name,
+            "vocab_size": int(self.info.vocab_size),
+            "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
+            "schema_version": int(self.info.schema_version),
+            "temperature": _info_temperature(self.info),
+            "top_k": int(self.top_k),
+            "dtype": self.dtype,
+            "compression": self.compression,
+            "extra": self._extra,
         }
-        info_bytes = info.SerializeToString()
-        body = _U32.pack(len(info_bytes)) + info_bytes + json.dumps(meta).encode()
-        self._file: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.write(_HEAD.pack(FILE_MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body)))
-        self._file.write(body)
-        self._file.flush()
-        self._offset = _HEAD.size + len(body)
+        _write_json_atomic(self.path / METADATA_FILE, meta)
 
+    # -- writing -----------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._index)
+        """Rows recorded (this session's and the resumed ones)."""
+        return sum(len(c) for c in self._copies.values())
 
-    def __contains__(self, request: pb.ScoreRequest) -> bool:
-        return request_key(request) in self._index
+    def covers(self, token_ids: bytes, start: int, end: int, sampled: bool) -> bool:
+        """Whether a recorded row holds positions ``[start, end)`` of this sequence (and
+        its sampled log-probs when ``sampled``)."""
+        for s, e, has in self._copies.get(sequence_key(token_ids), ()):
+            if s <= start and end <= e and (has or not sampled):
+                return True
+        return False
 
-    def _write_record(self, kind: int, body: bytes) -> int:
-        assert self._file is not None
-        flags = 0
-        if self._compressor is not None:
-            body = self._compressor.compress(body)
-            flags |= _FLAG_ZSTD
-        offset = self._offset
-        self._file.write(_RECORD.pack(kind, flags, 0, zlib.crc32(body), len(body)))
-        self._file.write(body)
-        self._offset += _RECORD.size + len(body)
-        return offset
+    def _fix_format(self, top_k: int, dtype: str) -> None:
+        if self.top_k is None:
+            self.top_k = top_k
+        if self.dtype is None:
+            self.dtype = dtype
+        if not (self.path / METADATA_FILE).exists():
+            self._write_metadata()
+        if top_k < self.top_k:
+            raise RecordingError(
+                self.path, None, f"top_k: {top_k} is less than the recorded {self.top_k}"
+            )
+        if not can_serve_dtype(dtype, self.dtype):
+            raise RecordingError(
+                self.path,
+                None,
+                f"dtype: {dtype} log-probs cannot give the recorded {self.dtype} exactly",
+            )
 
-    def write(self, request: pb.ScoreRequest, response: pb.ScoreResponse) -> bool:
-        """Record one request and its complete answer; False if it was already recorded."""
-        key = request_key(request)
-        req = request.SerializeToString()
-        body = _U32.pack(len(req)) + req + response.SerializeToString()
+    def add(
+        self,
+        token_ids: npt.ArrayLike,
+        ids: npt.ArrayLike,
+        logprobs: npt.ArrayLike,
+        sampled_logprobs: npt.ArrayLike | None,
+        *,
+        start: int,
+        dtype: str,
+    ) -> bool:
+        """Record one scored sequence: ``ids``/``logprobs`` ``[S, K]`` of positions
+        ``[start, start + S)``, ``sampled_logprobs`` ``[S]`` or None; ``dtype`` is what the
+        values came as (float32 values of a ``dtype`` answer). False when already covered."""
+        tok = np.ascontiguousarray(token_ids, dtype="<i4")
+        ids_a = np.asarray(ids, dtype=np.int32)
+        if ids_a.ndim != 2:
+            raise ValueError(f"ids: expected [S, K], got shape {ids_a.shape}")
+        s, k = ids_a.shape
+        end = start + s
+        if not 0 <= start <= end <= len(tok):
+            raise ValueError(f"positions: [{start}, {end}) is outside the {len(tok)} tokens")
         with self._lock:
-            if self._file is None:
-                raise ValueError(f"recording {self.path}: already closed")
-            if key in self._index:
+            if self._closed:
+                raise RecordingError(self.path, None, "the writer is closed")
+            self._fix_format(k, dtype)
+            assert self.top_k is not None and self.dtype is not None
+            key = sequence_key(tok.tobytes())
+            if self.covers(tok.tobytes(), start, end, sampled_logprobs is not None):
                 return False
-            self._index[key] = self._write_record(_KIND_EXCHANGE, body)
-            self._file.flush()
+            kk = self.top_k
+            lp = np.asarray(logprobs, dtype=np.float32)[:, :kk]
+            sp = None if sampled_logprobs is None else np.asarray(sampled_logprobs, np.float32)
+            row = RecordedSequence(
+                token_ids=tok,
+                ids=np.ascontiguousarray(ids_a[:, :kk]),
+                logprobs=_to_storage(np.ascontiguousarray(lp), self.dtype),
+                sampled_logprobs=None if sp is None else _to_storage(sp, self.dtype),
+                start=start,
+                end=end,
+            )
+            self._buffer.append((key, row))
+            self._copies.setdefault(key, []).append((start, end, sp is not None))
         return True
 
-    def close(self) -> None:
-        """Write the index and the footer, and close the file."""
+    def write(self, request: pb.ScoreRequest, response: pb.ScoreResponse) -> int:
+        """Record every sequence of an answered request (``response`` complete, e.g.
+        :meth:`~student_client.payload.ResponseAssembler.merged_response`). Returns the
+        number of rows written (covered sequences are skipped)."""
+        dtype = dtype_name(request_dtype(request))
+        sampled = request_includes_sampled(request)
+        spans = request_spans(request)
+        by_index = {int(p.sequence_index): p for p in response.sequences}
+        n = 0
+        for i, (seq, (start, _)) in enumerate(zip(request.sequences, spans, strict=True)):
+            if i not in by_index:
+                raise ValueError(f"response: sequence {i} is missing")
+            dec = decode_sequence(by_index[i])
+            tokens = np.frombuffer(seq.token_ids, dtype="<i4")
+            sp = dec.sampled_logprobs if sampled else None
+            if sampled and sp is None:
+                sp = np.zeros(0, np.float32)
+            n += self.add(tokens, dec.ids, dec.logprobs, sp, start=start, dtype=dtype)
+        return n
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            try:
+                self.flush()
+            except Exception:  # pragma: no cover - surfaced again by close()
+                log.exception("recording %s: background flush failed", self.path)
+
+    def flush(self) -> None:
+        """Write the buffered rows as one record batch and hand it to the OS."""
         with self._lock:
-            if self._file is None:
+            if not self._buffer:
                 return
-            entries = b"".join(_ENTRY.pack(k, off) for k, off in self._index.items())
-            index_offset = self._write_record(_KIND_INDEX, _U32.pack(len(self._index)) + entries)
-            head = struct.pack("<QI", index_offset, len(self._index))
-            self._file.write(
-                _FOOTER.pack(index_offset, len(self._index), zlib.crc32(head), FOOTER_MAGIC)
+            assert self.top_k is not None and self.dtype is not None
+            schema = recording_schema(self.top_k, self.dtype)
+            if self._stream is None:
+                self._open_shard(schema)
+            rows = [r for _, r in self._buffer]
+            f = _storage_type(self.dtype)
+            batch = pa.record_batch(
+                [
+                    pa.array([k for k, _ in self._buffer], pa.binary()),
+                    _list_column([r.token_ids for r in rows], pa.int32()),
+                    pa.array([r.start for r in rows], pa.int32()),
+                    pa.array([r.end for r in rows], pa.int32()),
+                    _list_column([r.ids for r in rows], pa.int32(), self.top_k),
+                    _list_column([r.logprobs for r in rows], f, self.top_k),
+                    _sampled_column([r.sampled_logprobs for r in rows], f),
+                ],
+                schema=schema,
             )
-            self._file.close()
-            self._file = None
+            assert self._stream is not None
+            self._stream.write_batch(batch)
+            self._file.flush()
+            self.rows_written += len(rows)
+            self._buffer.clear()
+
+    def _open_shard(self, schema: pa.Schema) -> None:
+        n = len(_shards(self.path))
+        self._shard = self.path / f"shard-{n:05d}-{uuid.uuid4().hex[:8]}{SHARD_SUFFIX}"
+        self._file = open(self._shard, "xb")  # noqa: SIM115 - closed in close()
+        codec = None if self.compression == "none" else self.compression
+        self._stream = pa.ipc.new_stream(
+            self._file, schema, options=pa.ipc.IpcWriteOptions(compression=codec)
+        )
+
+    def close(self) -> None:
+        """Flush, end the stream and sync the shard to disk."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            self.flush()
+            if self._stream is not None:
+                self._stream.close()
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._stream = None
+
+
+@dataclass(frozen=True)
+class _Copy:
+    row: int
+    start: int
+    end: int
+    has_sampled: bool
+
+
+class _Chunk:
+    """numpy views of one record batch's columns (no copy for uncompressed shards)."""
+
+    def __init__(self, batch: pa.RecordBatch, top_k: int) -> None:
+        self.num_rows = batch.num_rows
+        self.starts = batch.column("position_start").to_numpy()
+        self.ends = batch.column("position_end").to_numpy()
+        tok = batch.column("token_ids")
+        self.tok_offsets = tok.offsets.to_numpy()
+        self.tok_values = tok.values.to_numpy()
+        ids, lps = batch.column("ids"), batch.column("logprobs")
+        self.row_offsets = ids.offsets.to_numpy()
+        self.ids = ids.values.flatten().to_numpy().reshape(-1, top_k)
+        self.lps = lps.values.flatten().to_numpy().reshape(-1, top_k)
+        sp = batch.column("sampled_logprobs")
+        self.has_sampled = sp.is_valid().to_numpy(zero_copy_only=False)
+        self.sp_offsets = sp.offsets.to_numpy()
+        self.sp_values = sp.values.to_numpy()
+
+    def row(self, r: int) -> RecordedSequence:
+        a, b = self.row_offsets[r], self.row_offsets[r + 1]
+        sp = None
+        if self.has_sampled[r]:
+            sp = self.sp_values[self.sp_offsets[r] : self.sp_offsets[r + 1]]
+        return RecordedSequence(
+            token_ids=self.tok_values[self.tok_offsets[r] : self.tok_offsets[r + 1]],
+            ids=self.ids[a:b],
+            logprobs=self.lps[a:b],
+            sampled_logprobs=sp,
+            start=int(self.starts[r]),
+            end=int(self.ends[r]),
+        )
 
 
 class RecordingReader(Closeable):
-    """Random access to a recording by request key.
-
-    Args:
-        path: the recording.
-        strict: when the index is missing and the scan meets a truncated last record,
-            raise (True) or keep the complete records and warn (False).
+    """Reads a recording directory: every complete record batch of every shard.
 
     Attributes:
-        info: the ``TeacherInfo`` message of the recorded teacher.
-        metadata: the header's JSON metadata.
-        index_source: ``"index"`` (read from the footer) or ``"scan"`` (rebuilt).
+        info: the recorded teacher's ``TeacherInfo`` message.
+        metadata: ``metadata.json`` as a dict.
+        top_k, dtype: what the recording stores.
+        temperature: the teacher's temperature when recorded.
+        skipped: one line per thing not read (a batch cut by a killed writer, an empty
+            shard), naming the shard; also logged and warned.
 
-    Thread-safe (reads use ``os.pread``).
+    Uncompressed shards are memory-mapped (rows are views); compressed ones are
+    decompressed into memory when opened. Thread-safe for reads; works after ``fork``.
     """
 
-    def __init__(self, path: str | Path, *, strict: bool = True) -> None:
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY)
-        try:
-            self._size = os.fstat(self._fd).st_size
-            self._data_start = self._read_header()
-            self._index: dict[bytes, int] = {}
-            if self._read_index():
-                self.index_source = "index"
-            else:
-                self.index_source = "scan"
-                self._scan(strict)
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    # -- low level ---------------------------------------------------------------------
-    def _error(self, offset: int | None, message: str) -> RecordingError:
-        return RecordingError(self.path, offset, message)
-
-    def _read(self, offset: int, n: int, what: str) -> bytes:
-        if offset + n > self._size:
-            raise self._error(
-                offset,
-                f"truncated {what}: needs {n} bytes, the file ends {self._size - offset} "
-                "bytes later",
-            )
-        data = os.pread(self._fd, n, offset)
-        if len(data) != n:  # pragma: no cover - the size was checked
-            raise self._error(offset, f"short read of {what}")
-        return data
-
-    def _read_header(self) -> int:
-        if self._size < _HEAD.size:
-            raise self._error(0, f"truncated header: the file has {self._size} bytes")
-        magic, version, length, crc = _HEAD.unpack(self._read(0, _HEAD.size, "header"))
-        if magic != FILE_MAGIC:
-            raise self._error(0, f"not a topk-distill recording (magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise self._error(8, f"format version {version}; this reader reads {FORMAT_VERSION}")
-        body = self._read(_HEAD.size, length, "header")
-        if zlib.crc32(body) != crc:
-            raise self._error(_HEAD.size, "header CRC32 mismatch (corrupted)")
-        (info_len,) = _U32.unpack_from(body)
-        try:
-            self.info = pb.TeacherInfo.FromString(body[4 : 4 + info_len])
-            self.metadata: dict[str, Any] = json.loads(body[4 + info_len :].decode())
-        except (DecodeError, ValueError) as e:
-            raise self._error(_HEAD.size, f"unreadable header: {e}") from None
-        return _HEAD.size + length
-
-    def _record(self, offset: int) -> tuple[int, bytes, int]:
-        """Read and check the record at ``offset``: ``(kind, body, next offset)``."""
-        kind, flags, _, crc, n = _RECORD.unpack(self._read(offset, _RECORD.size, "record header"))
-        if kind not in (_KIND_EXCHANGE, _KIND_INDEX):
-            raise self._error(offset, f"unknown record kind {kind} (corrupted)")
-        if offset + _RECORD.size + n > self._size:
-            raise self._error(
-                offset,
-                f"truncated record: its {_RECORD.size}-byte header announces {n} bytes, the "
-                f"file ends {self._size - offset - _RECORD.size} bytes after the header",
-            )
-        body = self._read(offset + _RECORD.size, n, "record")
-        if zlib.crc32(body) != crc:
-            raise self._error(offset, "record CRC32 mismatch (corrupted)")
-        if flags & _FLAG_ZSTD:
-            zstd = _zstd()
-            if zstd is None:  # pragma: no cover
-                raise self._error(offset, "the record is zstd-compressed: install zstandard")
-            try:
-                body = zstd.ZstdDecompressor().decompress(body)
-            except zstd.ZstdError as e:
-                raise self._error(offset, f"zstd: {e}") from None
-        return kind, body, offset + _RECORD.size + n
-
-    def _exchange(self, offset: int, body: bytes) -> tuple[pb.ScoreRequest, pb.ScoreResponse]:
-        if len(body) < 4:
-            raise self._error(offset, "exchange record shorter than its length prefix")
-        (r,) = _U32.unpack_from(body)
-        if 4 + r > len(body):
-            raise self._error(offset, f"request length {r} exceeds the record")
-        try:
-            return (
-                pb.ScoreRequest.FromString(body[4 : 4 + r]),
-                pb.ScoreResponse.FromString(body[4 + r :]),
-            )
-        except DecodeError as e:
-            raise self._error(offset, f"unreadable message: {e}") from None
-
-    def _read_index(self) -> bool:
-        if self._size < self._data_start + _FOOTER.size:
-            return False
-        footer_at = self._size - _FOOTER.size
-        offset, count, crc, magic = _FOOTER.unpack(self._read(footer_at, _FOOTER.size, "footer"))
-        if magic != FOOTER_MAGIC:
-            return False
-        if zlib.crc32(struct.pack("<QI", offset, count)) != crc:
-            raise self._error(footer_at, "footer CRC32 mismatch (corrupted)")
-        if not self._data_start <= offset < footer_at:
-            raise self._error(footer_at, f"footer points to offset {offset}, outside the records")
-        kind, body, end = self._record(offset)
-        if kind != _KIND_INDEX or end != footer_at:
-            raise self._error(offset, "the footer does not point to the index record")
-        (n,) = _U32.unpack_from(body)
-        if n != count or len(body) != 4 + n * _ENTRY.size:
-            raise self._error(offset, f"index record holds {len(body)} bytes for {count} entries")
-        for key, off in _ENTRY.iter_unpack(body[4:]):
-            if not self._data_start <= off < offset:
-                raise self._error(
-                    offset, f"index entry points to offset {off}, outside the records"
-                )
-            self._index[key] = off
-        return True
-
-    def _scan(self, strict: bool) -> None:
-        offset = self._data_start
-        while offset < self._size:
-            try:
-                kind, body, nxt = self._record(offset)
-            except RecordingError as e:
-                if strict or "truncated" not in str(e):
-                    raise
-                warnings.warn(f"{e}; kept the {len(self._index)} complete records", stacklevel=3)
-                break
-            if kind == _KIND_EXCHANGE:
-                request, _ = self._exchange(offset, body)
-                self._index.setdefault(request_key(request), offset)
-            offset = nxt
-        message = (
-            f"recording {self.path}: no index at the end (the writer was not closed); "
-            f"scanned {len(self._index)} records"
+        self.metadata = _read_metadata(self.path)
+        self.info = json_format.ParseDict(
+            self.metadata["teacher"], pb.TeacherInfo(), ignore_unknown_fields=True
         )
-        log.warning(message)
-        warnings.warn(message, stacklevel=3)
+        self.top_k = int(self.metadata["top_k"])
+        self.dtype = str(self.metadata["dtype"])
+        self.temperature = float(self.metadata.get("temperature", 1.0))
+        self.skipped: list[str] = []
+        self._maps: list[pa.MemoryMappedFile] = []
+        self._chunks: list[_Chunk] = []
+        keys: list[bytes] = []
+        for shard in _shards(self.path):
+            for batch in self._read_shard(shard):
+                self._chunks.append(_Chunk(batch, self.top_k))
+                keys.extend(batch.column("key").to_pylist())
+        self._chunk_start = np.cumsum([0] + [c.num_rows for c in self._chunks])
+        self._keys = keys
+        self._copies: dict[bytes, list[_Copy]] | None = None
+        for line in self.skipped:
+            log.warning("%s", line)
+            warnings.warn(line, stacklevel=2)
 
-    # -- public ------------------------------------------------------------------------
+    def _read_shard(self, shard: Path) -> Iterator[pa.RecordBatch]:
+        size = shard.stat().st_size
+        if size == 0:
+            self.skipped.append(f"recording {self.path}: {shard.name} is empty (0 bytes)")
+            return
+        source = pa.memory_map(str(shard))
+        self._maps.append(source)
+        try:
+            stream = pa.ipc.open_stream(source)
+        except (pa.ArrowInvalid, OSError) as e:
+            self.skipped.append(f"recording {self.path}: {shard.name}: no readable schema ({e})")
+            return
+        if stream.schema.field("ids").type.value_type.list_size != self.top_k:
+            raise RecordingError(shard, None, f"ids: K differs from the recorded {self.top_k}")
+        n = 0
+        while True:
+            try:
+                batch = stream.read_next_batch()
+            except StopIteration:
+                return
+            except (pa.ArrowInvalid, OSError) as e:
+                self.skipped.append(
+                    f"recording {self.path}: {shard.name}: kept {n} complete batches; skipped "
+                    f"the {size - source.tell()} bytes after them (a batch cut short, e.g. by "
+                    f"a killed writer: {e})"
+                )
+                return
+            n += 1
+            yield batch
+
+    # -- access ------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._index)
+        """Rows (recorded sequences)."""
+        return len(self._keys)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._index
+    @property
+    def num_positions(self) -> int:
+        return int(sum(int((c.ends - c.starts).sum()) for c in self._chunks))
 
-    def keys(self) -> list[bytes]:
-        return list(self._index)
+    def row(self, i: int) -> RecordedSequence:
+        """Row ``i`` (in shard order)."""
+        if not 0 <= i < len(self._keys):
+            raise IndexError(f"row {i} of a recording with {len(self._keys)} rows")
+        c = int(np.searchsorted(self._chunk_start, i, side="right")) - 1
+        return self._chunks[c].row(i - int(self._chunk_start[c]))
 
-    def read_at(self, offset: int) -> tuple[pb.ScoreRequest, pb.ScoreResponse]:
-        """The exchange record at ``offset`` (CRC checked)."""
-        kind, body, _ = self._record(offset)
-        if kind != _KIND_EXCHANGE:
-            raise self._error(offset, "expected an exchange record")
-        return self._exchange(offset, body)
+    def key(self, i: int) -> bytes:
+        return self._keys[i]
 
-    def get(self, key: bytes) -> tuple[pb.ScoreRequest, pb.ScoreResponse] | None:
-        """The recorded request and answer with this key, or None. Random access."""
-        offset = self._index.get(key)
-        if offset is None:
-            return None
-        request, response = self.read_at(offset)
-        if request_key(request) != key:
-            raise self._error(offset, "the index points to another request (corrupted index)")
-        return request, response
+    def __iter__(self) -> Iterator[RecordedSequence]:
+        for chunk in self._chunks:
+            for r in range(chunk.num_rows):
+                yield chunk.row(r)
 
-    def lookup(self, request: pb.ScoreRequest) -> pb.ScoreResponse | None:
-        """The recorded answer to ``request``, or None."""
-        found = self.get(request_key(request))
-        return None if found is None else found[1]
+    def copies(self) -> dict[bytes, list[_Copy]]:
+        """key -> every recorded row of that sequence (built on first use)."""
+        if self._copies is None:
+            copies: dict[bytes, list[_Copy]] = {}
+            i = 0
+            for chunk in self._chunks:
+                for r in range(chunk.num_rows):
+                    copies.setdefault(self._keys[i], []).append(
+                        _Copy(i, int(chunk.starts[r]), int(chunk.ends[r]), bool(chunk.has_sampled[r]))
+                    )
+                    i += 1
+            self._copies = copies
+        return self._copies
 
-    def offsets(self) -> list[int]:
-        """Offsets of every exchange record, in file order."""
-        return sorted(self._index.values())
-
-    def __iter__(self) -> Iterator[tuple[pb.ScoreRequest, pb.ScoreResponse]]:
-        for offset in self.offsets():
-            yield self.read_at(offset)
+    def find(self, token_ids: bytes, start: int, end: int, sampled: bool) -> RecordedSequence | str:
+        """The recorded row holding positions ``[start, end)`` of this sequence (with
+        sampled log-probs when ``sampled``), or a sentence saying what is missing."""
+        found = self.copies().get(sequence_key(token_ids))
+        if not found:
+            return "the sequence is not recorded"
+        covering = [c for c in found if c.start <= start and end <= c.end]
+        if not covering:
+            have = ", ".join(f"[{c.start}, {c.end})" for c in found)
+            return f"positions [{start}, {end}) are not recorded (recorded: {have})"
+        if sampled:
+            covering = [c for c in covering if c.has_sampled]
+            if not covering:
+                return "its sampled log-probs are not recorded (recorded without them)"
+        return self.row(covering[0].row)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._chunks.clear()
+        for m in self._maps:
+            m.close()
+        self._maps.clear()

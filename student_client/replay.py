@@ -1,9 +1,12 @@
 """``ReplayClient``: the client interface, answered from a recording instead of a teacher.
 
-The same requests give the recorded payloads bit-exactly (the recorded bytes are
-decoded by the same code). A request that is not in the recording raises
-:class:`~student_client.errors.NotRecordedError` saying which one; lookups go through the
-recording's index (random access, no scan).
+Any batch composition and order, any K' <= the recorded K (rows are sorted, so the top-K'
+is the recorded row's prefix), any position sub-range inside a recorded one, and any
+dtype the teacher would have cast from the recorded values (see
+:func:`~student_client.recording.can_serve_dtype`) are answered byte-identically to the
+live teacher: the recorded values go through the teacher's own encoding and the client's
+own decoding. Anything else raises :class:`~student_client.errors.NotRecordedError`
+naming the sequence and what is missing; never NaN or zeros in place of data.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from student_client.payload import (
     request_includes_sampled,
     request_spans,
 )
-from student_client.recording import RecordingReader, request_key
-from student_client.wire import dtype_name, pb
+from student_client.recording import RecordingReader, can_serve_dtype
+from student_client.wire import dtype_name, encode_sequence, pb
 
-__all__ = ["ReplayClient", "describe_request"]
+__all__ = ["ReplayClient", "describe_request", "replay_response"]
 
 
 def describe_request(request: pb.ScoreRequest, max_tokens: int = 8) -> str:
@@ -51,14 +54,74 @@ def describe_request(request: pb.ScoreRequest, max_tokens: int = 8) -> str:
     )
 
 
+def _describe_sequence(i: int, token_ids: bytes, max_tokens: int = 8) -> str:
+    ids = np.frombuffer(token_ids, dtype="<i4")
+    more = ", ..." if len(ids) > max_tokens else ""
+    first = ", ".join(map(str, ids[:max_tokens].tolist()))
+    return f"sequences[{i}] ({len(ids)} tokens starting [{first}{more}])"
+
+
+def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.ScoreResponse:
+    """The answer the teacher would have sent to ``request``, from recorded rows.
+
+    Raises :class:`NotRecordedError` naming every sequence that cannot be answered
+    exactly and why (not recorded, positions, sampled log-probs, K, dtype).
+    """
+    k = int(request.top_k)
+    dtype = dtype_name(request_dtype(request))
+    sampled = request_includes_sampled(request)
+    where = f"recording {reader.path}"
+    if k > reader.top_k:
+        raise NotRecordedError(f"{where}: top_k {k} is more than the recorded K {reader.top_k}")
+    if not can_serve_dtype(reader.dtype, dtype):
+        raise NotRecordedError(
+            f"{where}: dtype {dtype}: the recording holds {reader.dtype} log-probs, which "
+            f"do not give the teacher's {dtype} values exactly (only a float32 recording "
+            "serves every dtype)"
+        )
+    out = pb.ScoreResponse(request_id=request.request_id, final=True)
+    problems: list[str] = []
+    for i, (seq, (start, end)) in enumerate(
+        zip(request.sequences, request_spans(request), strict=True)
+    ):
+        if start == end:  # the teacher answers an empty range without its engine
+            ids = np.zeros((0, k), np.int32)
+            lps = np.zeros((0, k), np.float32)
+            sp: np.ndarray | None = np.zeros(0, np.float32)
+        else:
+            row = reader.find(seq.token_ids, start, end, sampled)
+            if isinstance(row, str):
+                problems.append(f"{_describe_sequence(i, seq.token_ids)}: {row}")
+                continue
+            rows = slice(start - row.start, end - row.start)
+            ids = row.ids[rows, :k]
+            lps = row.logprobs[rows, :k].astype(np.float32)
+            sp = None if row.sampled_logprobs is None else row.sampled_logprobs[rows]
+        out.sequences.append(
+            encode_sequence(
+                ids,
+                lps,
+                sp if sampled else None,
+                dtype=dtype,
+                position_start=start,
+                sequence_index=i,
+            )
+        )
+    if problems:
+        raise NotRecordedError(
+            f"{where}: not recorded at top_k {k}, dtype {dtype}, include_sampled {sampled}: "
+            + "; ".join(problems)
+        )
+    return out
+
+
 class ReplayClient(Closeable):
-    """Serves ``info``/``score``/``stream`` from a recording file.
+    """Serves ``info``/``score``/``stream`` from a recording directory.
 
     Args:
         path: the recording (see :mod:`student_client.recording`).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against the recorded
             teacher's info at open; a mismatch raises VocabMismatchError.
-        strict: see :class:`~student_client.recording.RecordingReader`.
     """
 
     def __init__(
@@ -67,9 +130,8 @@ class ReplayClient(Closeable):
         *,
         expect_vocab_size: int | None = None,
         expect_tokenizer_fingerprint: str | None = None,
-        strict: bool = True,
     ) -> None:
-        self._reader = RecordingReader(path, strict=strict)
+        self._reader = RecordingReader(path)
         self._info = TeacherInfo.from_message(self._reader.info)
         try:
             self._info.check_schema()
@@ -96,7 +158,7 @@ class ReplayClient(Closeable):
         return self._reader.path
 
     def __len__(self) -> int:
-        """Requests in the recording."""
+        """Sequences (rows) in the recording."""
         return len(self._reader)
 
     def info(self) -> TeacherInfo:
@@ -122,14 +184,8 @@ class ReplayClient(Closeable):
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
         self._check(request)
-        found = self._reader.get(request_key(request))
-        if found is None:
-            raise NotRecordedError(
-                f"recording {self.path}: request not recorded: {describe_request(request)}; "
-                f"the recording holds {len(self._reader)} requests"
-            )
         asm = ResponseAssembler(request)
-        asm.add(found[1])
+        asm.add(replay_response(self._reader, request))
         return asm.payload(device)
 
     def score(

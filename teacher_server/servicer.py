@@ -116,6 +116,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
 
     async def _score(self, parsed: ParsedRequest) -> list[ScoredSequence]:
         """Score every sequence concurrently (the engine batches them)."""
+        self._backend.check_request(parsed)
         k = parsed.top_k
 
         async def one(seq: ParsedSequence) -> ScoredSequence:

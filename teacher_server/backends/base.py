@@ -68,6 +68,10 @@ class Backend(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine."""
 
+    def check_request(self, parsed: Any) -> None:  # noqa: B027 - optional hook
+        """Refuse a whole request (raise ``RequestError``) before any sequence is scored;
+        ``parsed`` is a ``teacher_server.validation.ParsedRequest``. Default: accept."""
+
     @abc.abstractmethod
     async def score(
         self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int

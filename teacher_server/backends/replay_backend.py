@@ -1,88 +1,79 @@
 """Replay backend: serve a recording (``teacher-server serve --backend replay``).
 
-At start every record is read once to build a per-sequence index: sha256 of (token ids,
-K, start, end) -> (record offset, sequence index). ``score`` looks a sequence up there,
-whatever batch it was recorded in, and decodes the recorded rows to float32; the server
-encodes them back to the asked dtype. float16 and bfloat16 widen to float32 exactly, so
-an answer is bit-exact when the sequence was recorded in float32 or in the asked dtype.
-When a sequence was recorded several times, the most precise copy wins (float32 >
-float16 > bfloat16, then one with sampled log-probs). A sequence that is not recorded is
-refused with NOT_FOUND naming it.
+A recording (:mod:`student_client.recording`) holds rows per sequence, looked up by the
+sequence's token ids whatever batch it was recorded in. Before scoring, every request is
+checked as a whole (:meth:`ReplayBackend.check_request`): each sequence must have a
+recorded row covering its positions, with sampled log-probs when they are asked for (a
+row without them is passed over for another copy that has them), K' <= the recorded K
+and a dtype the recorded values reproduce exactly. Otherwise the answer is NOT_FOUND
+naming every sequence and what is missing: never NaN or zeros in place of requested data.
+The recorded values go out through the server's own encoding, so answers are
+byte-identical to the teacher's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 
-from student_client.payload import request_dtype, request_includes_sampled, request_spans
-from student_client.recording import RecordingReader, sequence_key
-from student_client.wire import decode_sequence, pb
+from student_client.recording import RecordedSequence, RecordingReader, can_serve_dtype
+from student_client.wire import dtype_name
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.validation import RequestError
 
+if TYPE_CHECKING:
+    from teacher_server.validation import ParsedRequest
+
 __all__ = ["ReplayBackend"]
 
-_DTYPE_RANK: dict[int, int] = {
-    pb.LOGPROB_DTYPE_FLOAT32: 3,
-    pb.LOGPROB_DTYPE_FLOAT16: 2,
-    pb.LOGPROB_DTYPE_BFLOAT16: 1,
-}
-_RECORD_CACHE = 32  # decoded records kept (a batch's sequences share one record)
+
+def _describe(token_ids: npt.NDArray[np.int32], max_tokens: int = 8) -> str:
+    first = ", ".join(map(str, np.asarray(token_ids[:max_tokens]).tolist()))
+    more = ", ..." if len(token_ids) > max_tokens else ""
+    return f"sequence of {len(token_ids)} tokens starting [{first}{more}]"
 
 
 class ReplayBackend(Backend):
-    """Answers from a recording file.
+    """Answers from a recording directory.
 
     Args:
         path: the recording (:mod:`student_client.recording`).
-        max_top_k: largest K the server announces (requests for a K that was not
-            recorded are refused with NOT_FOUND anyway).
+        max_top_k: largest K the server announces (default: the recorded teacher's);
+            a K above the recorded one is refused with NOT_FOUND.
     """
 
-    def __init__(self, path: str | Path, *, max_top_k: int = 64) -> None:
+    def __init__(self, path: str | Path, *, max_top_k: int | None = None) -> None:
         self._path = Path(path)
         self._max_top_k = max_top_k
         self._reader: RecordingReader | None = None
-        # sequence key -> (rank, record offset, sequence index)
-        self._index: dict[bytes, tuple[tuple[int, int], int, int]] = {}
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._load)
-
-    def _load(self) -> None:
-        reader = RecordingReader(self._path)
-        self._reader = reader
-        self._read = functools.lru_cache(maxsize=_RECORD_CACHE)(reader.read_at)
-        for offset in reader.offsets():
-            request, _ = reader.read_at(offset)
-            rank = (_DTYPE_RANK[request_dtype(request)], int(request_includes_sampled(request)))
-            for i, (seq, (start, end)) in enumerate(
-                zip(request.sequences, request_spans(request), strict=True)
-            ):
-                key = sequence_key(seq.token_ids, int(request.top_k), start, end)
-                best = self._index.get(key)
-                if best is None or rank > best[0]:
-                    self._index[key] = (rank, offset, i)
-        info = reader.info
+        self._reader = await asyncio.to_thread(RecordingReader, self._path)
+        info = self._reader.info
         self.info = BackendInfo(
             model_name=info.model_name,
             vocab_size=int(info.vocab_size),
             tokenizer_fingerprint=info.tokenizer_fingerprint,
-            max_top_k=self._max_top_k,
+            max_top_k=self._max_top_k or int(info.max_top_k) or self._reader.top_k,
             max_sequence_length=int(info.max_sequence_length),
             name="replay",
         )
 
     @property
+    def reader(self) -> RecordingReader:
+        if self._reader is None:
+            raise RuntimeError("replay backend: not started")
+        return self._reader
+
+    @property
     def num_sequences(self) -> int:
-        """Distinct (sequence, K, positions) entries in the index."""
-        return len(self._index)
+        """Recorded rows."""
+        return len(self.reader)
 
     async def warmup(self) -> None:
         """Nothing to warm up (and the warm-up sequence is not recorded)."""
@@ -92,28 +83,63 @@ class ReplayBackend(Backend):
             self._reader.close()
             self._reader = None
 
+    def _not_found(self, message: str) -> RequestError:
+        return RequestError(
+            grpc.StatusCode.NOT_FOUND, f"replay: not recorded in {self._path.name}: {message}"
+        )
+
+    def check_request(self, parsed: ParsedRequest) -> None:
+        """Refuse with NOT_FOUND anything the recording cannot answer exactly."""
+        reader = self.reader
+        dtype = dtype_name(parsed.dtype)
+        if parsed.top_k > reader.top_k:
+            raise self._not_found(f"top_k {parsed.top_k}: the recorded K is {reader.top_k}")
+        if not can_serve_dtype(reader.dtype, dtype):
+            raise self._not_found(
+                f"dtype {dtype}: the recording holds {reader.dtype} log-probs, which do not "
+                f"give the teacher's {dtype} values exactly"
+            )
+        problems = []
+        for i, seq in enumerate(parsed.sequences):
+            if seq.start == seq.end:
+                continue
+            found = reader.find(
+                np.asarray(seq.token_ids, dtype="<i4").tobytes(),
+                seq.start,
+                seq.end,
+                parsed.include_sampled,
+            )
+            if isinstance(found, str):
+                problems.append(f"sequences[{i}] ({_describe(seq.token_ids)}): {found}")
+        if problems:
+            raise self._not_found(f"at top_k {parsed.top_k}: " + "; ".join(problems))
+
+    def _row(self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int) -> RecordedSequence:
+        ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        # A copy with sampled log-probs first; one without serves requests not asking for
+        # them (check_request refused the others before any scoring).
+        found = self.reader.find(ids, start, end, True)
+        if isinstance(found, str):
+            found = self.reader.find(ids, start, end, False)
+        if isinstance(found, str) or top_k > self.reader.top_k:
+            raise self._not_found(f"{_describe(token_ids)} at top_k {top_k}, positions [{start}, {end})")
+        return found
+
     async def score(
         self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
     ) -> ScoredSequence:
-        ids_bytes = np.asarray(token_ids, dtype="<i4").tobytes()
-        entry = self._index.get(sequence_key(ids_bytes, top_k, start, end))
-        if entry is None:
-            first = np.asarray(token_ids[:8]).tolist()
-            more = ", ..." if len(token_ids) > 8 else ""
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"replay: not recorded in {self._path.name}: sequence of {len(token_ids)} "
-                f"tokens starting [{', '.join(map(str, first))}{more}] at top_k {top_k}, "
-                f"positions [{start}, {end})",
-            )
-        _, offset, index = entry
-        _, response = self._read(offset)
-        payload = next(p for p in response.sequences if p.sequence_index == index)
-        dec = decode_sequence(payload)
-        n = len(dec.ids)
+        row = self._row(token_ids, top_k, start, end)
+        rows = slice(start - row.start, end - row.start)
+        n = end - start
         sampled = (
-            dec.sampled_logprobs
-            if dec.sampled_logprobs is not None and len(dec.sampled_logprobs) == n
+            row.sampled_logprobs[rows].astype(np.float32)
+            if row.sampled_logprobs is not None
+            # Only reached when the request does not ask for them (see check_request).
             else np.full(n, np.nan, np.float32)
         )
-        return ScoredSequence(dec.ids, dec.logprobs, sampled, start)
+        return ScoredSequence(
+            np.ascontiguousarray(row.ids[rows, :top_k]),
+            row.logprobs[rows, :top_k].astype(np.float32),
+            sampled,
+            start,
+        )

@@ -1,0 +1,187 @@
+"""Payload datasets for training loops: a recording as a ``torch.utils.data.Dataset``.
+
+    from torch.utils.data import DataLoader
+    from student_client.dataset import PayloadDataset, collate_payloads
+
+    ds = PayloadDataset("runs/scored")                  # a recording directory
+    loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                        collate_fn=collate_payloads)
+    for batch in loader:                                # many epochs, no teacher
+        logits = student(input_ids=batch.token_ids).logits          # [B, L, V]
+        loss = topk_kl_loss(logits, batch.payload.ids, batch.payload.logprobs,
+                            mask=batch.payload.mask, ...)
+
+Item ``i`` is recorded row ``i``: ``(token_ids [L] int64, SequencePayload)``. The collate
+function pads to the longest sequence / payload in the batch and returns a
+:class:`PayloadBatch` whose ``payload`` is the :class:`~student_client.payload.TeacherPayload`
+the live client returns for the same batch (row ``j`` of sequence ``b`` is position
+``payload.position_start[b] + j``, padding rows masked out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from student_client.errors import NotRecordedError
+from student_client.payload import TeacherPayload
+from student_client.recording import RecordingReader, can_serve_dtype
+from student_client.wire import dtype_from_name, dtype_name
+from student_client.wire.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
+
+__all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
+
+
+@dataclass(frozen=True)
+class SequencePayload:
+    """One sequence's recorded payload.
+
+    ``ids`` ``[S, K]`` int64; ``logprobs`` ``[S, K]`` float32 (the dtype's values widened
+    exactly); ``sampled_logprobs`` ``[S]`` float32 or ``None``; row ``j`` is position
+    ``position_start + j``.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    sampled_logprobs: torch.Tensor | None
+    position_start: int
+    top_k: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class PayloadBatch:
+    """A collated batch: ``token_ids`` ``[B, L]`` int64 (padded with ``pad_id``),
+    ``attention_mask`` ``[B, L]`` bool, and the teacher ``payload`` (``[B, S, K]``)."""
+
+    token_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    payload: TeacherPayload
+
+
+class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
+    """The rows of a recording, as ``(token_ids, payload)`` items.
+
+    Args:
+        path: the recording directory.
+        top_k: K' <= the recorded K (the top-K' prefix of each row); default: recorded K.
+        dtype: log-prob dtype to serve, the values the teacher would have sent in it
+            (float32 recordings serve every dtype); default: the recorded one.
+        include_sampled: also return sampled log-probs (every row must have them).
+
+    Picklable (it reopens the directory), so ``DataLoader`` workers of any start method
+    work; under ``fork`` they share the parent's decoded buffers.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        top_k: int | None = None,
+        dtype: str | None = None,
+        include_sampled: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
+        self._reader = RecordingReader(self.path)
+        r = self._reader
+        self.top_k = r.top_k if top_k is None else int(top_k)
+        self.dtype = r.dtype if dtype is None else dtype_name(dtype_from_name(dtype))
+        self.include_sampled = include_sampled
+        if not 1 <= self.top_k <= r.top_k:
+            raise NotRecordedError(f"top_k: {self.top_k} is outside [1, {r.top_k}] (recorded K)")
+        if not can_serve_dtype(r.dtype, self.dtype):
+            raise NotRecordedError(
+                f"dtype: {self.dtype} cannot be served exactly from {r.dtype} log-probs"
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], **state["options"])  # type: ignore[misc]
+
+    @property
+    def reader(self) -> RecordingReader:
+        return self._reader
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._reader.info.vocab_size)
+
+    def __len__(self) -> int:
+        return len(self._reader)
+
+    def _floats(self, x: np.ndarray) -> torch.Tensor:
+        if self.dtype == "bfloat16" and self._reader.dtype == "float32":
+            x = _bf16_bits_to_f32(_f32_to_bf16_bits(x))
+        elif self.dtype == "float16" and self._reader.dtype == "float32":
+            x = x.astype(np.float16)
+        return torch.from_numpy(np.array(x, dtype=np.float32))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, SequencePayload]:
+        row = self._reader.row(int(i))
+        sp = None
+        if self.include_sampled:
+            if row.sampled_logprobs is None:
+                raise NotRecordedError(
+                    f"recording {self.path}: row {i}: sampled log-probs are not recorded"
+                )
+            sp = self._floats(row.sampled_logprobs)
+        k = self.top_k
+        payload = SequencePayload(
+            ids=torch.from_numpy(row.ids[:, :k].astype(np.int64)),
+            logprobs=self._floats(np.ascontiguousarray(row.logprobs[:, :k])),
+            sampled_logprobs=sp,
+            position_start=row.start,
+            top_k=k,
+            dtype=self.dtype,
+        )
+        return torch.from_numpy(row.token_ids.astype(np.int64)), payload
+
+
+def collate_payloads(
+    items: Sequence[tuple[torch.Tensor, SequencePayload]], pad_id: int = 0
+) -> PayloadBatch:
+    """Pad a list of dataset items into a :class:`PayloadBatch` (padding rows: ids 0,
+    log-probs 0, sampled 0, mask False, as the live client pads)."""
+    if not items:
+        raise ValueError("items: empty batch")
+    b = len(items)
+    k = items[0][1].top_k
+    lengths = [len(t) for t, _ in items]
+    rows = [len(p.ids) for _, p in items]
+    s = max(rows)
+    tokens = torch.full((b, max(lengths)), pad_id, dtype=torch.int64)
+    attn = torch.zeros((b, max(lengths)), dtype=torch.bool)
+    ids = torch.zeros((b, s, k), dtype=torch.int64)
+    lps = torch.zeros((b, s, k), dtype=torch.float32)
+    with_sampled = items[0][1].sampled_logprobs is not None
+    sampled = torch.zeros((b, s), dtype=torch.float32) if with_sampled else None
+    mask = torch.zeros((b, s), dtype=torch.bool)
+    for j, (tok, p) in enumerate(items):
+        tokens[j, : len(tok)] = tok
+        attn[j, : len(tok)] = True
+        n = rows[j]
+        ids[j, :n] = p.ids
+        lps[j, :n] = p.logprobs
+        if sampled is not None and p.sampled_logprobs is not None:
+            sampled[j, :n] = p.sampled_logprobs
+        mask[j, :n] = True
+    payload = TeacherPayload(
+        ids=ids,
+        logprobs=lps,
+        sampled_logprobs=sampled,
+        mask=mask,
+        position_start=torch.tensor([p.position_start for _, p in items], dtype=torch.int64),
+        lengths=torch.tensor(rows, dtype=torch.int64),
+        top_k=k,
+        dtype=items[0][1].dtype,
+    )
+    return PayloadBatch(tokens, attn, payload)
