@@ -279,7 +279,10 @@ class RecordingWriter(Closeable):
                 old, new = getattr(r.info, field), getattr(self.info, field)
                 if old != new:
                     problems.append(f"{field}: recorded {old!r}, this teacher has {new!r}")
-            for name, mine, theirs in (("top_k", self.top_k, r.top_k), ("dtype", self.dtype, r.dtype)):
+            for name, mine, theirs in (
+                ("top_k", self.top_k, r.top_k),
+                ("dtype", self.dtype, r.dtype),
+            ):
                 if mine is not None and mine != theirs:
                     problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
             if problems:
@@ -608,7 +611,9 @@ class RecordingReader(Closeable):
             for chunk in self._chunks:
                 for r in range(chunk.num_rows):
                     copies.setdefault(self._keys[i], []).append(
-                        _Copy(i, int(chunk.starts[r]), int(chunk.ends[r]), bool(chunk.has_sampled[r]))
+                        _Copy(
+                            i, int(chunk.starts[r]), int(chunk.ends[r]), bool(chunk.has_sampled[r])
+                        )
                     )
                     i += 1
             self._copies = copies

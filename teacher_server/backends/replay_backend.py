@@ -114,7 +114,9 @@ class ReplayBackend(Backend):
         if problems:
             raise self._not_found(f"at top_k {parsed.top_k}: " + "; ".join(problems))
 
-    def _row(self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int) -> RecordedSequence:
+    def _row(
+        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
+    ) -> RecordedSequence:
         ids = np.asarray(token_ids, dtype="<i4").tobytes()
         # A copy with sampled log-probs first; one without serves requests not asking for
         # them (check_request refused the others before any scoring).
@@ -122,7 +124,9 @@ class ReplayBackend(Backend):
         if isinstance(found, str):
             found = self.reader.find(ids, start, end, False)
         if isinstance(found, str) or top_k > self.reader.top_k:
-            raise self._not_found(f"{_describe(token_ids)} at top_k {top_k}, positions [{start}, {end})")
+            raise self._not_found(
+                f"{_describe(token_ids)} at top_k {top_k}, positions [{start}, {end})"
+            )
         return found
 
     async def score(

@@ -1,0 +1,210 @@
+"""``teacher-record``: score a corpus of token sequences with a teacher into a payload dataset.
+
+    teacher-record --teacher HOST:PORT --input TOKENS --output DIR --top-k 16 [--dtype float16]
+
+``TOKENS`` is a Parquet file, an Arrow file (IPC file or stream), a JSONL file (one list
+of ints per line, or one object per line with the token column), or a Hugging Face
+``datasets`` dataset saved with ``save_to_disk`` (a directory). The token column is
+``--column`` (default: the first of ``input_ids``, ``token_ids``, ``tokens``).
+
+Every position of every sequence is scored (with sampled log-probs) and written to the
+recording directory ``DIR`` (:mod:`student_client.recording`). Re-running the same command
+skips sequences already recorded, so an interrupted run resumes where it stopped (losing
+at most the recorder's last flush interval, 2 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from student_client.client import TeacherClient
+from student_client.recording import (
+    COMPRESSIONS,
+    METADATA_FILE,
+    RecordingReader,
+)
+from student_client.wire import DTYPE_NAMES
+
+__all__ = ["build_parser", "main", "read_token_sequences"]
+
+TOKEN_COLUMNS = ("input_ids", "token_ids", "tokens")
+
+
+def _pick_column(names: Iterable[str], column: str | None, source: Path) -> str:
+    names = list(names)
+    if column is not None:
+        if column not in names:
+            raise SystemExit(f"teacher-record: --column {column!r} is not in {source} ({names})")
+        return column
+    for name in TOKEN_COLUMNS:
+        if name in names:
+            return name
+    raise SystemExit(
+        f"teacher-record: {source} has no token column ({', '.join(TOKEN_COLUMNS)}); "
+        f"its columns are {names}: pass --column"
+    )
+
+
+def _read_arrow(path: Path) -> pa.Table:
+    with pa.memory_map(str(path)) as src:
+        try:
+            return pa.ipc.open_file(src).read_all()
+        except pa.ArrowInvalid:
+            src.seek(0)
+            return pa.ipc.open_stream(src).read_all()
+
+
+def read_token_sequences(path: str | Path, column: str | None = None) -> list[np.ndarray]:
+    """Token-id sequences of a Parquet / Arrow / JSONL file or a saved ``datasets`` dataset."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            import datasets
+        except ImportError:
+            raise SystemExit(
+                f"teacher-record: {path} is a directory: reading a saved dataset needs "
+                "the `datasets` package"
+            ) from None
+        ds = datasets.load_from_disk(str(path))
+        table = ds.data.table if hasattr(ds, "data") else None
+        if table is None:
+            raise SystemExit(f"teacher-record: {path}: expected a Dataset, not a DatasetDict")
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+    elif path.suffix in (".arrow", ".feather", ".ipc"):
+        table = _read_arrow(path)
+    elif path.suffix in (".jsonl", ".json"):
+        out = []
+        with open(path) as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if isinstance(item, dict):
+                    item = item[_pick_column(item.keys(), column, path)]
+                if not isinstance(item, list) or not all(isinstance(v, int) for v in item):
+                    raise SystemExit(f"teacher-record: {path}:{n}: expected a list of ints")
+                out.append(np.asarray(item, dtype=np.int64))
+        return out
+    else:
+        raise SystemExit(
+            f"teacher-record: --input {path}: use .parquet, .arrow, .jsonl or a dataset directory"
+        )
+    col = table.column(_pick_column(table.column_names, column, path))
+    return [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="seq", desc="teacher-record")
+    except ImportError:
+        return _PlainProgress(total)
+
+
+class _PlainProgress:
+    """A progress line every few seconds when tqdm is not installed."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.n, self._last = total, 0, 0.0
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last > 5 or self.n == self.total:
+            self._last = now
+            print(f"teacher-record: {self.n}/{self.total} sequences", file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+def _batches(seqs: list[np.ndarray], size: int) -> Iterator[list[np.ndarray]]:
+    for i in range(0, len(seqs), size):
+        yield seqs[i : i + size]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="teacher-record", description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher", required=True, help="HOST:PORT (or a comma-separated list)")
+    ap.add_argument("--input", required=True, type=Path, help="token sequences (see above)")
+    ap.add_argument("--output", required=True, type=Path, help="recording directory")
+    ap.add_argument("--top-k", type=int, default=16, help="K (default 16)")
+    ap.add_argument(
+        "--dtype",
+        default="float16",
+        choices=sorted(DTYPE_NAMES),
+        help="log-prob dtype to record (float32 serves every dtype later; default float16)",
+    )
+    ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per request")
+    ap.add_argument("--depth", type=int, default=4, help="requests in flight")
+    ap.add_argument("--token", help="bearer token of the teacher")
+    ap.add_argument(
+        "--compression", default="zstd", choices=[c for c in COMPRESSIONS if c != "auto"]
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
+    seqs = read_token_sequences(args.input, args.column)
+    done = 0
+    if (args.output / METADATA_FILE).exists():
+        with RecordingReader(args.output) as r:
+            if r.top_k != args.top_k or r.dtype != args.dtype:
+                raise SystemExit(
+                    f"teacher-record: {args.output} holds K {r.top_k} {r.dtype}; "
+                    f"asked K {args.top_k} {args.dtype}"
+                )
+            todo = []
+            for s in seqs:
+                tok = s.astype("<i4").tobytes()
+                if isinstance(r.find(tok, 0, len(s), True), str):
+                    todo.append(s)
+            done = len(seqs) - len(todo)
+            seqs = todo
+    bar = _progress(len(seqs))
+    positions = 0
+    t0 = time.monotonic()
+    with TeacherClient(
+        args.teacher,
+        token=args.token,
+        record_to=args.output,
+        record_compression=args.compression,
+        record_metadata={"input": str(args.input)},
+    ) as client:
+        batches = list(_batches(seqs, args.batch_size))
+        for batch, payload in zip(
+            batches,
+            client.stream(batches, args.top_k, depth=args.depth, dtype=args.dtype),
+            strict=True,
+        ):
+            positions += payload.num_positions
+            bar.update(len(batch))
+    bar.close()
+    dt = time.monotonic() - t0
+    print(
+        f"teacher-record: scored {len(seqs)} sequences ({positions} positions, "
+        f"{positions / max(dt, 1e-9):.0f} positions/s); {done} were recorded already; "
+        f"-> {args.output}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
