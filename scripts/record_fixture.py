@@ -1,18 +1,22 @@
-"""Regenerate ``tests/data/tiny_vllm_recording.tkrec``: a small recording of the real
-vLLM-backed teacher on the tiny test model (``write_tiny_model(seed=0)``, vocab 512).
+"""Regenerate ``tests/data/tiny_vllm_recording/``: a small recording (a payload dataset
+directory, :mod:`student_client.recording`) of the real vLLM-backed teacher on the tiny
+test model (``write_tiny_model(seed=0)``, vocab 512).
 
-    python scripts/record_fixture.py [--out PATH] [--compression zstd|none]
+    python scripts/record_fixture.py [--out DIR] [--compression zstd|lz4|none]
 
 Starts ``teacher-server serve --backend vllm`` itself with the engine settings of the
-``vllm_teacher`` test fixture (float32 weights, max K 256), records a few requests that
-cover the payload's facets (ragged batches through ``stream``, sub-ranges of positions,
-every dtype, no sampled log-probs, a longer sequence), then asks every request again
+``vllm_teacher`` test fixture (float32 weights, max K 256), records at K = 64 in float32
+(so that replay can serve every K' <= 64 and every dtype) a few requests that cover the
+payload's facets (ragged batches through ``stream``, a sub-range of positions, a
+sequence without sampled log-probs, a longer sequence), then asks every request again
 (alone and in another batch) and reports whether the engine answered bit-identically.
+The tests replay it against the live engine of their own run.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +30,9 @@ from teacher_server.launch import TeacherProcess, start_teacher
 from teacher_server.tiny_model import TINY_SERVE_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording.tkrec"
+DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording"
+TOP_K = 64
+DTYPE = "float32"
 TEXTS = [
     b"def main():\n    return 0\n",
     b"import numpy as np\nx = np.arange(10)\n",
@@ -34,6 +40,7 @@ TEXTS = [
     b"class A:\n    pass\n",
     b"with open(path) as f:\n    data = f.read()\n",
     b"# comment\n",
+    b"x = [i * i for i in range(8)]\n",
 ]
 
 
@@ -54,30 +61,18 @@ def record(client: TeacherClient) -> list[TeacherPayload]:
             [
                 [_tokens(TEXTS[0]), _tokens(TEXTS[1]), _tokens(TEXTS[3])],
                 [_tokens(TEXTS[2])],
-                [_tokens(TEXTS[4]), _tokens(TEXTS[5])],
+                [_tokens(TEXTS[5])],
             ],
-            8,
+            TOP_K,
             depth=2,
+            dtype=DTYPE,
         )
     )
-    out.append(
-        client.score(
-            [_tokens(TEXTS[1]), _tokens(TEXTS[4])],
-            16,
-            dtype="float32",
-            positions=[(5, 20), (30, len(TEXTS[4]))],
-        )
-    )
-    out.append(client.score([_tokens(TEXTS[2])], 4, dtype="bfloat16", include_sampled=False))
+    # Only positions [10, 35) of this one; the next one without sampled log-probs.
+    out.append(client.score([_tokens(TEXTS[4])], TOP_K, dtype=DTYPE, positions=[(10, 35)]))
+    out.append(client.score([_tokens(TEXTS[6])], TOP_K, dtype=DTYPE, include_sampled=False))
     long_seq = torch.from_numpy(rng.integers(0, 512, size=300))
-    out.append(client.score(long_seq[None], 32, dtype="float16"))
-    out.extend(
-        client.stream(
-            [ScoreBatch([_tokens(TEXTS[0]), _tokens(TEXTS[3])], [(10, 25), (0, 1)])],
-            64,
-            dtype="bfloat16",
-        )
-    )
+    out.append(client.score(long_seq[None], TOP_K, dtype=DTYPE))
     return out
 
 
@@ -97,7 +92,7 @@ def _same(a: TeacherPayload, b: TeacherPayload) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--compression", default="zstd", choices=["zstd", "none"])
+    ap.add_argument("--compression", default="zstd", choices=["zstd", "lz4", "none"])
     args = ap.parse_args(argv)
     from teacher_server.tiny_model import write_tiny_model
 
@@ -106,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         server = start_vllm(model, Path(tmp) / "server.log")
         target = server.target
         try:
+            if args.out.exists():
+                shutil.rmtree(args.out)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             meta = {"model": "teacher_server.tiny_model.write_tiny_model(seed=0)"}
             with TeacherClient(
@@ -119,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 again = record(client)
                 # Batch 0's third sequence, alone: same rows as inside its batch?
                 n = len(TEXTS[3])
-                alone = client.score([_tokens(TEXTS[3])], 8)
+                alone = client.score([_tokens(TEXTS[3])], TOP_K, dtype=DTYPE)
                 rebatched = bool(
                     torch.equal(alone.ids[0, :n], first[0].ids[2, :n])
                     and torch.equal(alone.logprobs[0, :n], first[0].logprobs[2, :n])
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     same = all(_same(a, b) for a, b in zip(first, again, strict=True))
-    size = args.out.stat().st_size
+    size = sum(p.stat().st_size for p in args.out.iterdir())
     print(f"wrote {args.out} ({size} bytes, {len(first)} requests)")
     print(f"engine bit-identical on repeated requests: {same}; alone vs in a batch: {rebatched}")
     return 0

@@ -1,30 +1,38 @@
-"""The recording file format: round trip, keys, index vs scan, random access, and the
-errors on truncated or corrupted files (naming the file and the byte offset)."""
+"""Recordings (Arrow IPC directories): round trip, flexible replay against the teacher's own
+encoding, readers that do not import this project, a SIGKILLed writer, resume, and a
+student-only environment."""
 
 from __future__ import annotations
 
-import struct
-import warnings
-from collections.abc import Callable
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from student_client.errors import (
-    InvalidRequestError,
-    NotRecordedError,
-    RecordingError,
-    VocabMismatchError,
+from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
+from student_client.payload import (
+    ResponseAssembler,
+    TeacherPayload,
+    build_request,
+    request_includes_sampled,
+    request_spans,
 )
-from student_client.payload import ResponseAssembler, build_request
-from student_client.recording import RecordingReader, RecordingWriter, request_key
+from student_client.recording import RecordingReader, RecordingWriter, sequence_key
 from student_client.replay import ReplayClient
-from student_client.wire import pb
+from student_client.wire import encode_sequence, pb
 from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import iter_stream_responses
 
+ROOT = Path(__file__).resolve().parents[2]
 INFO = pb.TeacherInfo(
     model_name="fake",
     vocab_size=512,
@@ -33,193 +41,369 @@ INFO = pb.TeacherInfo(
     schema_version=1,
     backend="test",
 )
+K = 16
 
 
-def _exchange(
-    seed: int, k: int = 4, dtype: str = "float16"
-) -> tuple[pb.ScoreRequest, pb.ScoreResponse]:
-    """A request of 2 random sequences and a complete answer to it."""
+def _teacher(n: int, seed: int) -> tuple[np.ndarray, ScoredSequence]:
+    """A sequence of n tokens and a float32 teacher answer for all its positions."""
     rng = np.random.default_rng(seed)
-    seqs = [rng.integers(0, 512, size=n).tolist() for n in (int(rng.integers(2, 30)), 3)]
-    req = build_request(seqs, k, dtype=dtype, request_id=f"id-{seed}")
+    tokens = rng.integers(0, 512, size=n).astype(np.int32)
+    ids = np.argsort(rng.random((n, 512)), axis=1)[:, :K].astype(np.int32)
+    lps = -np.sort(rng.exponential(2.0, (n, K)).astype(np.float32), axis=1)
+    sampled = -rng.exponential(2.0, n).astype(np.float32)
+    sampled[-1] = np.nan
+    return tokens, ScoredSequence(ids, lps, sampled, 0)
+
+
+def _live(
+    corpus: dict[bytes, ScoredSequence], seqs: list[np.ndarray], k: int, **kwargs: Any
+) -> TeacherPayload:
+    """What the teacher would answer: the servicer's own slicing and encoding (streamed in
+    small chunks), decoded by the client's assembler."""
+    req = build_request(seqs, k, request_id="live", **kwargs)
     scored = []
-    for s in seqs:
-        n = len(s)
-        ids = np.argsort(rng.random((n, 512)), axis=1)[:, :k].astype(np.int32)
-        lps = -np.sort(rng.exponential(2.0, (n, k)).astype(np.float32), axis=1)
-        sampled = -rng.exponential(2.0, n).astype(np.float32)
-        sampled[-1] = np.nan
-        scored.append(ScoredSequence(ids, lps, sampled, 0))
+    for seq, (s, e) in zip(req.sequences, request_spans(req), strict=True):
+        full = corpus[seq.token_ids]
+        scored.append(
+            ScoredSequence(full.ids[s:e, :k], full.logprobs[s:e, :k], full.sampled_logprobs[s:e], s)
+        )
     asm = ResponseAssembler(req)
     for msg in iter_stream_responses(
-        req.request_id, scored, top_k=k, dtype=req.dtype, include_sampled=True, chunk_bytes=100
+        "live",
+        scored,
+        top_k=k,
+        dtype=req.dtype,
+        include_sampled=request_includes_sampled(req),
+        chunk_bytes=300,
     ):
         asm.add(msg)
-    return req, asm.merged_response()
+    return asm.payload()
 
 
-def _write(path: Path, n: int, *, compression: str = "zstd", close: bool = True) -> list:
-    pairs = [_exchange(i) for i in range(n)]
-    w = RecordingWriter(path, INFO, compression=compression, metadata={"note": "unit"})
-    for req, resp in pairs:
-        assert w.write(req, resp)
-    if close:
-        w.close()
-    return pairs
-
-
-@pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_round_trip_through_the_index(tmp_path: Path, compression: str) -> None:
-    path = tmp_path / "r.tkrec"
-    pairs = _write(path, 6, compression=compression)
-    with RecordingReader(path) as r:
-        assert r.index_source == "index"
-        assert len(r) == 6
-        assert r.info == INFO
-        assert r.metadata["note"] == "unit" and r.metadata["compression"] == compression
-        for req, resp in reversed(pairs):  # any order: random access
-            got_req, got_resp = r.get(request_key(req))  # type: ignore[misc]
-            assert got_req == req and got_resp == resp
-        assert [q for q, _ in r] == [q for q, _ in pairs]
-
-
-def test_zstd_makes_it_smaller(tmp_path: Path) -> None:
-    _write(tmp_path / "z.tkrec", 6, compression="zstd")
-    _write(tmp_path / "n.tkrec", 6, compression="none")
-    assert (tmp_path / "z.tkrec").stat().st_size < (tmp_path / "n.tkrec").stat().st_size
-
-
-def test_key_ignores_request_id_and_normalizes_positions() -> None:
-    a = build_request([[1, 2, 3], [4]], 4, request_id="a")
-    b = build_request([[1, 2, 3], [4]], 4, request_id="b", positions=[(0, 3), (0, 1)])
-    assert request_key(a) == request_key(b)
-    different = [
-        build_request([[1, 2, 3], [4]], 5),
-        build_request([[1, 2, 3], [4]], 4, dtype="float32"),
-        build_request([[1, 2, 3], [4]], 4, include_sampled=False),
-        build_request([[1, 2, 3], [4]], 4, positions=[(1, 3), (0, 1)]),
-        build_request([[1, 2, 3], [5]], 4),
-        build_request([[1, 2], [3, 4]], 4),  # same bytes, other split
-    ]
-    keys = {request_key(r) for r in different} | {request_key(a)}
-    assert len(keys) == len(different) + 1
-
-
-def test_duplicate_request_is_written_once(tmp_path: Path) -> None:
-    req, resp = _exchange(0)
-    with RecordingWriter(tmp_path / "d.tkrec", INFO) as w:
-        assert w.write(req, resp)
-        again = pb.ScoreRequest()
-        again.CopyFrom(req)
-        again.request_id = "other"
-        assert not w.write(again, resp)
-        assert len(w) == 1
-
-
-def test_missing_index_is_rebuilt_by_scanning_and_says_so(tmp_path: Path) -> None:
-    path = tmp_path / "open.tkrec"
-    pairs = _write(path, 4, close=False)  # the writer never closed: no index, no footer
-    with pytest.warns(UserWarning, match="no index at the end"), RecordingReader(path) as r:
-        assert r.index_source == "scan"
-        assert len(r) == 4
-        assert r.get(request_key(pairs[2][0]))[1] == pairs[2][1]  # type: ignore[index]
-
-
-def test_lookups_use_the_index_not_a_scan(tmp_path: Path) -> None:
-    """Corrupt one record: every other one is still served (a scan would stop there),
-    and reading the corrupt one names its offset."""
-    path = tmp_path / "c.tkrec"
-    pairs = _write(path, 5, compression="none")
-    with RecordingReader(path) as r:
-        offsets = r.offsets()
-    data = bytearray(path.read_bytes())
-    data[offsets[2] + 40] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with RecordingReader(path) as r:
-        for i in (0, 1, 3, 4):
-            assert r.get(request_key(pairs[i][0]))[1] == pairs[i][1]  # type: ignore[index]
-        with pytest.raises(RecordingError) as e:
-            r.get(request_key(pairs[2][0]))
-    assert e.value.offset == offsets[2]
-    assert str(path) in str(e.value) and f"byte offset {offsets[2]}" in str(e.value)
-    assert "CRC32" in str(e.value)
-
-
-def test_truncated_file_names_file_and_offset(tmp_path: Path) -> None:
-    path = tmp_path / "t.tkrec"
-    _write(path, 4)
-    with RecordingReader(path) as r:
-        offsets = r.offsets()
-    data = path.read_bytes()
-    path.write_bytes(data[: offsets[3] + 20])  # cut inside the last record
-    with pytest.raises(RecordingError) as e:
-        RecordingReader(path)
-    assert e.value.offset == offsets[3] and "truncated" in str(e.value)
-    assert str(path) in str(e.value)
-    # Not strict: the complete records are kept, with warnings.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with RecordingReader(path, strict=False) as r:
-            assert len(r) == 3
-    assert any("truncated" in str(w.message) for w in caught)
-
-
-@pytest.mark.parametrize(
-    ("mutate", "offset", "message"),
-    [
-        (lambda d: b"NOTAREC!" + d[8:], 0, "not a topk-distill recording"),
-        (lambda d: d[:10], 0, "truncated header"),
-        (lambda d: d[:20] + bytes([d[20] ^ 1]) + d[21:], 20, "header CRC32"),
-        (lambda d: d[:-24] + bytes([d[-24] ^ 1]) + d[-23:], -24, "footer CRC32"),
-        (lambda d: d[:-24] + struct.pack("<QI", 10, 0) + d[-12:], -24, "footer"),
-    ],
-)
-def test_corrupted_file_is_refused(
-    tmp_path: Path, mutate: Callable[[bytes], bytes], offset: int, message: str
-) -> None:
-    path = tmp_path / "x.tkrec"
-    _write(path, 3)
-    data = mutate(path.read_bytes())
-    path.write_bytes(data)
-    with pytest.raises(RecordingError, match=message) as e:
-        RecordingReader(path)
-    assert e.value.offset == (offset if offset >= 0 else len(data) + offset)
-    assert str(path) in str(e.value)
-
-
-def test_replay_client_answers_recorded_requests_bit_exactly(tmp_path: Path) -> None:
-    path = tmp_path / "rc.tkrec"
-    pairs = _write(path, 3)
-    with ReplayClient(path, expect_vocab_size=512) as client:
-        assert client.info().model_name == "fake" and len(client) == 3
-        for req, resp in pairs:
-            seqs = [np.frombuffer(s.token_ids, "<i4") for s in req.sequences]
-            got = client.score(seqs, req.top_k, dtype="float16")
+def _record(
+    path: Path, n: int, *, dtype: str = "float32", **kwargs: Any
+) -> dict[bytes, ScoredSequence]:
+    """Record n sequences (through ``write``, as the client does); returns the corpus."""
+    corpus = {}
+    with RecordingWriter(path, INFO, **kwargs) as w:
+        for i in range(n):
+            tokens, scored = _teacher(int(5 + 7 * i), seed=i)
+            corpus[tokens.tobytes()] = scored
+            live = _live({tokens.tobytes(): scored}, [tokens], K, dtype=dtype)
+            req = build_request([tokens], K, dtype=dtype)
             asm = ResponseAssembler(req)
-            asm.add(resp)
-            want = asm.payload()
-            assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs)
-            assert torch.equal(got.sampled_logprobs.isnan(), want.sampled_logprobs.isnan())  # type: ignore[union-attr]
-        streamed = list(
-            client.stream(
-                [[np.frombuffer(s.token_ids, "<i4") for s in q.sequences] for q, _ in pairs], 4
+            asm.add(
+                pb.ScoreResponse(
+                    final=True,
+                    sequences=[
+                        encode_sequence(
+                            live.ids[0].numpy(),
+                            live.logprobs[0].numpy(),
+                            live.sampled_logprobs[0].numpy(),  # type: ignore[index]
+                            dtype=dtype,
+                        )
+                    ],
+                )
             )
+            assert w.write(req, asm.merged_response()) == 1
+            assert w.write(req, asm.merged_response()) == 0  # already covered
+    return corpus
+
+
+def assert_bit_equal(a: TeacherPayload, b: TeacherPayload) -> None:
+    assert a.dtype == b.dtype and a.top_k == b.top_k
+    for x, y in ((a.ids, b.ids), (a.mask, b.mask), (a.position_start, b.position_start)):
+        assert torch.equal(x, y)
+    assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
+    if a.sampled_logprobs is None or b.sampled_logprobs is None:
+        assert a.sampled_logprobs is None and b.sampled_logprobs is None
+    else:
+        assert torch.equal(
+            a.sampled_logprobs.view(torch.int32), b.sampled_logprobs.view(torch.int32)
         )
-        assert len(streamed) == 3
-        with pytest.raises(NotRecordedError, match=r"request not recorded: 2 sequences .* top_k 5"):
-            client.score(seqs, 5)
-        with pytest.raises(InvalidRequestError, match="top_k: 65 is outside"):
-            client.score(seqs, 65)
-        with pytest.raises(InvalidRequestError, match=r"token_ids\[1\]: 600 is outside"):
-            client.score([[1, 600]], 4)
 
 
-def test_replay_client_checks_the_vocabulary(tmp_path: Path) -> None:
-    path = tmp_path / "v.tkrec"
-    _write(path, 1)
-    with pytest.raises(
-        VocabMismatchError, match="vocab_size: the teacher has 512, the student expects 320"
-    ):
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_round_trip_and_metadata(tmp_path: Path, dtype: str) -> None:
+    corpus = _record(tmp_path / "rec", 4, dtype=dtype)
+    with RecordingReader(tmp_path / "rec") as r:
+        assert (len(r), r.top_k, r.dtype, r.temperature, r.skipped) == (4, K, dtype, 1.0, [])
+        assert r.info == INFO
+        meta = json.loads((tmp_path / "rec" / "metadata.json").read_text())
+        assert meta["vocab_size"] == 512 and meta["tokenizer_fingerprint"] == "ab" * 32
+        for row in r:
+            full = corpus[row.token_ids.tobytes()]
+            assert np.array_equal(row.ids, full.ids)
+            assert row.logprobs.dtype == (np.float16 if dtype == "float16" else np.float32)
+            assert (row.start, row.end) == (0, len(full.ids))
+
+
+def test_flexible_replay_is_byte_identical_to_the_teacher(tmp_path: Path) -> None:
+    corpus = _record(tmp_path / "rec", 5)
+    seqs = [np.frombuffer(t, "<i4") for t in corpus]
+    with ReplayClient(tmp_path / "rec") as replay:
+        cases: list[tuple[list[np.ndarray], int, dict[str, Any]]] = [
+            ([seqs[3], seqs[0], seqs[4]], K, {"dtype": "float32"}),  # re-batched, shuffled
+            ([seqs[2]], 3, {"dtype": "float16"}),  # sub-K, float32 -> float16
+            ([seqs[4], seqs[1]], 8, {"dtype": "bfloat16", "positions": [(3, 20), (0, 1)]}),
+            ([seqs[1], seqs[1]], 1, {"include_sampled": False, "positions": [(2, 2), (4, 12)]}),
+        ]
+        for batch, k, kwargs in cases:
+            assert_bit_equal(_live(corpus, batch, k, **kwargs), replay.score(batch, k, **kwargs))
+        unknown = np.array([1, 2, 3], np.int32)
+        with pytest.raises(
+            NotRecordedError, match=r"sequences\[1\] \(3 tokens starting \[1, 2, 3\]\)"
+        ):
+            replay.score([seqs[0], unknown], 4)
+        with pytest.raises(NotRecordedError, match="top_k 17 is more than the recorded K 16"):
+            replay.score([seqs[0]], 17)
+
+
+def test_a_float16_recording_serves_only_float16(tmp_path: Path) -> None:
+    corpus = _record(tmp_path / "rec", 2, dtype="float16")
+    seqs = [np.frombuffer(t, "<i4") for t in corpus]
+    with ReplayClient(tmp_path / "rec") as replay:
+        p = replay.score(seqs[::-1], 5, dtype="float16")
+        assert_bit_equal(_live(corpus, seqs[::-1], 5, dtype="float16"), p)
+        for dtype in ("float32", "bfloat16"):
+            with pytest.raises(
+                NotRecordedError, match=f"dtype {dtype}: the recording holds float16"
+            ):
+                replay.score(seqs, 5, dtype=dtype)
+
+
+def test_copies_positions_and_sampled(tmp_path: Path) -> None:
+    """A sequence recorded twice: [0, 10) without sampled log-probs, then [5, 30) with."""
+    tokens, full = _teacher(30, seed=9)
+    corpus = {tokens.tobytes(): full}
+    with RecordingWriter(tmp_path / "rec", INFO, top_k=K, dtype="float32") as w:
+        assert w.add(tokens, full.ids[:10], full.logprobs[:10], None, start=0, dtype="float32")
+        assert not w.add(tokens, full.ids[2:8], full.logprobs[2:8], None, start=2, dtype="float32")
+        assert w.add(
+            tokens,
+            full.ids[5:],
+            full.logprobs[5:],
+            full.sampled_logprobs[5:],
+            start=5,
+            dtype="float32",
+        )
+    with ReplayClient(tmp_path / "rec") as replay:
+        for pos, sampled in (((0, 10), False), ((6, 30), True), ((5, 9), True)):
+            kw: dict[str, Any] = {"positions": [pos], "include_sampled": sampled}
+            assert_bit_equal(_live(corpus, [tokens], K, **kw), replay.score([tokens], K, **kw))
+        with pytest.raises(NotRecordedError, match="sampled log-probs are not recorded"):
+            replay.score([tokens], K, positions=[(0, 4)])
+        with pytest.raises(
+            NotRecordedError,
+            match=r"positions \[0, 30\) are not recorded \(recorded: \[0, 10\), \[5, 30\)\)",
+        ):
+            replay.score([tokens], K, positions=[(0, 30)], include_sampled=False)
+
+
+def test_resume_appends_a_shard_and_checks_the_teacher(tmp_path: Path) -> None:
+    path = tmp_path / "rec"
+    _record(path, 2)
+    tokens, full = _teacher(12, seed=77)
+    with RecordingWriter(path, INFO) as w:  # K and dtype come from metadata.json
+        assert len(w) == 2 and (w.top_k, w.dtype) == (K, "float32")
+        assert w.add(
+            tokens, full.ids, full.logprobs, full.sampled_logprobs, start=0, dtype="float32"
+        )
+        with pytest.raises(RecordingError, match="top_k: 8 is less than the recorded 16"):
+            w.add(tokens, full.ids[:, :8], full.logprobs[:, :8], None, start=0, dtype="float32")
+        with pytest.raises(RecordingError, match="dtype: float16 log-probs cannot give"):
+            w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float16")
+    assert len(list(path.glob("*.arrow"))) == 2
+    with RecordingReader(path) as r:
+        assert len(r) == 3
+    other = pb.TeacherInfo()
+    other.CopyFrom(INFO)
+    other.vocab_size = 320
+    with pytest.raises(RecordingError, match="vocab_size: recorded 512, this teacher has 320"):
+        RecordingWriter(path, other)
+    with pytest.raises(VocabMismatchError, match="vocab_size"):
         ReplayClient(path, expect_vocab_size=320)
-    with pytest.raises(VocabMismatchError, match="tokenizer_fingerprint"):
-        ReplayClient(path, expect_tokenizer_fingerprint="00")
+    with pytest.raises(RecordingError, match="no metadata.json"):
+        RecordingReader(tmp_path)
+
+
+_PLAIN_READER = textwrap.dedent(
+    """
+    import glob, json, sys
+    import numpy as np, pyarrow as pa
+    root = sys.argv[1]
+    files = sorted(glob.glob(root + "/*.arrow"))
+    table = pa.concat_tables(pa.ipc.open_stream(f).read_all() for f in files)
+    k = json.load(open(root + "/metadata.json"))["top_k"]
+    out = {"pyarrow": [], "datasets": []}
+    for i in range(table.num_rows):
+        row = table.slice(i, 1)
+        ids = np.asarray(row.column("ids").combine_chunks().flatten().flatten()).reshape(-1, k)
+        lps = np.asarray(row.column("logprobs").combine_chunks().flatten().flatten())
+        out["pyarrow"].append([row.column("token_ids")[0].as_py(), ids.tolist(),
+                               lps.astype(np.float32).reshape(-1, k).tolist()])
+    import datasets
+    ds = datasets.load_dataset("arrow", data_files=files, split="train").with_format("numpy")
+    for i in range(len(ds)):
+        r = ds[i]
+        out["datasets"].append([r["token_ids"].tolist(), np.stack(r["ids"]).tolist(),
+                                np.stack(r["logprobs"]).astype(np.float32).tolist()])
+    ds2 = datasets.Dataset.from_file(files[0])
+    assert len(ds2) > 0 and ds2.features["ids"] is not None
+    assert "student_client" not in sys.modules and "teacher_server" not in sys.modules
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4", "none"])
+def test_plain_pyarrow_and_datasets_read_what_the_project_decodes(
+    tmp_path: Path, compression: str
+) -> None:
+    path = tmp_path / "rec"
+    _record(path, 3, dtype="float16", compression=compression)
+    res = subprocess.run(
+        [sys.executable, "-c", _PLAIN_READER, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    with RecordingReader(path) as r:
+        mine = [
+            [row.token_ids.tolist(), row.ids.tolist(), row.logprobs.astype(np.float32).tolist()]
+            for row in r
+        ]
+    assert len(mine) == 3
+    assert got["pyarrow"] == mine
+    assert got["datasets"] == mine
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from student_client.recording import RecordingWriter
+    from student_client.wire import pb
+    info = pb.TeacherInfo(model_name="fake", vocab_size=512, max_top_k=64, schema_version=1)
+    w = RecordingWriter(sys.argv[1], info, top_k=4, dtype="float16", flush_interval_s=0.2)
+    rng = np.random.default_rng(0)
+    i = 0
+    while True:
+        n = 3 + i % 20
+        tok = np.full(n, i % 512) + np.arange(n) * 0
+        tok[0] = i // 512
+        ids = np.tile(np.arange(4, dtype=np.int32), (n, 1)) + i % 100
+        lps = -np.sort(rng.exponential(2.0, (n, 4)).astype(np.float32), axis=1)
+        w.add(tok, ids, lps, lps[:, 0], start=0, dtype="float32")
+        print(i, flush=True)  # row i is added (it reaches the file at the next flush)
+        i += 1
+        time.sleep(0.002)
+    """
+)
+
+
+def test_a_sigkilled_writer_loses_at_most_the_last_flush_interval(tmp_path: Path) -> None:
+    path = tmp_path / "rec"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.stdout is not None
+    added = 0
+    t0 = time.monotonic()
+    while added < 600 and time.monotonic() - t0 < 120:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        added = int(line) + 1
+    time.sleep(0.37)  # mid-interval: some rows flushed, some only in memory
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    added_before_kill = added + sum(1 for _ in proc.stdout)
+    rng = np.random.default_rng(0)
+    with RecordingReader(path) as r:
+        n = len(r)
+        assert 0 < n <= added_before_kill
+        # Every kept row is byte-identical to what was written, in order.
+        for i, row in enumerate(r):
+            m = 3 + i % 20
+            lps = -np.sort(rng.exponential(2.0, (m, 4)).astype(np.float32), axis=1)
+            assert row.logprobs.tobytes() == lps.astype(np.float16).tobytes()
+            assert row.sampled_logprobs is not None
+            assert row.sampled_logprobs.tobytes() == lps[:, 0].astype(np.float16).tobytes()
+            assert row.ids.tolist() == (np.tile(np.arange(4), (m, 1)) + i % 100).tolist()
+            assert row.token_ids[0] == i // 512
+        print(f"kept {n} of {added_before_kill} rows added; skipped: {r.skipped}")
+    # Rows added more than a flush interval (0.2 s) before the kill were flushed: the
+    # writer added about one row per 2-3 ms, so at most ~0.6 s of rows may be missing.
+    assert added_before_kill - n < 400
+
+
+def test_truncated_last_batch_is_skipped_and_reported(tmp_path: Path) -> None:
+    path = tmp_path / "rec"
+    _record(path, 3, compression="none", flush_interval_s=1000)
+    with RecordingWriter(path, INFO, flush_interval_s=1000) as w:
+        for i in range(2):
+            tokens, full = _teacher(40, seed=100 + i)
+            w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
+            w.flush()
+    shard = sorted(path.glob("*.arrow"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 8 - 300])  # cut the end-of-stream and the last batch
+    with pytest.warns(UserWarning, match=r"kept 1 complete batches; skipped the \d+ bytes"):
+        r = RecordingReader(path)
+    with r:
+        assert len(r) == 4 and len(r.skipped) == 1 and shard.name in r.skipped[0]
+
+
+def test_key_is_the_token_ids_only() -> None:
+    a = np.array([1, 2, 3])
+    assert sequence_key(a) == sequence_key(a.astype("<i4").tobytes()) == sequence_key([1, 2, 3])
+    assert sequence_key(a) != sequence_key(np.array([1, 2, 3, 0]))
+    assert len(sequence_key(a)) == 32
+
+
+_STUDENT_ONLY = textwrap.dedent(
+    """
+    import sys, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in ("zstandard", "vllm", "transformers", "datasets",
+                                      "teacher_server", "fastapi"):
+                raise ImportError(f"{name} is not installed (student-only)")
+    sys.meta_path.insert(0, Block())
+    import numpy as np
+    from student_client.recording import RecordingWriter
+    from student_client.replay import ReplayClient
+    from student_client.wire import pb
+    info = pb.TeacherInfo(model_name="m", vocab_size=512, max_top_k=64, schema_version=1)
+    rng = np.random.default_rng(0)
+    with RecordingWriter(sys.argv[1], info, top_k=8, dtype="float32") as w:
+        ids = np.argsort(rng.random((9, 512)), 1)[:, :8]
+        lps = -np.sort(rng.exponential(2, (9, 8)).astype(np.float32), 1)
+        w.add(np.arange(9), ids, lps, None, start=0, dtype="float32")
+    with ReplayClient(sys.argv[1]) as c:
+        p = c.score([np.arange(9)], 4, dtype="bfloat16", include_sampled=False)
+    print(tuple(p.ids.shape), p.dtype)
+    """
+)
+
+
+def test_student_only_environment_records_and_replays(tmp_path: Path) -> None:
+    """zstd comes from pyarrow: no zstandard, server or engine package is imported."""
+    res = subprocess.run(
+        [sys.executable, "-c", _STUDENT_ONLY, str(tmp_path / "rec")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["(1,", "9,", "4)", "bfloat16"]

@@ -1,0 +1,83 @@
+"""PayloadDataset + collate: items equal the recorded rows, batches equal what the replay
+client (and so the teacher) returns for the same batch, and a shuffling DataLoader with
+worker processes sees every row once per epoch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_recording import INFO, K, _teacher, assert_bit_equal
+from torch.utils.data import DataLoader
+
+from student_client.dataset import PayloadDataset, collate_payloads
+from student_client.errors import NotRecordedError
+from student_client.recording import RecordingWriter
+from student_client.replay import ReplayClient
+
+
+@pytest.fixture
+def recording(tmp_path: Path) -> Path:
+    path = tmp_path / "rec"
+    with RecordingWriter(path, INFO, top_k=K, dtype="float32") as w:
+        for i in range(12):
+            tokens, full = _teacher(4 + 3 * i, seed=i)
+            s = i % 3  # some rows start later than position 0
+            w.add(
+                tokens,
+                full.ids[s:],
+                full.logprobs[s:],
+                full.sampled_logprobs[s:],
+                start=s,
+                dtype="float32",
+            )
+    return path
+
+
+@pytest.mark.parametrize(("k", "dtype"), [(K, "float32"), (5, "bfloat16"), (1, "float16")])
+def test_collated_batches_equal_the_replayed_payloads(recording: Path, k: int, dtype: str) -> None:
+    ds = PayloadDataset(recording, top_k=k, dtype=dtype, include_sampled=True)
+    assert len(ds) == 12 and ds.vocab_size == 512
+    order = [7, 2, 11, 0]
+    batch = collate_payloads([ds[i] for i in order])
+    with ReplayClient(recording) as replay:
+        seqs = [ds[i][0] for i in order]
+        starts = [ds[i][1].position_start for i in order]
+        want = replay.score(
+            seqs, k, dtype=dtype, positions=[(s, len(t)) for s, t in zip(starts, seqs, strict=True)]
+        )
+    assert_bit_equal(want, batch.payload)
+    lengths = [len(t) for t in seqs]
+    assert batch.token_ids.shape == (4, max(lengths))
+    assert batch.attention_mask.sum(1).tolist() == lengths
+    for b, t in enumerate(seqs):
+        assert torch.equal(batch.token_ids[b, : len(t)], t)
+
+
+def test_dataloader_shuffles_with_two_workers(recording: Path) -> None:
+    ds = PayloadDataset(recording)
+    loader = DataLoader(ds, batch_size=5, shuffle=True, num_workers=2, collate_fn=collate_payloads)
+    for _epoch in range(2):
+        seen = []
+        for batch in loader:
+            for b in range(batch.token_ids.shape[0]):
+                n = int(batch.attention_mask[b].sum())
+                seen.append(tuple(batch.token_ids[b, :n].tolist()))
+            assert batch.payload.sampled_logprobs is None
+        assert sorted(seen) == sorted(tuple(ds[i][0].tolist()) for i in range(len(ds)))
+
+
+def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
+    with pytest.raises(NotRecordedError, match="top_k: 17"):
+        PayloadDataset(recording, top_k=17)
+    path = tmp_path / "f16"
+    tokens, full = _teacher(6, seed=1)
+    with RecordingWriter(path, INFO, top_k=K, dtype="float16") as w:
+        w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
+    with pytest.raises(NotRecordedError, match="float32 cannot be served exactly from float16"):
+        PayloadDataset(path, dtype="float32")
+    with pytest.raises(NotRecordedError, match="row 0: sampled log-probs are not recorded"):
+        PayloadDataset(path, include_sampled=True)[0]
+    assert np.array_equal(PayloadDataset(path)[0][1].ids.numpy(), full.ids)
