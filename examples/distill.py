@@ -11,11 +11,13 @@ teacher's own cross-entropy, prints a table, and writes a PNG of the training cu
     python -m examples.distill --teacher 127.0.0.1:50051 [--steps 300] [--out runs/distill]
     python -m examples.distill --teacher 127.0.0.1:50051 --record runs/rec.tdrec
     python -m examples.distill --replay runs/rec.tdrec
+    python -m examples.distill --dataset runs/rec.tdrec    # shuffled DataLoader, many epochs
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -136,6 +138,49 @@ def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:
     )
 
 
+def _dataset_batches(path: Path, cfg: DistillConfig, vocab_size: int) -> Iterator[Any]:
+    """``(tokens [B, T], payload)`` for ``cfg.steps`` steps from a payload dataset
+    (``PayloadDataset``: a recording), shuffled, epoch after epoch, no teacher."""
+    from torch.utils.data import DataLoader
+
+    from student_client.dataset import PayloadDataset, collate_payloads
+
+    ds = PayloadDataset(path, top_k=cfg.top_k)
+    if ds.vocab_size != vocab_size:
+        raise SystemExit(f"--dataset: vocab_size {ds.vocab_size}, the student has {vocab_size}")
+    loader = DataLoader(
+        ds,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=collate_payloads,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    step = 0
+    while True:
+        for batch in loader:
+            if bool((batch.payload.position_start != 0).any()):
+                raise SystemExit("--dataset: rows must hold every position (start 0)")
+            yield batch.token_ids, batch.payload
+            step += 1
+            if step == cfg.steps:
+                return
+
+
+@contextlib.contextmanager
+def _training_batches(
+    args: argparse.Namespace, cfg: DistillConfig, vocab_size: int, batches: list[torch.Tensor]
+) -> Iterator[Iterator[Any]]:
+    """``(tokens, payload)`` per step: the sampled windows with the teacher's (or a
+    recording's) payloads, prefetched; or a payload dataset's shuffled batches."""
+    if args.dataset:
+        yield _dataset_batches(args.dataset, cfg, vocab_size)
+        return
+    with _open_client(args, vocab_size) as client:
+        payloads: Iterator[Any] = client.stream(batches, cfg.top_k, depth=cfg.depth)
+        yield zip(batches, payloads, strict=True)
+
+
 def _progress(total: int) -> Any:
     try:
         from tqdm import tqdm
@@ -173,9 +218,8 @@ def run_distill(args: argparse.Namespace, cfg: DistillConfig) -> RunResult:
     bar = _progress(cfg.steps)
     t0 = time.perf_counter()
     mass = 0.0
-    with _open_client(args, vocab) as client:
-        payloads: Iterator[Any] = client.stream(batches, cfg.top_k, depth=cfg.depth)
-        for step, (x, payload) in enumerate(zip(batches, payloads, strict=True), start=1):
+    with _training_batches(args, cfg, vocab, batches) as pairs:
+        for step, (x, payload) in enumerate(pairs, start=1):
             logits = student(input_ids=x).logits  # [B, T, V]
             loss, stats = topk_kl_loss(
                 logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
@@ -261,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--teacher", help="teacher target: host:port, dns:///name:port, or a,b,c")
     src.add_argument("--replay", type=Path, help="train against a recording instead")
+    src.add_argument(
+        "--dataset", type=Path, help="train on a payload dataset (a recording), shuffled"
+    )
     ap.add_argument("--record", type=Path, help="record the teacher's payloads to this file")
     ap.add_argument(
         "--token",

@@ -1,7 +1,8 @@
 """The main job, short: a briefly pretrained byte-level teacher (as ``make demo`` builds,
 with a smaller budget) served by a real vLLM-backed ``teacher-server``; a fresh student
 distilled through the client must lower held-out KL(teacher || student) clearly; then the
-same run through a recording gives the same numbers.
+same run through a recording gives the same numbers, and training on the recording as a
+shuffled payload dataset (``--dataset``) lowers the KL too.
 
 (The session's shared vLLM server runs a *random* model: nothing a small student can
 imitate in a few steps. This test needs a teacher that learned something, so it starts
@@ -59,7 +60,7 @@ def test_distill_reduces_heldout_kl_and_replays(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    rec = tmp_path / "run.tdrec"
+    rec = tmp_path / "run-recording"
     live = tmp_path / "live"
     code = distill.main(
         ["--teacher", pretrained_teacher.target, "--teacher-dir", str(teacher_dir),
@@ -88,3 +89,12 @@ def test_distill_reduces_heldout_kl_and_replays(
     assert again["after"]["kl_teacher_student"] == pytest.approx(
         after["kl_teacher_student"], rel=1e-4
     )
+
+    shuffled = tmp_path / "dataset"
+    code = distill.main(
+        ["--dataset", str(rec), "--teacher-dir", str(teacher_dir), "--out", str(shuffled), *ARGS]
+    )
+    assert code == 0
+    ds_result = _result(shuffled)
+    assert len(ds_result["train_loss"]) == 24
+    assert ds_result["after"]["kl_teacher_student"] < 0.5 * before["kl_teacher_student"]
