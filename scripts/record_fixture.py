@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from student_client.client import ScoreBatch, TeacherClient
+from student_client.client import TeacherClient
 from student_client.payload import TeacherPayload
 from teacher_server.launch import TeacherProcess, start_teacher
 from teacher_server.tiny_model import TINY_SERVE_ARGS

@@ -223,7 +223,7 @@ def test_resume_appends_a_shard_and_checks_the_teacher(tmp_path: Path) -> None:
         RecordingWriter(path, other)
     with pytest.raises(VocabMismatchError, match="vocab_size"):
         ReplayClient(path, expect_vocab_size=320)
-    with pytest.raises(RecordingError, match="no metadata.json"):
+    with pytest.raises(RecordingError, match=r"no metadata\.json"):
         RecordingReader(tmp_path)
 
 

@@ -19,7 +19,7 @@ from student_client.recording import RecordingWriter
 from student_client.replay import ReplayClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "student_client"))
-from test_recording import INFO, K, _live, _teacher, assert_bit_equal  # noqa: E402
+from test_recording import INFO, K, _live, _teacher, assert_bit_equal
 
 
 def test_replay_server_serves_recorded_values_or_not_found(
