@@ -397,11 +397,11 @@ class RecordingWriter(Closeable):
         for i, (seq, (start, _)) in enumerate(zip(request.sequences, spans, strict=True)):
             if i not in by_index:
                 raise ValueError(f"response: sequence {i} is missing")
+            if start == spans[i][1]:
+                continue  # an empty range: nothing to record
             dec = decode_sequence(by_index[i])
             tokens = np.frombuffer(seq.token_ids, dtype="<i4")
             sp = dec.sampled_logprobs if sampled else None
-            if sampled and sp is None:
-                sp = np.zeros(0, np.float32)
             n += self.add(tokens, dec.ids, dec.logprobs, sp, start=start, dtype=dtype)
         return n
 
