@@ -11,8 +11,8 @@ In one run:
    wire carries K x (4 + 2) + 2 = 386 bytes per position at K = 64 float16), write and
    read seconds per million positions.
 3. ``PayloadDataset`` + ``DataLoader(shuffle=True, collate_fn=collate_payloads)`` over the
-   recording for ``--epochs`` epochs, with 0 and 2 worker processes: positions/s, and the
-   ratio to the live teacher's.
+   recording for ``--epochs`` epochs (after one warm-up epoch; workers persistent), with
+   0 and 2 worker processes: positions/s, and the ratio to the live teacher's.
 
     python benchmarks/bench_datasets.py [--sequences 128] [--seq-len 512] [--k 64]
 """
@@ -112,8 +112,15 @@ def storage(rec: Path, out: Path) -> list[tuple[str, float, float, float]]:
 def dataset_throughput(rec: Path, batch: int, epochs: int, workers: int) -> float:
     ds = PayloadDataset(rec)
     loader = DataLoader(
-        ds, batch_size=batch, shuffle=True, num_workers=workers, collate_fn=collate_payloads
+        ds,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate_payloads,
+        persistent_workers=workers > 0,
     )
+    for _ in loader:  # warm-up epoch: starts the workers
+        pass
     positions = 0
     t0 = time.perf_counter()
     for _ in range(epochs):

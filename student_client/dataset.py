@@ -158,30 +158,32 @@ def collate_payloads(
     lengths = [len(t) for t, _ in items]
     rows = [len(p.ids) for _, p in items]
     s = max(rows)
-    tokens = torch.full((b, max(lengths)), pad_id, dtype=torch.int64)
-    attn = torch.zeros((b, max(lengths)), dtype=torch.bool)
-    ids = torch.zeros((b, s, k), dtype=torch.int64)
-    lps = torch.zeros((b, s, k), dtype=torch.float32)
+    # numpy buffers: np.zeros gets lazily zeroed pages from the OS, where torch.zeros
+    # fills them with its thread pool (slow on a busy CPU); the tensors share the memory.
+    tokens = np.full((b, max(lengths)), pad_id, dtype=np.int64)
+    attn = np.zeros((b, max(lengths)), dtype=np.bool_)
+    ids = np.zeros((b, s, k), dtype=np.int64)
+    lps = np.zeros((b, s, k), dtype=np.float32)
     with_sampled = items[0][1].sampled_logprobs is not None
-    sampled = torch.zeros((b, s), dtype=torch.float32) if with_sampled else None
-    mask = torch.zeros((b, s), dtype=torch.bool)
+    sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
+    mask = np.zeros((b, s), dtype=np.bool_)
     for j, (tok, p) in enumerate(items):
-        tokens[j, : len(tok)] = tok
+        tokens[j, : len(tok)] = tok.numpy()
         attn[j, : len(tok)] = True
         n = rows[j]
-        ids[j, :n] = p.ids
-        lps[j, :n] = p.logprobs
+        ids[j, :n] = p.ids.numpy()
+        lps[j, :n] = p.logprobs.numpy()
         if sampled is not None and p.sampled_logprobs is not None:
-            sampled[j, :n] = p.sampled_logprobs
+            sampled[j, :n] = p.sampled_logprobs.numpy()
         mask[j, :n] = True
     payload = TeacherPayload(
-        ids=ids,
-        logprobs=lps,
-        sampled_logprobs=sampled,
-        mask=mask,
+        ids=torch.from_numpy(ids),
+        logprobs=torch.from_numpy(lps),
+        sampled_logprobs=None if sampled is None else torch.from_numpy(sampled),
+        mask=torch.from_numpy(mask),
         position_start=torch.tensor([p.position_start for _, p in items], dtype=torch.int64),
         lengths=torch.tensor(rows, dtype=torch.int64),
         top_k=k,
         dtype=items[0][1].dtype,
     )
-    return PayloadBatch(tokens, attn, payload)
+    return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
