@@ -9,9 +9,9 @@ teacher's weights are read locally for that, from ``--teacher-dir``), next to th
 teacher's own cross-entropy, prints a table, and writes a PNG of the training curves.
 
     python -m examples.distill --teacher 127.0.0.1:50051 [--steps 300] [--out runs/distill]
-    python -m examples.distill --teacher 127.0.0.1:50051 --record runs/rec.tdrec
-    python -m examples.distill --replay runs/rec.tdrec
-    python -m examples.distill --dataset runs/rec.tdrec    # shuffled DataLoader, many epochs
+    python -m examples.distill --teacher 127.0.0.1:50051 --record runs/recording
+    python -m examples.distill --replay runs/recording
+    python -m examples.distill --dataset runs/recording    # shuffled DataLoader, many epochs
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--dataset", type=Path, help="train on a payload dataset (a recording), shuffled"
     )
-    ap.add_argument("--record", type=Path, help="record the teacher's payloads to this file")
+    ap.add_argument("--record", type=Path, help="record the teacher's payloads to this directory")
     ap.add_argument(
         "--token",
         default=os.environ.get("TOPK_TEACHER_TOKEN"),
