@@ -298,7 +298,8 @@ _KILLED_WRITER = textwrap.dedent(
         ids = np.tile(np.arange(4, dtype=np.int32), (n, 1)) + i % 100
         lps = -np.sort(rng.exponential(2.0, (n, 4)).astype(np.float32), axis=1)
         w.add(tok, ids, lps, lps[:, 0], start=0, dtype="float32")
-        print(i, flush=True)  # row i is added (it reaches the file at the next flush)
+        # row i is added (it reaches the file at the next flush); rows_written are on disk
+        print(i, w.rows_written, flush=True)
         i += 1
         time.sleep(0.002)
     """
@@ -315,21 +316,23 @@ def test_a_sigkilled_writer_loses_at_most_the_last_flush_interval(tmp_path: Path
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.stdout is not None
-    added = 0
+    added = flushed = 0
     t0 = time.monotonic()
     while added < 600 and time.monotonic() - t0 < 120:
         line = proc.stdout.readline()
         if not line:
             break
-        added = int(line) + 1
+        added, flushed = int(line.split()[0]) + 1, int(line.split()[1])
     time.sleep(0.37)  # mid-interval: some rows flushed, some only in memory
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    added_before_kill = added + sum(1 for _ in proc.stdout)
+    rest = [line.split() for line in proc.stdout]
+    added_before_kill = added + len(rest)
+    flushed = max([flushed] + [int(f) for _, f in rest])  # flushed before the kill, at least
     rng = np.random.default_rng(0)
     with RecordingReader(path) as r:
         n = len(r)
-        assert 0 < n <= added_before_kill
+        assert 0 < flushed <= n <= added_before_kill
         # Every kept row is byte-identical to what was written, in order.
         for i, row in enumerate(r):
             m = 3 + i % 20
@@ -339,7 +342,7 @@ def test_a_sigkilled_writer_loses_at_most_the_last_flush_interval(tmp_path: Path
             assert row.sampled_logprobs.tobytes() == lps[:, 0].astype(np.float16).tobytes()
             assert row.ids.tolist() == (np.tile(np.arange(4), (m, 1)) + i % 100).tolist()
             assert row.token_ids[0] == i // 512
-        print(f"kept {n} of {added_before_kill} rows added; skipped: {r.skipped}")
+        print(f"kept {n} of {added_before_kill} rows added ({flushed} known flushed); {r.skipped}")
     # Rows added more than a flush interval (0.2 s) before the kill were flushed: the
     # writer added about one row per 2-3 ms, so at most ~0.6 s of rows may be missing.
     assert added_before_kill - n < 400
