@@ -31,9 +31,8 @@ from torch.utils.data import Dataset
 
 from student_client.errors import NotRecordedError
 from student_client.payload import TeacherPayload
-from student_client.recording import RecordingReader, can_serve_dtype
+from student_client.recording import RecordingReader, can_serve_dtype, cast_like_teacher
 from student_client.wire import dtype_from_name, dtype_name
-from student_client.wire.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
 
 __all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
 
@@ -119,10 +118,8 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
         return len(self._reader)
 
     def _floats(self, x: np.ndarray) -> torch.Tensor:
-        if self.dtype == "bfloat16" and self._reader.dtype == "float32":
-            x = _bf16_bits_to_f32(_f32_to_bf16_bits(x))
-        elif self.dtype == "float16" and self._reader.dtype == "float32":
-            x = x.astype(np.float16)
+        if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
+            x = cast_like_teacher(x, self.dtype)
         return torch.from_numpy(np.array(x, dtype=np.float32))
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, SequencePayload]:

@@ -70,6 +70,7 @@ __all__ = [
     "RecordingReader",
     "RecordingWriter",
     "can_serve_dtype",
+    "cast_like_teacher",
     "recording_schema",
     "sequence_key",
 ]
@@ -124,10 +125,10 @@ def recording_schema(top_k: int, dtype: str) -> pa.Schema:
     )
 
 
-def _to_storage(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
-    """float32 -> what a ``dtype`` recording stores: the teacher's cast to ``dtype``
-    (float16: numpy's round-to-nearest-even, as the wire codec; bfloat16: rounded, then
-    widened back to float32 exactly)."""
+def cast_like_teacher(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
+    """float32 -> the teacher's cast to ``dtype`` (the wire codec's: float16 with numpy's
+    round-to-nearest-even; bfloat16 rounded to nearest even, returned widened to float32
+    exactly), which is also what a ``dtype`` recording stores."""
     if dtype == "float32":
         return np.asarray(values, dtype=np.float32)
     if dtype == "float16":
@@ -376,8 +377,8 @@ class RecordingWriter(Closeable):
             row = RecordedSequence(
                 token_ids=tok,
                 ids=np.ascontiguousarray(ids_a[:, :kk]),
-                logprobs=_to_storage(np.ascontiguousarray(lp), self.dtype),
-                sampled_logprobs=None if sp is None else _to_storage(sp, self.dtype),
+                logprobs=cast_like_teacher(np.ascontiguousarray(lp), self.dtype),
+                sampled_logprobs=None if sp is None else cast_like_teacher(sp, self.dtype),
                 start=start,
                 end=end,
             )
