@@ -69,6 +69,7 @@ class TeacherInfo:
     max_tokens_per_request: int
     max_message_bytes: int
     max_sequence_length: int
+    engine_dtype: str = ""  # what the engine computes in; empty for replay
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -85,6 +86,7 @@ class TeacherInfo:
             max_tokens_per_request=int(msg.max_tokens_per_request),
             max_message_bytes=int(msg.max_message_bytes),
             max_sequence_length=int(msg.max_sequence_length),
+            engine_dtype=msg.engine_dtype,
         )
 
     def check_schema(self) -> None:

@@ -1,6 +1,8 @@
 """Shared bearer-token check on every gRPC call (``authorization: Bearer <token>``).
 
-The standard health service stays open so that orchestrators can probe without the token.
+The standard health service stays open so that orchestrators can probe without the token,
+and so does server reflection: it reveals only the schema (the same ``.proto`` that ships
+with the client), never data, and lets ``grpcurl ... list`` work as documented.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import grpc
 
 __all__ = ["OPEN_METHOD_PREFIXES", "BearerTokenInterceptor", "token_matches"]
 
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/")
 
 
 def token_matches(header: str | None, token: str) -> bool:

@@ -1,16 +1,17 @@
 """``teacher-server``: serve a teacher model over gRPC + HTTP.
 
-    teacher-server serve --model PATH --port 50051 --http-port 8000 \
-        [--max-top-k N] [--backend vllm|transformers|replay] [engine options]
+    teacher-server serve --model PATH [--backend vllm|transformers|replay] [options]
 
-SIGTERM drains (health NOT_SERVING, in-flight calls finish) and exits 0.
+With the vLLM backend every vLLM engine flag (``AsyncEngineArgs``) is accepted too.
+SIGTERM drains (health NOT_SERVING, in-flight calls finish within --drain-timeout-s) and
+exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import logging
 import os
 import sys
@@ -18,56 +19,133 @@ from pathlib import Path
 from typing import Any
 
 from teacher_server.backends.base import Backend, load_backend
-from teacher_server.server import ServerConfig, run_server
+from teacher_server.server import DEFAULT_DRAIN_TIMEOUT_S, ServerConfig, run_server
 
-__all__ = ["build_parser", "main"]
+__all__ = ["TOKEN_ENV", "build_parser", "main", "parse_args"]
 
 #: Environment variable read for the bearer token when --token-file is not given.
 TOKEN_ENV = "TOPK_TEACHER_TOKEN"
 
+#: vLLM engine arguments the server sets itself, or takes from its own flags: the
+#: server's value wins (prefix caching has returned stale prompt log-probs; the engine's
+#: max log-probs is --max-top-k).
+_SERVER_OWNED = {
+    "model": "--model",
+    "served_model_name": "--served-model-name",
+    "max_logprobs": "--max-top-k",
+    "enable_prefix_caching": "off",
+}
+_HELP_FLAGS = ("-h", "--help")
 
-def build_parser() -> argparse.ArgumentParser:
+
+def _vllm_engine_parser() -> tuple[argparse.ArgumentParser, type] | None:
+    """vLLM's own engine-argument parser and ``AsyncEngineArgs``; None without vLLM."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return None
+    parser = FlexibleArgumentParser(add_help=False)
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser, AsyncEngineArgs
+
+
+def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
+    """The ``teacher-server`` parser. ``engine_flags``: include vLLM's engine flags (imports
+    vLLM, which takes seconds; skipped by :func:`main` for the other backends)."""
     ap = argparse.ArgumentParser(prog="teacher-server", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve a teacher model")
+    vllm = _vllm_engine_parser() if engine_flags else None
+    s = sub.add_parser(
+        "serve",
+        help="serve a teacher model",
+        description=__doc__,
+        parents=[vllm[0]] if vllm else [],
+        conflict_handler="resolve",  # the server's own flags below replace vLLM's
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     s.add_argument("--model", help="model directory (vllm / transformers backends)")
     s.add_argument("--backend", choices=["vllm", "transformers", "replay"], default="vllm")
     s.add_argument("--recording", help="recording file (replay backend)")
-    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--host", default="0.0.0.0", help="gRPC address")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
-    s.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: pick a free one)")
+    s.add_argument("--http-host", help="HTTP address (default: --host)")
+    s.add_argument(
+        "--http-port", type=int, default=8000, help="HTTP port (0: pick a free one, -1: none)"
+    )
     s.add_argument("--max-top-k", type=int, default=64, help="largest K served")
-    s.add_argument("--max-tokens-per-request", type=int, default=262_144)
-    s.add_argument("--max-inflight-requests", type=int, default=64)
+    s.add_argument(
+        "--max-tokens-per-request",
+        type=int,
+        default=262_144,
+        help="limit on a request's total tokens",
+    )
+    s.add_argument(
+        "--max-inflight-requests", type=int, default=64, help="requests worked on at once"
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting for a slot; more are refused with UNAVAILABLE (clients retry)",
+    )
     s.add_argument("--max-message-mb", type=int, default=64, help="gRPC message size limit")
     s.add_argument("--chunk-kb", type=int, default=1024, help="ScoreStream payload per message")
-    s.add_argument("--served-model-name", help="name announced by GetInfo")
-    s.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
-    s.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    s.add_argument(
+        "--served-model-name", help="name announced by GetInfo (default: the model's directory)"
+    )
+    s.add_argument("--tls-cert", type=Path, help="certificate (PEM) for gRPC and HTTPS")
+    s.add_argument("--tls-key", type=Path, help="private key (PEM) for gRPC and HTTPS")
     s.add_argument(
         "--token-file",
         type=Path,
         help=f"file holding the shared bearer token (default: ${TOKEN_ENV} if set)",
     )
-    s.add_argument("--drain-timeout-s", type=float, default=30.0)
-    s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
-    eng = s.add_argument_group("engine options (vllm / transformers)")
-    eng.add_argument("--dtype", default="auto", help="weights dtype (auto, float32, bfloat16, ...)")
-    eng.add_argument("--max-model-len", type=int, help="longest sequence + 1")
-    eng.add_argument("--tensor-parallel-size", type=int, help="vLLM tensor parallel GPUs")
-    eng.add_argument("--gpu-memory-utilization", type=float, help="vLLM GPU memory fraction")
-    eng.add_argument("--max-num-batched-tokens", type=int, help="vLLM scheduler token budget")
-    eng.add_argument("--max-num-seqs", type=int, help="vLLM concurrent sequences")
-    eng.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs")
-    eng.add_argument(
-        "--engine-args",
-        type=json.loads,
-        default={},
-        help="extra vLLM AsyncEngineArgs as JSON, e.g. '{\"seed\": 0}'",
+    s.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="SIGTERM: the whole shutdown's budget for requests in flight",
     )
-    eng.add_argument("--device", default="cpu", help="transformers backend device")
+    s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
+    s.add_argument("--device", default="cpu", help="torch device (transformers backend)")
     s.add_argument("--log-level", default=os.environ.get("TOPK_LOG_LEVEL", "INFO"))
+    if vllm is None:
+        # Without vLLM's flags, the two engine flags the transformers backend reads.
+        s.add_argument(
+            "--dtype", default="auto", help="weights dtype (auto: float32 for transformers)"
+        )
+        s.add_argument(
+            "--max-model-len", type=int, help="longest sequence + 1 (transformers backend)"
+        )
     return ap
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM engine arguments given on the command line (those that differ from vLLM's
+    defaults), less the ones the server sets itself."""
+    vllm = _vllm_engine_parser()
+    if vllm is None:
+        raise SystemExit("teacher-server: --backend vllm needs vLLM (pip install vllm)")
+    parser, engine_args_cls = vllm
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(engine_args_cls):
+        if f.name in ("dtype", "max_model_len") or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value == parser.get_default(f.name):
+            continue
+        if f.name in _SERVER_OWNED:
+            if f.name not in ("model", "served_model_name"):
+                logging.getLogger(__name__).warning(
+                    "--%s is set by the server (%s); ignoring %r",
+                    f.name.replace("_", "-"),
+                    _SERVER_OWNED[f.name],
+                    value,
+                )
+            continue
+        out[f.name] = value
+    return out
 
 
 def _backend_from_args(args: argparse.Namespace) -> Backend:
@@ -87,19 +165,6 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
             served_model_name=args.served_model_name,
             max_model_len=args.max_model_len,
         )
-    engine: dict[str, Any] = {}
-    for name in (
-        "tensor_parallel_size",
-        "gpu_memory_utilization",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-    ):
-        value = getattr(args, name)
-        if value is not None:
-            engine[name] = value
-    if args.enforce_eager:
-        engine["enforce_eager"] = True
-    engine.update(args.engine_args)
     return load_backend(
         "vllm",
         model=args.model,
@@ -107,8 +172,21 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
-        engine_kwargs=engine,
+        engine_kwargs=_engine_kwargs(args),
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse in two steps: vLLM's engine flags (and the import of vLLM they need) only for
+    ``--backend vllm`` and ``--help``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    light = build_parser(engine_flags=False)
+    if any(a in _HELP_FLAGS for a in argv):
+        return build_parser().parse_args(argv)
+    known, _ = light.parse_known_args(argv)
+    if known.command == "serve" and known.backend == "vllm":
+        return build_parser().parse_args(argv)
+    return light.parse_args(argv)
 
 
 def _read_token(args: argparse.Namespace) -> str | None:
@@ -121,17 +199,23 @@ def _read_token(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    if args.drain_timeout_s < 0:
+        raise SystemExit(
+            f"teacher-server: --drain-timeout-s must be >= 0, got {args.drain_timeout_s}"
+        )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = ServerConfig(
         host=args.host,
         port=args.port,
+        http_host=args.http_host,
         http_port=args.http_port,
         max_top_k=args.max_top_k,
         max_tokens_per_request=args.max_tokens_per_request,
         max_inflight_requests=args.max_inflight_requests,
+        max_queued_requests=args.max_queued_requests,
         max_message_mb=args.max_message_mb,
         chunk_kb=args.chunk_kb,
         tls_cert=args.tls_cert,

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from student_client.wire import pb
 from teacher_server.auth import token_matches
+from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 
 __all__ = ["build_http_app"]
@@ -24,33 +25,34 @@ __all__ = ["build_http_app"]
 
 def build_http_app(
     *,
-    is_ready: Callable[[], bool],
-    is_draining: Callable[[], bool],
+    lifecycle: Lifecycle,
     info: Callable[[], pb.TeacherInfo | None],
     metrics: TeacherMetrics,
     token: str | None = None,
 ) -> FastAPI:
-    """The HTTP app; state is read through the callables on every request."""
+    """The HTTP app; ``lifecycle`` and ``info()`` are read on every request.
+
+    Handlers are ``async def``: they run on the event loop itself, so ``/healthz``
+    answers whenever the loop runs (the engine loads in a worker thread).
+    """
     app = FastAPI(title="topk-distill teacher", docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "alive"}
+    async def healthz() -> dict[str, str]:
+        return {"status": "alive", "phase": lifecycle.phase.value}
 
     @app.get("/readyz")
-    def readyz() -> Response:
-        if is_draining():
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not is_ready():
-            return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ready"})
+    async def readyz() -> Response:
+        phase = lifecycle.phase
+        body = {"status": "loading" if phase is Phase.STARTING else phase.value}
+        return JSONResponse(body, status_code=200 if phase is Phase.READY else 503)
 
     @app.get("/metrics")
-    def prometheus_metrics() -> Response:
+    async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/info")
-    def v1_info(request: Request) -> Response:
+    async def v1_info(request: Request) -> Response:
         if token and not token_matches(request.headers.get("authorization"), token):
             return JSONResponse(
                 {"error": "authorization: missing or wrong bearer token"}, status_code=401

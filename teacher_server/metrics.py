@@ -42,3 +42,13 @@ class TeacherMetrics:
             "Score requests being worked on now.",
             registry=self.registry,
         )
+        self.queued = Gauge(
+            "topk_teacher_requests_queued",
+            "Score requests waiting for a slot (at most --max-queued-requests).",
+            registry=self.registry,
+        )
+
+    def set_load(self, in_flight: int, queued: int) -> None:
+        """Admission's counts: requests working and requests waiting for a slot."""
+        self.in_flight.set(in_flight)
+        self.queued.set(queued)

@@ -1,5 +1,6 @@
 """Assembles the teacher process: gRPC (Teacher + Health + reflection) and HTTP on one
-asyncio loop, engine start-up in the background, and a draining shutdown."""
+asyncio loop, the engine loaded in the background, and a draining shutdown within one
+time budget (``drain_timeout_s``)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,36 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from student_client.wire import pb, pb_grpc
+from student_client.wire import pb
+from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
 from teacher_server.http_app import build_http_app
+from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
+from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
 from teacher_server.validation import Limits
 
-__all__ = ["ServerConfig", "TeacherServer", "run_server"]
+__all__ = [
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "SHUTDOWN_MARGIN_S",
+    "ServerConfig",
+    "TeacherServer",
+    "run_server",
+]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Teacher"].full_name  # topk_distill.v1.Teacher
+#: Default of ``--drain-timeout-s``: the whole shutdown's budget for requests in flight.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+#: What the process needs after the drain budget to exit (closing the engine and the
+#: HTTP server). An orchestrator's grace period before SIGKILL must cover the drain
+#: timeout plus this (plus any pre-stop delay); tests/test_deploy.py checks the manifests.
+SHUTDOWN_MARGIN_S = 5.0
+#: At most this long, within the drain budget, is left for answers already computed to
+#: reach their clients once no request is working any more.
+_FLUSH_S = 2.0
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -47,22 +65,24 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     http_host: str | None = None  # None: same as host
-    http_port: int = 8000  # 0 disables HTTP
+    http_port: int = 8000  # < 0 disables HTTP
     max_top_k: int = 64
     max_tokens_per_request: int = 262_144
     max_inflight_requests: int = 64
+    max_queued_requests: int = 1024
     max_message_mb: int = 64
     chunk_kb: int = 1024
     tls_cert: Path | None = None
     tls_key: Path | None = None
     token: str | None = None
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     warmup: bool = True
 
 
 class TeacherServer:
-    """One teacher process. ``await start()``, then ``await wait_ready()``; ``await stop()``
-    drains: health NOT_SERVING, new requests refused, in-flight ones finish."""
+    """One teacher process. ``await start()`` opens both ports at once and loads the engine
+    in the background; ``await wait_ready()``; ``await stop()`` drains within
+    ``drain_timeout_s``. Its :class:`Lifecycle` is the one record of the phase."""
 
     def __init__(self, backend: Backend, config: ServerConfig) -> None:
         self._backend = backend
@@ -76,33 +96,53 @@ class TeacherServer:
             max_message_bytes=config.max_message_mb * 1024 * 1024,
             chunk_bytes=config.chunk_kb * 1024,
         )
-        self._servicer = TeacherServicer(backend, self._limits, self._metrics)
+        self.lifecycle = Lifecycle()
+        self._admission = AdmissionQueue(
+            config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
+        )
+        self._servicer = TeacherServicer(
+            backend, self._limits, self._metrics, self.lifecycle, self._admission
+        )
         self._health = health.aio.HealthServicer()
+        self.lifecycle.subscribe(self._on_phase)
         self._grpc: grpc.aio.Server | None = None
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
-        self._draining = False
+        self._stopping = False
         self._info: pb.TeacherInfo | None = None
         self.port = config.port
         self.http_port = config.http_port
 
-    # -- state read by the HTTP app ----------------------------------------------------
-    def is_ready(self) -> bool:
-        return self._ready.is_set() and not self._draining
-
-    def is_draining(self) -> bool:
-        return self._draining
-
     def info(self) -> pb.TeacherInfo | None:
+        """The GetInfo answer once ready (``None`` before)."""
         return self._info
 
     @property
     def metrics(self) -> TeacherMetrics:
         return self._metrics
 
+    @property
+    def in_flight(self) -> int:
+        return self._admission.in_flight
+
+    @property
+    def load_task(self) -> asyncio.Task[None] | None:
+        """The engine load and warm-up (set by :meth:`start`)."""
+        return self._load_task
+
     # -- lifecycle ---------------------------------------------------------------------
+    async def _on_phase(self, phase: Phase) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if phase is Phase.READY
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self._set_health(status)
+        if phase is Phase.DRAINING:
+            refusal = self.lifecycle.refusal()
+            self._admission.close(refusal or "teacher: shutting down")
+
     async def start(self) -> None:
         """Open both ports, then load and warm up the engine in the background."""
         cfg = self._config
@@ -113,7 +153,7 @@ class TeacherServer:
         ]
         interceptors = [BearerTokenInterceptor(cfg.token)] if cfg.token else []
         self._grpc = grpc.aio.server(options=opts, interceptors=interceptors)
-        pb_grpc.add_TeacherServicer_to_server(self._servicer, self._grpc)
+        self._grpc.add_generic_rpc_handlers((teacher_rpc_handler(self._servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (
@@ -125,31 +165,30 @@ class TeacherServer:
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert or cfg.tls_key:
-            if not (cfg.tls_cert and cfg.tls_key):
-                raise ValueError("tls_cert/tls_key: give both the certificate and the key")
-            creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
-            )
+        tls = _tls_files(cfg)
+        if tls is not None:
+            cert, key = tls
+            creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
             self.port = self._grpc.add_secure_port(address, creds)
         else:
             self.port = self._grpc.add_insecure_port(address)
         await self._grpc.start()
         if cfg.http_port is not None and cfg.http_port >= 0:
-            await self._start_http()
+            await self._start_http(tls)
         log.info(
-            "gRPC on %s:%d, HTTP on %s; loading the engine", cfg.host, self.port, self.http_port
+            "gRPC on %s:%d, HTTP%s on %s:%s; loading the engine",
+            cfg.host,
+            self.port,
+            "S" if tls else "",
+            cfg.http_host or cfg.host,
+            self.http_port,
         )
         self._load_task = asyncio.create_task(self._load())
 
-    async def _start_http(self) -> None:
+    async def _start_http(self, tls: tuple[Path, Path] | None) -> None:
         cfg = self._config
         app = build_http_app(
-            is_ready=self.is_ready,
-            is_draining=self.is_draining,
-            info=self.info,
-            metrics=self._metrics,
-            token=cfg.token,
+            lifecycle=self.lifecycle, info=self.info, metrics=self._metrics, token=cfg.token
         )
         ucfg = uvicorn.Config(
             app,
@@ -157,6 +196,10 @@ class TeacherServer:
             port=cfg.http_port,
             log_level="warning",
             lifespan="off",
+            # With TLS the HTTP side serves HTTPS with the same certificate: /v1/info
+            # carries the bearer token.
+            ssl_certfile=str(tls[0]) if tls else None,
+            ssl_keyfile=str(tls[1]) if tls else None,
         )
         self._http = _EmbeddedUvicorn(ucfg)
         self._http_task = asyncio.create_task(self._http.serve())
@@ -182,15 +225,17 @@ class TeacherServer:
                     f"max_top_k: {self._config.max_top_k} exceeds what the engine "
                     f"serves ({info.max_top_k})"
                 )
-            self._servicer.set_ready(self._limits)
+            self._servicer.set_limits(self._limits)
             if self._config.warmup:
                 await self._backend.warmup()
             self._info = teacher_info_message(self._backend, self._limits)
-            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-            self._ready.set()
-            log.info("teacher ready: %s", info)
+            if await self.lifecycle.advance(Phase.READY):
+                log.info("teacher ready: %s (engine dtype %s)", info, info.dtype or "n/a")
+        except asyncio.CancelledError:
+            raise
         except Exception:
             log.exception("engine failed to start")
+            await self.lifecycle.advance(Phase.FAILED)
             raise
 
     async def _set_health(self, status: int) -> None:
@@ -201,31 +246,30 @@ class TeacherServer:
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the engine is warmed up; raise if it failed to load."""
-        assert self._load_task is not None, "call start() first"
-        ready = asyncio.create_task(self._ready.wait())
-        done, _ = await asyncio.wait(
-            {ready, self._load_task}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        if self._load_task in done and self._load_task.exception():
-            ready.cancel()
-            raise RuntimeError("engine failed to start") from self._load_task.exception()
-        if not done:
-            ready.cancel()
-            raise TimeoutError(f"teacher not ready after {timeout_s} s")
-        await ready
+        if self._load_task is None:
+            raise RuntimeError("TeacherServer.wait_ready: call start() first")
+        await asyncio.wait_for(asyncio.shield(self._load_task), timeout_s)
 
     async def stop(self) -> None:
-        """Drain: NOT_SERVING, refuse new requests, finish in-flight ones, close."""
-        if self._draining:
+        """Drain within ``drain_timeout_s``: NOT_SERVING, refuse new and queued requests,
+        let the ones working finish, close. One deadline covers every step."""
+        if self._stopping:
             return
-        self._draining = True
-        self._servicer.set_draining()
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        timeout = self._config.drain_timeout_s
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._config.drain_timeout_s
+
+        def left() -> float:
+            return max(deadline - loop.time(), 0.0)
+
+        await self.lifecycle.advance(Phase.DRAINING)
+        log.info("draining: %d requests in flight, %.0f s budget", self.in_flight, left())
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._servicer.wait_idle(), timeout)
+            await asyncio.wait_for(self._admission.wait_idle(), left())
+        if self._admission.in_flight:
+            log.warning("drain budget spent: cancelling %d requests", self._admission.in_flight)
         if self._grpc is not None:
-            await self._grpc.stop(grace=timeout)
+            await self._grpc.stop(grace=min(left(), _FLUSH_S))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(BaseException):
@@ -234,12 +278,25 @@ class TeacherServer:
             self._http.should_exit = True
             if self._http_task is not None:
                 with contextlib.suppress(BaseException):
-                    await self._http_task
-        await self._backend.close()
+                    await asyncio.wait_for(self._http_task, SHUTDOWN_MARGIN_S / 2)
+        try:
+            await asyncio.wait_for(self._backend.close(), SHUTDOWN_MARGIN_S / 2)
+        except TimeoutError:
+            log.warning("the engine did not close within %.1f s", SHUTDOWN_MARGIN_S / 2)
 
     async def wait_for_termination(self) -> None:
-        assert self._grpc is not None
+        if self._grpc is None:
+            raise RuntimeError("TeacherServer.wait_for_termination: call start() first")
         await self._grpc.wait_for_termination()
+
+
+def _tls_files(cfg: ServerConfig) -> tuple[Path, Path] | None:
+    """``(cert, key)`` when TLS is configured."""
+    if not (cfg.tls_cert or cfg.tls_key):
+        return None
+    if not (cfg.tls_cert and cfg.tls_key):
+        raise ValueError("tls_cert/tls_key: give both the certificate and the key")
+    return Path(cfg.tls_cert), Path(cfg.tls_key)
 
 
 async def run_server(backend: Backend, config: ServerConfig) -> int:
@@ -250,12 +307,12 @@ async def run_server(backend: Backend, config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    assert server._load_task is not None
+    load = server.load_task
+    assert load is not None  # set by start()
     stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({stopper, server._load_task}, return_when=asyncio.FIRST_COMPLETED)
-    failed = server._load_task.done() and server._load_task.exception() is not None
+    await asyncio.wait({stopper, load}, return_when=asyncio.FIRST_COMPLETED)
+    failed = load.done() and not load.cancelled() and load.exception() is not None
     if not failed:
         await stopper
-    log.info("draining (%d requests in flight)", server._servicer.in_flight)
     await server.stop()
     return 1 if failed else 0

@@ -17,9 +17,12 @@ import numpy as np
 
 from student_client.wire import SCHEMA_VERSION, pb, pb_grpc
 from student_client.wire.codec import DTYPE_NAMES
+from teacher_server.admission import AdmissionQueue, AdmissionRefused
 from teacher_server.backends.base import Backend, ScoredSequence
+from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.payloads import encode_scored, iter_stream_responses
+from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import (
     Limits,
     ParsedRequest,
@@ -50,69 +53,54 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
         max_tokens_per_request=limits.max_tokens_per_request,
         max_message_bytes=limits.max_message_bytes,
         max_sequence_length=limits.max_sequence_length,
+        engine_dtype=info.dtype,
     )
 
 
 class TeacherServicer(pb_grpc.TeacherServicer):
     """Serves ``GetInfo``, ``Score`` and ``ScoreStream`` from a :class:`Backend`.
 
-    Call :meth:`set_ready` once the backend is loaded and warmed up; before that, scoring
-    calls fail with UNAVAILABLE. :meth:`set_draining` refuses new requests the same way
-    while those in flight finish.
+    Requests are served only while ``lifecycle`` is READY (before: still loading; after:
+    draining), each holding a slot of ``admission`` while it works; otherwise they fail
+    with UNAVAILABLE, which clients retry. :meth:`set_limits` installs the final limits
+    once the backend is loaded (the vocabulary size is known then).
     """
 
-    def __init__(self, backend: Backend, limits: Limits, metrics: TeacherMetrics) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        limits: Limits,
+        metrics: TeacherMetrics,
+        lifecycle: Lifecycle,
+        admission: AdmissionQueue,
+    ) -> None:
         self._backend = backend
         self._limits = limits
         self._metrics = metrics
-        self._in_flight = 0
-        self._ready = False
-        self._draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._lifecycle = lifecycle
+        self._admission = admission
 
-    # -- lifecycle ---------------------------------------------------------------------
-    def set_ready(self, limits: Limits) -> None:
-        """Backend loaded: start serving with the final limits (vocab size now known)."""
+    def set_limits(self, limits: Limits) -> None:
+        """Backend loaded: the final limits (vocab size now known)."""
         self._limits = limits
-        self._ready = True
-
-    def set_draining(self) -> None:
-        self._draining = True
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    async def wait_idle(self) -> None:
-        """Return once no request is in flight."""
-        await self._idle.wait()
 
     # -- admission ---------------------------------------------------------------------
-    def _admit(self, request: pb.ScoreRequest) -> ParsedRequest:
-        if not self._ready:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "teacher: still loading; retry later")
-        if self._draining:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE, "teacher: shutting down; retry elsewhere"
-            )
+    async def _admit(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
+        """Validate, then wait for a slot; the caller must :meth:`_release` it."""
+        if isinstance(request, Undecodable):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        refusal = self._lifecycle.refusal()
+        if refusal is not None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal)
         parsed = parse_request(request, self._limits)
-        if self._in_flight >= self._limits.max_inflight_requests:
-            raise RequestError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"requests in flight: the limit max_inflight_requests "
-                f"{self._limits.max_inflight_requests} is reached; retry later",
-            )
-        self._in_flight += 1
-        self._idle.clear()
-        self._metrics.in_flight.set(self._in_flight)
+        try:
+            await self._admission.acquire()
+        except AdmissionRefused as e:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, e.message) from None
         return parsed
 
     def _release(self) -> None:
-        self._in_flight -= 1
-        self._metrics.in_flight.set(self._in_flight)
-        if self._in_flight == 0:
-            self._idle.set()
+        self._admission.release()
 
     async def _score(self, parsed: ParsedRequest) -> list[ScoredSequence]:
         """Score every sequence concurrently (the engine batches them)."""
@@ -143,8 +131,11 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     async def GetInfo(
         self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.TeacherInfo:
-        if not self._ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "teacher: still loading; retry later")
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        refusal = self._lifecycle.refusal()
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
         return teacher_info_message(self._backend, self._limits)
 
     async def Score(
@@ -152,7 +143,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     ) -> pb.ScoreResponse:
         t0 = time.perf_counter()
         try:
-            parsed = self._admit(request)
+            parsed = await self._admit(request)
         except RequestError as e:
             self._count("Score", e.code, t0)
             await context.abort(e.code, e.message)
@@ -196,12 +187,12 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         return resp
 
     async def _stream_one(
-        self, request: pb.ScoreRequest, out: asyncio.Queue[pb.ScoreResponse | None]
+        self, request: pb.ScoreRequest, out: asyncio.Queue[pb.ScoreResponse | Undecodable | None]
     ) -> None:
         """Answer one request of a stream: its chunks, or one ``Error`` message."""
         t0 = time.perf_counter()
         try:
-            parsed = self._admit(request)
+            parsed = await self._admit(request)
         except RequestError as e:
             self._count("ScoreStream", e.code, t0)
             await out.put(_error_response(request.request_id, e.code, e.message))
@@ -245,12 +236,16 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         request_iterator: AsyncIterator[pb.ScoreRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ScoreResponse]:
-        out: asyncio.Queue[pb.ScoreResponse | None] = asyncio.Queue()
+        out: asyncio.Queue[pb.ScoreResponse | Undecodable | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    if isinstance(request, Undecodable):
+                        # No request_id to answer it by: the stream itself is broken.
+                        await out.put(request)
+                        return
                     task = asyncio.create_task(self._stream_one(request, out))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -262,6 +257,9 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         reader = asyncio.create_task(read())
         try:
             while (msg := await out.get()) is not None:
+                if isinstance(msg, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.message)
+                    return  # abort raised; never reached
                 yield msg
             await reader
         finally:

@@ -23,6 +23,7 @@ from fastapi.routing import APIRoute
 
 from teacher_server import cli
 from teacher_server.http_app import build_http_app
+from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,12 +36,7 @@ HEALTH_URL = re.compile(r"https?://[^\s'\"]+")
 
 def http_routes() -> set[str]:
     """GET paths of the teacher's real HTTP app."""
-    app = build_http_app(
-        is_ready=lambda: True,
-        is_draining=lambda: False,
-        info=lambda: None,
-        metrics=TeacherMetrics(),
-    )
+    app = build_http_app(lifecycle=Lifecycle(), info=lambda: None, metrics=TeacherMetrics())
     return {r.path for r in app.routes if isinstance(r, APIRoute) and "GET" in r.methods}
 
 

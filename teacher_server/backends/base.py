@@ -23,7 +23,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """What the engine is. ``max_sequence_length`` 0 means no limit of its own."""
+    """What the engine is. ``max_sequence_length`` 0 means no limit of its own; ``dtype``
+    is the dtype the engine actually computes in (e.g. ``bfloat16`` for a float32
+    checkpoint served with ``--dtype auto`` on CPU), empty when there is no engine."""
 
     model_name: str
     vocab_size: int
@@ -31,6 +33,7 @@ class BackendInfo:
     max_top_k: int
     max_sequence_length: int = 0
     name: str = "unknown"
+    dtype: str = ""
 
 
 @dataclass(frozen=True)

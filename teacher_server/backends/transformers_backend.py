@@ -75,6 +75,7 @@ class TransformersBackend(Backend):
             max_top_k=self._max_top_k,
             max_sequence_length=max(limit - 1, 0) if limit else 0,
             name="transformers",
+            dtype=str(self._model.dtype).removeprefix("torch."),
         )
 
     async def score(

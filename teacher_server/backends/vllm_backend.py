@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
+from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 
 __all__ = ["VLLMBackend", "flat_to_topk"]
 
@@ -100,7 +101,27 @@ class VLLMBackend(Backend):
         self._ids = itertools.count()
 
     async def start(self) -> None:
+        # vLLM builds its engine with blocking calls (imports, config, starting the engine
+        # process): in a worker thread, so the event loop keeps answering probes.
+        self._engine = await asyncio.to_thread(self._build_engine)
+        cfg = self._engine.model_config
+        tokenizer = await _get_tokenizer(self._engine)
+        fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
+        self.info = BackendInfo(
+            model_name=self._served_name,
+            vocab_size=int(cfg.get_vocab_size()),
+            tokenizer_fingerprint=fingerprint,
+            max_top_k=self._max_top_k,
+            # One generated token rides along: the prompt may use all but one slot.
+            max_sequence_length=int(cfg.max_model_len) - 1,
+            name="vllm",
+            dtype=str(cfg.dtype).removeprefix("torch."),
+        )
+        log.info("vLLM engine computes in %s (--dtype %s)", self.info.dtype, self._dtype)
+
+    def _build_engine(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs: dict[str, Any] = {
@@ -113,24 +134,16 @@ class VLLMBackend(Backend):
         if self._max_model_len:
             kwargs["max_model_len"] = self._max_model_len
         kwargs.update(self._engine_kwargs)
-        args = AsyncEngineArgs(**kwargs)
-        self._engine = AsyncLLM.from_engine_args(args)
-        cfg = self._engine.model_config
-        tokenizer = await _get_tokenizer(self._engine)
-        self.info = BackendInfo(
-            model_name=self._served_name,
-            vocab_size=int(cfg.get_vocab_size()),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer else "",
-            max_top_k=self._max_top_k,
-            # One generated token rides along: the prompt may use all but one slot.
-            max_sequence_length=int(cfg.max_model_len) - 1,
-            name="vllm",
-        )
+        if current_platform.is_cpu():
+            kv_bytes = cpu_kv_cache_bytes(kwargs.get("kv_cache_memory_bytes"))
+            if kv_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = kv_bytes
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
     async def close(self) -> None:
         if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+            engine, self._engine = self._engine, None
+            await asyncio.to_thread(engine.shutdown)
 
     async def score(
         self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int

@@ -1,0 +1,122 @@
+"""Bounded admission: at most ``max_inflight`` requests work at once, at most
+``max_queued`` more wait for a slot (first come, first served), the rest are refused.
+
+Plain asyncio, no gRPC: the servicer turns :class:`AdmissionRefused` into a retryable
+``UNAVAILABLE``. Written here rather than with ``asyncio.Semaphore`` because the queue
+must be bounded (a semaphore lets any number wait) and must refuse every waiter at once
+when draining starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+
+__all__ = ["AdmissionQueue", "AdmissionRefused"]
+
+
+class AdmissionRefused(Exception):
+    """No slot: the queue is full, or it was closed (draining). ``message`` says which."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class AdmissionQueue:
+    """``await acquire()`` before the work, ``release()`` after it (also on failure).
+
+    Args:
+        max_inflight: requests working at once (``--max-inflight-requests``), >= 1.
+        max_queued: requests waiting for a slot (``--max-queued-requests``), >= 0.
+        on_change: called with ``(in_flight, queued)`` after every change (metrics).
+    """
+
+    def __init__(
+        self,
+        max_inflight: int,
+        max_queued: int,
+        on_change: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight_requests: must be >= 1, got {max_inflight}")
+        if max_queued < 0:
+            raise ValueError(f"max_queued_requests: must be >= 0, got {max_queued}")
+        self.max_inflight = max_inflight
+        self.max_queued = max_queued
+        self._on_change = on_change
+        self._in_flight = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed: str | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def _changed(self) -> None:
+        if self._in_flight:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        if self._on_change is not None:
+            self._on_change(self._in_flight, len(self._waiters))
+
+    async def acquire(self) -> None:
+        """Take a slot, waiting in line when all are busy; raise :class:`AdmissionRefused`
+        when the line is full or the queue is closed."""
+        if self._closed is not None:
+            raise AdmissionRefused(self._closed)
+        if self._in_flight < self.max_inflight and not self._waiters:
+            self._in_flight += 1
+            self._changed()
+            return
+        if len(self._waiters) >= self.max_queued:
+            raise AdmissionRefused(
+                f"requests: {self._in_flight} in flight and {len(self._waiters)} queued reach "
+                f"max_inflight_requests {self.max_inflight} + max_queued_requests "
+                f"{self.max_queued}; the teacher is overloaded, retry later"
+            )
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._changed()
+        try:
+            await waiter  # release() hands its slot over (in_flight already counted)
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.release()  # the slot came just as the caller gave up: pass it on
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+                self._changed()
+            raise
+
+    def release(self) -> None:
+        """Give the slot back: to the first waiter in line, if any."""
+        self._in_flight -= 1
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._in_flight += 1
+                waiter.set_result(None)
+                break
+        self._changed()
+
+    def close(self, message: str) -> None:
+        """Refuse every waiter and every later :meth:`acquire` with ``message``; requests
+        holding a slot keep it."""
+        self._closed = message
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(AdmissionRefused(message))
+        self._changed()
+
+    async def wait_idle(self) -> None:
+        """Return once no request holds a slot."""
+        await self._idle.wait()

@@ -1,0 +1,62 @@
+"""Registers the Teacher servicer with request deserializers that never raise.
+
+The generated ``add_TeacherServicer_to_server`` deserializes with ``FromString``: bytes
+that do not parse fail inside gRPC with ``UNKNOWN`` ("Unexpected DecodeError"). Here a
+message that does not parse becomes an :class:`Undecodable` request, which the servicer
+answers with ``INVALID_ARGUMENT``; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from student_client.wire import pb
+
+__all__ = ["SERVICE_NAME", "Undecodable", "teacher_rpc_handler"]
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Teacher"].full_name  # topk_distill.v1.Teacher
+
+
+class Undecodable:
+    """A request whose bytes are not a valid message of the method's request type."""
+
+    def __init__(self, type_name: str, size: int, error: Exception) -> None:
+        self.message = f"request: {size} bytes are not a valid {type_name} ({error})"
+
+
+def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Any]:
+    type_name = message_cls.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(type_name, len(data), e)
+
+    return deserialize
+
+
+def teacher_rpc_handler(servicer: Any) -> grpc.GenericRpcHandler:
+    """The Teacher service's methods on ``servicer`` (GetInfo, Score, ScoreStream)."""
+    handlers = {
+        "GetInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetInfo,
+            request_deserializer=_tolerant(pb.GetInfoRequest),
+            response_serializer=pb.TeacherInfo.SerializeToString,
+        ),
+        "Score": grpc.unary_unary_rpc_method_handler(
+            servicer.Score,
+            request_deserializer=_tolerant(pb.ScoreRequest),
+            response_serializer=pb.ScoreResponse.SerializeToString,
+        ),
+        "ScoreStream": grpc.stream_stream_rpc_method_handler(
+            servicer.ScoreStream,
+            request_deserializer=_tolerant(pb.ScoreRequest),
+            response_serializer=pb.ScoreResponse.SerializeToString,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
