@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -29,11 +30,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def http_status(url: str, headers: dict[str, str] | None = None, timeout_s: float = 5) -> int:
-    """The HTTP status of ``GET url`` (errors included, e.g. 503)."""
+def http_status(
+    url: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 5,
+    *,
+    cafile: str | Path | None = None,
+) -> int:
+    """The HTTP status of ``GET url`` (errors included, e.g. 503); ``cafile``: the
+    certificate to trust for ``https://`` (the server's own, when self-signed)."""
     req = urllib.request.Request(url, headers=headers or {})
+    context = ssl.create_default_context(cafile=str(cafile)) if cafile else None
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s, context=context) as r:
             return int(r.status)
     except urllib.error.HTTPError as e:
         return int(e.code)
@@ -47,6 +56,7 @@ class TeacherProcess:
     port: int
     http_port: int
     log_path: Path
+    tls_cert: Path | None = None  # with TLS, HTTP is HTTPS with this certificate
 
     @property
     def target(self) -> str:
@@ -55,8 +65,13 @@ class TeacherProcess:
 
     @property
     def http(self) -> str:
-        """The HTTP base URL."""
-        return f"http://127.0.0.1:{self.http_port}"
+        """The HTTP base URL (``https://`` with TLS)."""
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}"
+
+    def http_status(self, path: str, headers: dict[str, str] | None = None) -> int:
+        """The status of ``GET path`` on this server's HTTP port."""
+        return http_status(f"{self.http}{path}", headers, cafile=self.tls_cert)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -94,7 +109,8 @@ def start_teacher(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    server = TeacherProcess(proc, port, http_port, log_path)
+    tls_cert = Path(args[args.index("--tls-cert") + 1]) if "--tls-cert" in args else None
+    server = TeacherProcess(proc, port, http_port, log_path, tls_cert)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -102,7 +118,7 @@ def start_teacher(
                 f"teacher-server exited with {proc.returncode}:\n{server.log()[-4000:]}"
             )
         with contextlib.suppress(OSError):
-            if http_status(f"{server.http}/readyz") == 200:
+            if server.http_status("/readyz") == 200:
                 return server
         time.sleep(0.5)
     server.stop()

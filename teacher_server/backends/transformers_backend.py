@@ -81,16 +81,30 @@ class TransformersBackend(Backend):
     async def score(
         self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
     ) -> ScoredSequence:
-        return await asyncio.to_thread(self.score_sync, token_ids, top_k, start, end)
+        cancelled = threading.Event()
+        try:
+            return await asyncio.to_thread(self.score_sync, token_ids, top_k, start, end, cancelled)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped; it skips the work if it has not started yet,
+            # so that a drain does not wait for every queued forward pass.
+            cancelled.set()
+            raise
 
     def score_sync(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
+        self,
+        token_ids: npt.NDArray[np.int32],
+        top_k: int,
+        start: int,
+        end: int,
+        cancelled: threading.Event | None = None,
     ) -> ScoredSequence:
-        """Blocking version of :meth:`score`."""
+        """Blocking version of :meth:`score`; does nothing once ``cancelled`` is set."""
         import torch
 
         t0 = time.perf_counter()
         with self._lock, torch.inference_mode():
+            if cancelled is not None and cancelled.is_set():
+                raise RuntimeError("transformers backend: the request was cancelled")
             x = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self._device)
             logits = self._model(input_ids=x[None, : max(end, 1)]).logits[0]
             lp = torch.log_softmax(logits.float(), dim=-1)[start:end].cpu().numpy()

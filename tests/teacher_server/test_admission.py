@@ -1,0 +1,94 @@
+"""The bounded admission queue: slots, a first-come-first-served line, refusal when full
+or closed, and callers that give up while waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from teacher_server.admission import AdmissionQueue, AdmissionRefused
+
+
+def test_slots_line_and_refusal() -> None:
+    async def main() -> None:
+        loads: list[tuple[int, int]] = []
+        q = AdmissionQueue(2, 2, lambda f, w: loads.append((f, w)))
+        await q.acquire()
+        await q.acquire()
+        order: list[int] = []
+
+        async def waiter(i: int) -> None:
+            await q.acquire()
+            order.append(i)
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(2)]
+        await asyncio.sleep(0)
+        assert (q.in_flight, q.queued) == (2, 2)
+        with pytest.raises(AdmissionRefused) as err:
+            await q.acquire()
+        assert "max_inflight_requests 2 + max_queued_requests 2" in err.value.message
+        q.release()
+        q.release()
+        await asyncio.gather(*tasks)
+        assert order == [0, 1]  # first come, first served
+        assert (q.in_flight, q.queued) == (2, 0)
+        assert loads[-1] == (2, 0)
+        q.release()
+        q.release()
+        await asyncio.wait_for(q.wait_idle(), 1)
+
+    asyncio.run(main())
+
+
+def test_close_refuses_waiters_and_later_calls_but_keeps_slots() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(1, 4)
+        await q.acquire()
+        waiting = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        q.close("teacher: shutting down; retry elsewhere")
+        with pytest.raises(AdmissionRefused, match="shutting down"):
+            await waiting
+        with pytest.raises(AdmissionRefused, match="shutting down"):
+            await q.acquire()
+        assert q.in_flight == 1  # the request working keeps its slot
+        idle = asyncio.create_task(q.wait_idle())
+        await asyncio.sleep(0)
+        assert not idle.done()
+        q.release()
+        await asyncio.wait_for(idle, 1)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_leaves_the_line_and_loses_no_slot() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(1, 4)
+        await q.acquire()
+        first = asyncio.create_task(q.acquire())
+        second = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.sleep(0)
+        assert q.queued == 1
+        q.release()  # goes to `second`, not to the cancelled one
+        await asyncio.wait_for(second, 1)
+        assert q.in_flight == 1
+        # Handed a slot and cancelled in the same moment: the slot is passed on.
+        third = asyncio.create_task(q.acquire())
+        await asyncio.sleep(0)
+        q.release()
+        third.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await third
+        assert (q.in_flight, q.queued) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_bad_limits_name_the_flag() -> None:
+    with pytest.raises(ValueError, match="max_inflight_requests"):
+        AdmissionQueue(0, 1)
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        AdmissionQueue(1, -1)
