@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from teacher_server.backends.base import Backend, load_backend
-from teacher_server.server import DEFAULT_DRAIN_TIMEOUT_S, ServerConfig, run_server
+from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from teacher_server.server import ServerConfig, run_server
 
 __all__ = ["TOKEN_ENV", "build_parser", "main", "parse_args"]
 

@@ -11,7 +11,22 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable
 
-__all__ = ["Lifecycle", "Phase"]
+__all__ = [
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "ENGINE_SHUTDOWN_S",
+    "SHUTDOWN_MARGIN_S",
+    "Lifecycle",
+    "Phase",
+]
+
+#: Default of ``--drain-timeout-s``: the whole shutdown's budget for requests in flight.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+#: What the process needs after the drain budget to exit (closing the HTTP server and
+#: the engine). An orchestrator's grace period before SIGKILL must cover a pre-stop
+#: delay + the drain timeout + this; tests/test_deploy.py checks the manifests.
+SHUTDOWN_MARGIN_S = 5.0
+#: Of that margin, what the engine gets to stop before its processes are killed.
+ENGINE_SHUTDOWN_S = 2.0
 
 
 class Phase(enum.Enum):

@@ -23,28 +23,22 @@ from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
 from teacher_server.http_app import build_http_app
-from teacher_server.lifecycle import Lifecycle, Phase
+from teacher_server.lifecycle import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    ENGINE_SHUTDOWN_S,
+    SHUTDOWN_MARGIN_S,
+    Lifecycle,
+    Phase,
+)
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
 from teacher_server.validation import Limits
 
-__all__ = [
-    "DEFAULT_DRAIN_TIMEOUT_S",
-    "SHUTDOWN_MARGIN_S",
-    "ServerConfig",
-    "TeacherServer",
-    "run_server",
-]
+__all__ = ["ServerConfig", "TeacherServer", "run_server"]
 
 log = logging.getLogger(__name__)
 
-#: Default of ``--drain-timeout-s``: the whole shutdown's budget for requests in flight.
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-#: What the process needs after the drain budget to exit (closing the engine and the
-#: HTTP server). An orchestrator's grace period before SIGKILL must cover the drain
-#: timeout plus this (plus any pre-stop delay); tests/test_deploy.py checks the manifests.
-SHUTDOWN_MARGIN_S = 5.0
 #: At most this long, within the drain budget, is left for answers already computed to
 #: reach their clients once no request is working any more.
 _FLUSH_S = 2.0
@@ -278,11 +272,15 @@ class TeacherServer:
             self._http.should_exit = True
             if self._http_task is not None:
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(self._http_task, SHUTDOWN_MARGIN_S / 2)
+                    await asyncio.wait_for(
+                        self._http_task, SHUTDOWN_MARGIN_S - ENGINE_SHUTDOWN_S - 1
+                    )
         try:
-            await asyncio.wait_for(self._backend.close(), SHUTDOWN_MARGIN_S / 2)
+            # The backend bounds its own close by ENGINE_SHUTDOWN_S; one second of slack.
+            await asyncio.wait_for(self._backend.close(), ENGINE_SHUTDOWN_S + 1)
         except TimeoutError:
-            log.warning("the engine did not close within %.1f s", SHUTDOWN_MARGIN_S / 2)
+            log.warning("the engine did not close within %.1f s", ENGINE_SHUTDOWN_S + 1)
+        log.info("stopped")
 
     async def wait_for_termination(self) -> None:
         if self._grpc is None:

@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
+from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
 
 __all__ = ["VLLMBackend", "flat_to_topk"]
 
@@ -143,7 +144,8 @@ class VLLMBackend(Backend):
     async def close(self) -> None:
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            await asyncio.to_thread(engine.shutdown)
+            # Bounded: after ENGINE_SHUTDOWN_S vLLM kills its engine processes.
+            await asyncio.to_thread(engine.shutdown, timeout=ENGINE_SHUTDOWN_S)
 
     async def score(
         self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from student_client.wire import encode_token_ids, pb, pb_grpc
-from teacher_server.server import SHUTDOWN_MARGIN_S
+from teacher_server.lifecycle import SHUTDOWN_MARGIN_S
 
 
 def _req(n: int = 5, request_id: str = "r", k: int = 4) -> pb.ScoreRequest:

@@ -1,0 +1,148 @@
+"""The README's serve command, copied from the README, on a CPU machine: it starts without
+``VLLM_CPU_KVCACHE_SPACE``, answers probes from the moment its HTTP port opens while the
+engine loads, refuses scoring until warmed up, announces the engine's real dtype, and
+drains on SIGTERM.
+
+The only substitutions: ``MODEL_DIR`` -> the tiny model, and the two README ports -> free
+ports (other jobs may hold 50051/8000 on a shared machine). One extra vLLM engine: a
+start-up is what is under test, the session's shared server is already up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ROOT, free_port
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from student_client.wire import encode_token_ids, pb, pb_grpc
+from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
+from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, SHUTDOWN_MARGIN_S
+
+PROBE_TIMEOUT_S = 1.0
+LOAD_TIMEOUT_S = 600.0
+
+
+def readme_serve_command() -> list[str]:
+    """The first ``teacher-server serve`` line of the README's teacher-server section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The teacher server", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    lines = [ln for b in blocks for ln in b.splitlines() if ln.startswith("teacher-server serve")]
+    assert lines, "no `teacher-server serve` command in the README's teacher-server section"
+    return shlex.split(lines[0])
+
+
+def _get(url: str) -> tuple[int, float]:
+    """(status, seconds) of GET url with the probe timeout; raises OSError when refused."""
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as r:
+            status = int(r.status)
+    except urllib.error.HTTPError as e:
+        status = int(e.code)
+    return status, time.monotonic() - t0
+
+
+def _score_request() -> pb.ScoreRequest:
+    ids = encode_token_ids(np.arange(16) % 256)
+    return pb.ScoreRequest(
+        request_id="early", top_k=4, sequences=[pb.SequenceRequest(token_ids=ids)]
+    )
+
+
+def test_readme_serve_command_starts_probes_and_drains(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    argv = readme_serve_command()
+    assert argv[:2] == ["teacher-server", "serve"]
+    port, http_port = free_port(), free_port()
+    subst = {"MODEL_DIR": str(tiny_model_dir), "50051": str(port), "8000": str(http_port)}
+    assert set(subst) <= set(argv), f"README command changed shape: {argv}"
+    exe = Path(sys.executable).parent / "teacher-server"  # the installed console script
+    cmd = [str(exe), *[subst.get(a, a) for a in argv[1:]]]
+    env = {k: v for k, v in os.environ.items() if k != CPU_KV_CACHE_ENV}
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{http_port}"
+    healthz: list[tuple[int, float]] = []
+    readyz: list[int] = []
+    early_codes: list[grpc.StatusCode] = []
+    health_before: list[int] = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.TeacherStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + LOAD_TIMEOUT_S
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                try:
+                    healthz.append(_get(f"{base}/healthz"))
+                except OSError:
+                    if healthz:  # up once: every later probe must answer within 1 s
+                        pytest.fail(f"/healthz stopped answering after {len(healthz)} probes")
+                    time.sleep(0.25)
+                    continue
+                status, _ = _get(f"{base}/readyz")
+                readyz.append(status)
+                if status == 200:
+                    break
+                if len(early_codes) < 3:  # a Score before ready: UNAVAILABLE (retryable)
+                    req = health_pb2.HealthCheckRequest(service="topk_distill.v1.Teacher")
+                    checked = health.Check(req, timeout=5).status
+                    try:
+                        stub.Score(_score_request(), timeout=5)
+                    except grpc.RpcError as e:
+                        early_codes.append(e.code())
+                        health_before.append(checked)
+                    else:  # it became ready between the two probes
+                        assert _get(f"{base}/readyz")[0] == 200
+                time.sleep(0.25)
+            else:
+                pytest.fail(f"not ready after {LOAD_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+            info = stub.GetInfo(pb.GetInfoRequest(), timeout=10)
+            assert stub.Score(_score_request(), timeout=60).final
+        with urllib.request.urlopen(f"{base}/v1/info", timeout=5) as r:
+            info_json = json.loads(r.read())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        t_term = time.monotonic()
+        try:
+            code = proc.wait(DEFAULT_DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        exit_s = time.monotonic() - t_term
+
+    slowest = max(s for _, s in healthz)
+    print(
+        f"/healthz: {len(healthz)} probes, all 200: {all(c == 200 for c, _ in healthz)}, "
+        f"slowest {slowest:.3f} s; /readyz 503 x{readyz.count(503)} then 200; "
+        f"early Score: {[c.name for c in early_codes]}; exit {code} after {exit_s:.1f} s"
+    )
+    assert all(c == 200 for c, _ in healthz)
+    assert slowest < PROBE_TIMEOUT_S
+    assert readyz[-1] == 200 and set(readyz[:-1]) <= {503}
+    assert readyz.count(503) >= 1, "the engine loaded before the first probe: nothing tested"
+    assert early_codes and set(early_codes) == {grpc.StatusCode.UNAVAILABLE}
+    assert set(health_before) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+    # `--dtype auto` (vLLM's default) runs the float32 checkpoint in bfloat16; say so.
+    assert info.engine_dtype == info_json["engine_dtype"] == "bfloat16"
+    assert "vLLM engine computes in bfloat16" in log_path.read_text()
+    assert code == 0
+    assert exit_s <= DEFAULT_DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S
