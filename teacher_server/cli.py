@@ -27,15 +27,9 @@ __all__ = ["TOKEN_ENV", "build_parser", "main", "parse_args"]
 #: Environment variable read for the bearer token when --token-file is not given.
 TOKEN_ENV = "TOPK_TEACHER_TOKEN"
 
-#: vLLM engine arguments the server sets itself, or takes from its own flags: the
-#: server's value wins (prefix caching has returned stale prompt log-probs; the engine's
-#: max log-probs is --max-top-k).
-_SERVER_OWNED = {
-    "model": "--model",
-    "served_model_name": "--served-model-name",
-    "max_logprobs": "--max-top-k",
-    "enable_prefix_caching": "off",
-}
+#: vLLM engine arguments the server sets itself: its value wins (prefix caching has
+#: returned stale prompt log-probs; the engine's max log-probs is --max-top-k).
+_SERVER_SET = {"max_logprobs": "--max-top-k", "enable_prefix_caching": "off"}
 _HELP_FLAGS = ("-h", "--help")
 
 
@@ -129,24 +123,31 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if vllm is None:
         raise SystemExit("teacher-server: --backend vllm needs vLLM (pip install vllm)")
     parser, engine_args_cls = vllm
+    # The server's own flags (--model, --served-model-name, --log-level, ...) replace
+    # vLLM's flags of the same name; dtype and max_model_len are passed on by name.
+    own = {a.dest for a in _serve_parser(build_parser(engine_flags=False))._actions}
     out: dict[str, Any] = {}
     for f in dataclasses.fields(engine_args_cls):
-        if f.name in ("dtype", "max_model_len") or not hasattr(args, f.name):
+        if f.name in own or not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
         if value == parser.get_default(f.name):
             continue
-        if f.name in _SERVER_OWNED:
-            if f.name not in ("model", "served_model_name"):
-                logging.getLogger(__name__).warning(
-                    "--%s is set by the server (%s); ignoring %r",
-                    f.name.replace("_", "-"),
-                    _SERVER_OWNED[f.name],
-                    value,
-                )
+        if f.name in _SERVER_SET:
+            logging.getLogger(__name__).warning(
+                "--%s is set by the server (%s); ignoring %r",
+                f.name.replace("_", "-"),
+                _SERVER_SET[f.name],
+                value,
+            )
             continue
         out[f.name] = value
     return out
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["serve"]
 
 
 def _backend_from_args(args: argparse.Namespace) -> Backend:
@@ -181,13 +182,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse in two steps: vLLM's engine flags (and the import of vLLM they need) only for
     ``--backend vllm`` and ``--help``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    light = build_parser(engine_flags=False)
-    if any(a in _HELP_FLAGS for a in argv):
-        return build_parser().parse_args(argv)
-    known, _ = light.parse_known_args(argv)
-    if known.command == "serve" and known.backend == "vllm":
-        return build_parser().parse_args(argv)
-    return light.parse_args(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", default="vllm")
+    backend = pre.parse_known_args(argv)[0].backend
+    engine_flags = backend == "vllm" or any(a in _HELP_FLAGS for a in argv)
+    return build_parser(engine_flags=engine_flags).parse_args(argv)
 
 
 def _read_token(args: argparse.Namespace) -> str | None:
