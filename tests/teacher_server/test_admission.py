@@ -92,3 +92,64 @@ def test_bad_limits_name_the_flag() -> None:
         AdmissionQueue(0, 1)
     with pytest.raises(ValueError, match="max_queued_requests"):
         AdmissionQueue(1, -1)
+
+
+def test_full_queue_answers_unavailable_and_the_client_retries(  # type: ignore[no-untyped-def]
+    teacher_factory, tiny_model_dir
+) -> None:
+    """Live (transformers backend, one request at a time): beyond the in-flight slot and
+    the queue a request gets UNAVAILABLE naming both limits; a token-limit refusal stays
+    RESOURCE_EXHAUSTED; TeacherClient retries the overload refusals with backoff and every
+    batch comes back equal to the one computed alone."""
+    import concurrent.futures
+
+    import grpc
+    import numpy as np
+    import torch
+
+    from student_client.client import TeacherClient
+    from student_client.errors import ResourceExhaustedError
+    from student_client.wire import encode_token_ids, pb, pb_grpc
+
+    server = teacher_factory(
+        [
+            "--backend", "transformers", "--model", str(tiny_model_dir),
+            "--max-inflight-requests", "1", "--max-queued-requests", "2",
+            "--max-tokens-per-request", "4000",
+        ]
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 512, 3000) for _ in range(8)]
+    with grpc.insecure_channel(server.target) as ch:
+        stub = pb_grpc.TeacherStub(ch)
+        futures = [
+            stub.Score.future(
+                pb.ScoreRequest(
+                    request_id=f"r{i}",
+                    top_k=4,
+                    sequences=[pb.SequenceRequest(token_ids=encode_token_ids(s))],
+                ),
+                timeout=120,
+            )
+            for i, s in enumerate(seqs)
+        ]
+        refused = []
+        for f in futures:
+            try:
+                f.result()
+            except grpc.RpcError as e:
+                refused.append(e)
+    assert refused, "8 requests at once cannot all fit 1 slot + 2 queued"
+    assert len(refused) <= 5
+    for e in refused:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+        assert "max_inflight_requests 1 + max_queued_requests 2" in e.details()
+        assert "overloaded, retry later" in e.details()
+    with TeacherClient(server.target, retries=10, backoff_s=0.2) as client:
+        alone = [client.score([s], 4) for s in seqs]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda s: client.score([s], 4), seqs))
+        for a, b in zip(alone, together, strict=True):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)
+        with pytest.raises(ResourceExhaustedError, match="max_tokens_per_request 4000"):
+            client.score([np.arange(4001) % 512], 4)  # not retried: the request must change
