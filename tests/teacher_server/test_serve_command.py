@@ -80,6 +80,7 @@ def test_readme_serve_command_starts_probes_and_drains(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{http_port}"
     healthz: list[tuple[int, float]] = []
+    probe_log: list[tuple[float, float]] = []
     readyz: list[int] = []
     early_codes: list[grpc.StatusCode] = []
     health_before: list[int] = []
@@ -91,7 +92,9 @@ def test_readme_serve_command_starts_probes_and_drains(
             while time.monotonic() < deadline:
                 assert proc.poll() is None, log_path.read_text()[-4000:]
                 try:
+                    t_probe = time.time()
                     healthz.append(_get(f"{base}/healthz"))
+                    probe_log.append((t_probe, healthz[-1][1]))
                 except OSError:
                     if healthz:  # up once: every later probe must answer within 1 s
                         pytest.fail(f"/healthz stopped answering after {len(healthz)} probes")
@@ -130,6 +133,8 @@ def test_readme_serve_command_starts_probes_and_drains(
         exit_s = time.monotonic() - t_term
 
     slowest = max(s for _, s in healthz)
+    slow = [(time.strftime("%H:%M:%S", time.localtime(t)), round(d, 3)) for t, d in probe_log if d > 0.2]
+    print("slow /healthz probes (wall clock, s):", slow)
     print(
         f"/healthz: {len(healthz)} probes, all 200: {all(c == 200 for c, _ in healthz)}, "
         f"slowest {slowest:.3f} s; /readyz 503 x{readyz.count(503)} then 200; "
