@@ -44,7 +44,8 @@ class InvalidRequestError(TeacherError, ValueError):
 
 
 class ResourceExhaustedError(TeacherError):
-    """A server limit was hit (tokens per request, message size, requests in flight)."""
+    """A server limit the request itself must respect (tokens per request, message size):
+    not retried. An overloaded teacher answers UNAVAILABLE instead, which is retried."""
 
 
 class UnauthenticatedError(TeacherError):

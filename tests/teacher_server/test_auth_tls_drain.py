@@ -139,16 +139,17 @@ def test_tls(teacher_factory, tiny_model_dir, tmp_path: Path) -> None:  # type: 
     assert server.http_status("/healthz") == 200
 
 
+def _transformers_server(teacher_factory, model: Path, *flags: object):  # type: ignore[no-untyped-def]
+    return teacher_factory(
+        ["--backend", "transformers", "--model", str(model), *(str(f) for f in flags)]
+    )
+
+
 def test_sigterm_drains(teacher_factory, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """SIGTERM: health NOT_SERVING and /readyz 503 at once, in-flight calls finish, new
     ones are refused, then the process exits 0 within --drain-timeout-s + the margin."""
     drain_s = 20.0
-    server = teacher_factory(
-        [
-            "--backend", "transformers", "--model", str(tiny_model_dir),
-            "--drain-timeout-s", str(drain_s),
-        ]
-    )  # fmt: skip
+    server = _transformers_server(teacher_factory, tiny_model_dir, "--drain-timeout-s", drain_s)
     with grpc.insecure_channel(server.target) as ch:
         stub = pb_grpc.TeacherStub(ch)
         health = health_pb2_grpc.HealthStub(ch)
@@ -181,12 +182,7 @@ def test_drain_budget_bounds_the_whole_shutdown(teacher_factory, tiny_model_dir)
     --drain-timeout-s + the margin; what could not finish is refused or cancelled (the
     client re-sends it elsewhere), never answered wrongly."""
     drain_s = 3.0
-    server = teacher_factory(
-        [
-            "--backend", "transformers", "--model", str(tiny_model_dir),
-            "--drain-timeout-s", str(drain_s),
-        ]
-    )  # fmt: skip
+    server = _transformers_server(teacher_factory, tiny_model_dir, "--drain-timeout-s", drain_s)
     with grpc.insecure_channel(server.target) as ch:
         stub = pb_grpc.TeacherStub(ch)
         t0 = time.monotonic()

@@ -133,7 +133,9 @@ def test_readme_serve_command_starts_probes_and_drains(
         exit_s = time.monotonic() - t_term
 
     slowest = max(s for _, s in healthz)
-    slow = [(time.strftime("%H:%M:%S", time.localtime(t)), round(d, 3)) for t, d in probe_log if d > 0.2]
+    slow = [
+        (time.strftime("%H:%M:%S", time.localtime(t)), round(d, 3)) for t, d in probe_log if d > 0.2
+    ]
     print("slow /healthz probes (wall clock, s):", slow)
     print(
         f"/healthz: {len(healthz)} probes, all 200: {all(c == 200 for c, _ in healthz)}, "
