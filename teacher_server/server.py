@@ -86,7 +86,6 @@ class TeacherServer:
             vocab_size=0,
             max_top_k=config.max_top_k,
             max_tokens_per_request=config.max_tokens_per_request,
-            max_inflight_requests=config.max_inflight_requests,
             max_message_bytes=config.max_message_mb * 1024 * 1024,
             chunk_bytes=config.chunk_kb * 1024,
         )

@@ -35,7 +35,6 @@ class Limits:
     max_top_k: int = 64
     max_tokens_per_request: int = 262_144
     max_sequence_length: int = 0  # 0: no limit
-    max_inflight_requests: int = 64
     max_message_bytes: int = 64 * 1024 * 1024
     chunk_bytes: int = 1024 * 1024  # target size of one ScoreStream response message
 
