@@ -10,7 +10,7 @@ Reported: wall time, per-batch latency (p50, p99, max: from the stream's start t
 payload), positions/s of both, and the server's answer codes from ``/metrics``.
 
     python benchmarks/bench_overload.py [--streams 256] [--depth 4] [--batches 4]
-        [--max-inflight-requests 64] [--max-queued-requests 1024]
+        [--max-inflight-requests 64] [--max-queued-requests 1024] [--client-retries 4]
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-inflight-requests", type=int, default=64)
     ap.add_argument("--max-queued-requests", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--client-retries", type=int, default=4, help="TeacherClient retries (its default: 4)"
+    )
     return ap
 
 
@@ -68,7 +71,7 @@ async def run_streams(
     results: list[list[TeacherPayload]] = [[] for _ in batches]
 
     async def one(i: int) -> None:
-        async with AsyncTeacherClient(target, timeout_s=600) as client:
+        async with AsyncTeacherClient(target, timeout_s=600, retries=args.client_retries) as client:
             t0 = time.perf_counter()
             try:
                 async for payload in client.stream(
@@ -114,7 +117,8 @@ def main() -> None:
                     f"{args.streams} streams x {args.batches} batches of {args.batch} x "
                     f"{args.seq_len} tokens, K={args.k}, depth {args.depth}: {n_req} requests; "
                     f"server --max-inflight-requests {args.max_inflight_requests} "
-                    f"--max-queued-requests {args.max_queued_requests}"
+                    f"--max-queued-requests {args.max_queued_requests}; client retries "
+                    f"{args.client_retries}"
                 )
                 t0 = time.perf_counter()
                 alone = [
