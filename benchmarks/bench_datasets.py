@@ -14,7 +14,7 @@ In one run:
    recording for ``--epochs`` epochs (after one warm-up epoch; workers persistent), with
    0 and 2 worker processes: positions/s, and the ratio to the live teacher's.
 
-    python benchmarks/bench_datasets.py [--sequences 128] [--seq-len 512] [--k 64]
+    python -m benchmarks.bench_datasets [--sequences 128] [--seq-len 512] [--k 64]
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader
 
+from devtools.launch import start_teacher
+from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
 from student_client.client import TeacherClient
 from student_client.dataset import PayloadDataset, collate_payloads
 from student_client.recording import RecordingReader
-from teacher_server.launch import start_teacher
-from teacher_server.tiny_model import TINY_SERVE_ARGS, write_tiny_model
 
 WIRE_BYTES_K64_F16 = 64 * (4 + 2) + 2
 

@@ -9,7 +9,7 @@ every stream finishes with no error, and every payload equals the one computed a
 Reported: wall time, per-batch latency (p50, p99, max: from the stream's start to the
 payload), positions/s of both, and the server's answer codes from ``/metrics``.
 
-    python benchmarks/bench_overload.py [--streams 256] [--depth 4] [--batches 4]
+    python -m benchmarks.bench_overload [--streams 256] [--depth 4] [--batches 4]
         [--max-inflight-requests 64] [--max-queued-requests 1024] [--client-retries 4]
 """
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from devtools.launch import start_teacher
+from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
 from student_client.aio_client import AsyncTeacherClient
 from student_client.client import TeacherClient
 from student_client.payload import TeacherPayload
-from teacher_server.launch import start_teacher
-from teacher_server.tiny_model import TINY_SERVE_ARGS, write_tiny_model
 
 
 def build_parser() -> argparse.ArgumentParser:

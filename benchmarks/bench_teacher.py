@@ -12,7 +12,7 @@ Same tiny model, same engine settings (float32, prefix caching off), same sequen
 and prints scored positions per second (median over reps) and bytes per position on the
 wire (response bodies; gRPC: serialized messages).
 
-    python benchmarks/bench_teacher.py [--model DIR] [--batch 8] [--seq-len 2048] [--k 8 64]
+    python -m benchmarks.bench_teacher [--model DIR] [--batch 8] [--seq-len 2048] [--k 8 64]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from student_client.wire import decode_sequence, encode_token_ids, pb, pb_grpc
-from teacher_server.launch import free_port, start_teacher
+from devtools.launch import free_port, start_teacher
+from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-teacher-"))
     model = args.model
     if model is None:
-        from teacher_server.tiny_model import write_tiny_model
+        from devtools.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(tmp / "model"))
     rng = np.random.default_rng(0)

@@ -4,7 +4,7 @@ The corpus is the Python standard library's own ``.py`` sources
 (``sysconfig.get_paths()["stdlib"]``, test suites and third-party packages left out),
 in sorted path order. Every ``heldout_every``-th file (by that order) is held out, so the
 split is by file and the same on every run. Token ids follow
-:func:`teacher_server.tiny_model.byte_tokenizer`: ids 0..255 are the bytes, files are
+:func:`devtools.tiny_model.byte_tokenizer`: ids 0..255 are the bytes, files are
 separated by ``<|endoftext|>`` (256).
 
 The teacher's pretraining and the distillation demo both draw ``[B, T]`` windows from

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from devtools.launch import TeacherProcess, start_teacher
 from examples import distill
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR, PretrainConfig, build_default_teacher
-from teacher_server.launch import TeacherProcess, start_teacher
 
 __all__ = ["main", "serve_teacher"]
 

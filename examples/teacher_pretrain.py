@@ -1,7 +1,7 @@
 """The demo's default teacher: a tiny byte-level Qwen2, pretrained once on CPU and cached.
 
 There is no model hub here, and a random model's next-token distribution is nearly
-uniform, so the demo trains its own teacher (SPEC section 5): Qwen2 architecture
+uniform, so the demo trains its own teacher (docs/vllm.md): Qwen2 architecture
 (vocab 320 = 258 byte-tokenizer ids padded, hidden 128, 2 layers, 2 heads, 1 KV head,
 head_dim 64, ~0.5M parameters), AdamW, ``[16, 256]`` byte windows of the Python standard
 library's sources (:mod:`examples.data`), for a wall-clock budget (90 s by default).
@@ -109,7 +109,7 @@ class PretrainConfig:
 
 def teacher_model_config(cfg: PretrainConfig) -> Any:
     """The ``transformers.Qwen2Config`` of the teacher."""
-    from teacher_server.tiny_model import tiny_qwen2_config
+    from devtools.tiny_model import tiny_qwen2_config
 
     return tiny_qwen2_config(
         vocab_size=cfg.vocab_size,
@@ -178,7 +178,7 @@ def pretrain_teacher(
     metrics. Does not write the marker file (see :func:`build_default_teacher`)."""
     from transformers import Qwen2ForCausalLM
 
-    from teacher_server.tiny_model import byte_tokenizer
+    from devtools.tiny_model import byte_tokenizer
 
     cfg = cfg or PretrainConfig()
     corpus = corpus or load_stdlib_corpus(max_bytes=cfg.corpus_max_bytes)

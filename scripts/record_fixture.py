@@ -2,7 +2,7 @@
 directory, :mod:`student_client.recording`) of the real vLLM-backed teacher on the tiny
 test model (``write_tiny_model(seed=0)``, vocab 512).
 
-    python scripts/record_fixture.py [--out DIR] [--compression zstd|lz4|none]
+    python -m scripts.record_fixture [--out DIR] [--compression zstd|lz4|none]
 
 Starts ``teacher-server serve --backend vllm`` itself with the engine settings of the
 ``vllm_teacher`` test fixture (float32 weights, max K 256), records at K = 64 in float32
@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from devtools.launch import TeacherProcess, start_teacher
+from devtools.tiny_model import TINY_SERVE_ARGS
 from student_client.client import TeacherClient
 from student_client.payload import TeacherPayload
-from teacher_server.launch import TeacherProcess, start_teacher
-from teacher_server.tiny_model import TINY_SERVE_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording"
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--compression", default="zstd", choices=["zstd", "lz4", "none"])
     args = ap.parse_args(argv)
-    from teacher_server.tiny_model import write_tiny_model
+    from devtools.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny-model", seed=0)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out.exists():
                 shutil.rmtree(args.out)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            meta = {"model": "teacher_server.tiny_model.write_tiny_model(seed=0)"}
+            meta = {"model": "devtools.tiny_model.write_tiny_model(seed=0)"}
             with TeacherClient(
                 target,
                 record_to=args.out,

@@ -1,6 +1,26 @@
-"""topk-distill student side: wire codec, teacher client, recording/replay and losses.
+"""topk-distill student side: teacher clients, recording/replay and the top-k KL losses.
 
-Needs only torch, numpy, grpcio and protobuf (no vLLM, no grpcio-tools).
+Needs only torch, numpy, grpcio and protobuf (no vLLM, no grpcio-tools). The wire format
+and its rules live in :mod:`topk_protocol`.
 """
 
+from student_client.aio_client import AsyncTeacherClient
+from student_client.client import ScoreBatch, TeacherClient
+from student_client.losses import TopKKLLoss, topk_kl_loss
+from student_client.payload import TeacherPayload
+from student_client.replay import ReplayClient
+from topk_protocol import TeacherInfo
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AsyncTeacherClient",
+    "ReplayClient",
+    "ScoreBatch",
+    "TeacherClient",
+    "TeacherInfo",
+    "TeacherPayload",
+    "TopKKLLoss",
+    "__version__",
+    "topk_kl_loss",
+]

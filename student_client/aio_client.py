@@ -1,16 +1,29 @@
-"""``AsyncTeacherClient``: the asyncio twin of :class:`student_client.client.TeacherClient`.
+"""``AsyncTeacherClient``: fetch top-k payloads from a teacher over gRPC (asyncio).
 
-Same arguments, same behaviour (targets, retries, deadlines, typed exceptions, the
-stream window, recording); ``info``, ``score`` and ``close`` are coroutines and
-``stream`` is an async iterator that also accepts an async iterable of batches.
-Channels are opened on first use, inside the running event loop.
+This is the one client core; :class:`student_client.client.TeacherClient` is a blocking
+facade that runs it on a background event loop.
+
+- ``score`` answers one batch (unary ``Score``, or ``ScoreStream`` when the answer would
+  not fit in one message);
+- ``stream`` keeps ``depth`` requests in flight on one ``ScoreStream`` and yields the
+  payloads in input order, so the teacher works while the student computes;
+- retries with backoff on UNAVAILABLE and on a connection lost mid-stream (unanswered
+  requests are re-sent, to the next target when there are several; a batch is neither
+  lost nor yielded twice); per-request deadline; typed exceptions
+  (:mod:`student_client.errors`);
+- ``record_to=`` records every answered request (:mod:`student_client.recording`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import random
+import threading
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -20,6 +33,7 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,29 +41,166 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from student_client.client import (
-    _END,
-    _ClientCore,
-    _is_retryable,
-    _RetryStream,
-    _StreamWindow,
-    request_from_batch,
+from student_client.payload import ResponseAssembler, TeacherPayload
+from student_client.recording import RecordingWriter
+from topk_protocol import (
+    TeacherInfo,
+    build_request,
+    fits_one_message,
+    pb,
+    pb_grpc,
+    response_bytes,
 )
-from student_client.errors import (
+from topk_protocol.errors import (
     DeadlineExceededError,
     TeacherError,
     TeacherUnavailableError,
+    VocabMismatchError,
     error_from_rpc,
 )
-from student_client.payload import ResponseAssembler, TeacherInfo, TeacherPayload, build_request
-from student_client.wire import pb, pb_grpc
 
-__all__ = ["AsyncTeacherClient"]
+__all__ = ["AsyncTeacherClient", "ScoreBatch", "parse_targets"]
 
 T = TypeVar("T")
+_END = object()  # the server closed the stream
 
 
-class _AsyncStream:
+@dataclass(frozen=True)
+class ScoreBatch:
+    """One item of ``stream`` when positions are needed: the batch's ``sequences`` and
+    one ``(start, end)`` per sequence (or None for every position)."""
+
+    sequences: Any
+    positions: Sequence[tuple[int, int]] | None = None
+
+
+def parse_targets(target: str | Sequence[str]) -> list[str]:
+    """``"host:port"``, ``"dns:///name:port"``, ``"h1:p1,h2:p2"`` or a list -> targets."""
+    if isinstance(target, str):
+        items = [target] if target.startswith("dns:") else target.split(",")
+    else:
+        items = list(target)
+    out = [t.strip() for t in items if isinstance(t, str) and t.strip()]
+    if not out or len(out) != len(items):
+        raise ValueError(f"target: expected host:port, dns:///name:port or a list, got {target!r}")
+    return out
+
+
+def _channel(target: str, credentials: Any, max_message_bytes: int, server_name: str | None) -> Any:
+    opts: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    if target.startswith("dns:"):
+        # One subchannel per resolved address, calls spread over them.
+        opts.append(("grpc.lb_policy_name", "round_robin"))
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=opts)
+    return grpc.aio.secure_channel(target, credentials, options=opts)
+
+
+def _credentials(tls: bool | bytes | str | Path | None) -> grpc.ChannelCredentials | None:
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    pem = tls if isinstance(tls, bytes) else Path(tls).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=pem)
+
+
+def _is_retryable(err: TeacherError) -> bool:
+    return isinstance(err, TeacherUnavailableError)
+
+
+def _positive(name: str, value: float) -> float:
+    if value <= 0:
+        raise ValueError(f"{name}: must be > 0, got {value}")
+    return float(value)
+
+
+class _Pending:
+    """A request of a stream that has been sent and not yet handed to the caller."""
+
+    __slots__ = ("assembler", "sent_at")
+
+    def __init__(self, request: pb.ScoreRequest) -> None:
+        self.assembler = ResponseAssembler(request)
+        self.sent_at = time.monotonic()
+
+    @property
+    def request(self) -> pb.ScoreRequest:
+        return self.assembler.request
+
+
+class _RetryStream(Exception):
+    """Internal: a request was refused with UNAVAILABLE inside a stream (server loading or
+    draining); reconnect and re-send."""
+
+    def __init__(self, error: TeacherError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _StreamWindow:
+    """The requests of one logical stream that are sent and not yet yielded, in order.
+
+    Sans-IO: the stream loop feeds it server messages with :meth:`route` and takes
+    completed requests from the head with :meth:`pop`.
+    """
+
+    def __init__(self) -> None:
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._local = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, request: pb.ScoreRequest) -> _Pending:
+        if request.request_id in self._pending:
+            raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
+        pending = _Pending(request)
+        self._pending[request.request_id] = pending
+        return pending
+
+    def add_failed(self, error: TeacherError) -> None:
+        """A batch refused before sending: it fails when the caller reaches it."""
+        pending = _Pending(pb.ScoreRequest(request_id=f"!local-{next(self._local)}"))
+        pending.assembler.error = error
+        pending.assembler.complete = True
+        self._pending[pending.request.request_id] = pending
+
+    def head(self) -> _Pending:
+        return next(iter(self._pending.values()))
+
+    def pop(self) -> _Pending:
+        return self._pending.popitem(last=False)[1]
+
+    def route(self, msg: pb.ScoreResponse) -> bool:
+        """Take one server message; True when it completed a request."""
+        pending = self._pending.get(msg.request_id)
+        if pending is None:
+            raise TeacherError(
+                f"teacher answered request_id {msg.request_id!r}, which is not in flight"
+            )
+        pending.assembler.add(msg)
+        err = pending.assembler.error
+        if err is not None and _is_retryable(err):
+            pending.assembler.reset()
+            raise _RetryStream(err)
+        return pending.assembler.complete
+
+    def unanswered(self) -> list[_Pending]:
+        """Requests not completely answered, in order, reset for sending again."""
+        out = [p for p in self._pending.values() if not p.assembler.complete]
+        for p in out:
+            p.assembler.reset()
+            p.sent_at = time.monotonic()
+        return out
+
+
+class _Connection:
     """One ``ScoreStream`` call: ``send`` writes, a task reads answers into a queue."""
 
     def __init__(self, stub: pb_grpc.TeacherStub, metadata: Sequence[tuple[str, str]]) -> None:
@@ -59,20 +210,15 @@ class _AsyncStream:
 
     async def _read(self) -> None:
         try:
-            while True:
-                msg = await self._call.read()
-                if msg is grpc.aio.EOF:
-                    self._out.put_nowait(_END)
-                    return
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
                 self._out.put_nowait(msg)
+            self._out.put_nowait(_END)
         except grpc.RpcError as e:
             self._out.put_nowait(e)
 
     async def send(self, request: pb.ScoreRequest) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the call is over; the reader reports why
             await self._call.write(request)
-        except Exception:  # the call is over; the reader reports its status
-            return
 
     async def get(self, timeout: float) -> Any:
         """The next server message, ``_END`` or a ``grpc.RpcError``; TimeoutError."""
@@ -97,7 +243,27 @@ async def _as_async(batches: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterato
 class AsyncTeacherClient:
     """asyncio client of a ``topk_distill.v1.Teacher`` service.
 
-    Arguments as :class:`student_client.client.TeacherClient`.
+    Args:
+        target: ``"host:port"``; ``"dns:///name:port"`` (gRPC resolves it and spreads
+            calls round-robin over every address); or a list (or comma-separated string)
+            of ``host:port``, used round-robin, moving to the next one on failure.
+        token: shared bearer token, sent as ``authorization: Bearer <token>``.
+        tls: None/False for plaintext, True for TLS with the system roots, or the root
+            certificate (PEM bytes or a path).
+        tls_server_name: name to verify in the server certificate instead of the host.
+        timeout_s: deadline of each call; in a stream, of each request from the moment
+            it is sent.
+        max_message_mb: largest message this client sends or receives.
+        retries: extra tries after an UNAVAILABLE error or a lost connection.
+        backoff_s, max_backoff_s: first and largest wait between tries (doubling).
+        expect_vocab_size, expect_tokenizer_fingerprint: checked against ``GetInfo``
+            before the first request to a target; a mismatch raises VocabMismatchError.
+        record_to: record every answered sequence to this recording directory
+            (:mod:`student_client.recording`; K and dtype of the first request).
+        record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
+        record_metadata: extra JSON metadata for the recording's ``metadata.json``.
+
+    Channels are opened on first use, inside the running event loop.
     """
 
     def __init__(
@@ -118,84 +284,145 @@ class AsyncTeacherClient:
         record_compression: str = "auto",
         record_metadata: dict[str, Any] | None = None,
     ) -> None:
-        self._core = _ClientCore(
-            target,
-            token=token,
-            tls=tls,
-            tls_server_name=tls_server_name,
-            timeout_s=timeout_s,
-            max_message_mb=max_message_mb,
-            retries=retries,
-            backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s,
-            expect_vocab_size=expect_vocab_size,
-            expect_tokenizer_fingerprint=expect_tokenizer_fingerprint,
-            record_to=record_to,
-            record_compression=record_compression,
-            record_metadata=record_metadata,
+        self._timeout_s = _positive("timeout_s", timeout_s)
+        if retries < 0:
+            raise ValueError(f"retries: must be >= 0, got {retries}")
+        if max_message_mb < 1:
+            raise ValueError(f"max_message_mb: must be >= 1, got {max_message_mb}")
+        self.targets = parse_targets(target)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._credentials = _credentials(tls)
+        self._tls_server_name = tls_server_name
+        self._max_message_bytes = int(max_message_mb) * 1024 * 1024
+        self._tries = int(retries) + 1
+        self._backoff = (float(backoff_s), float(max_backoff_s))
+        self._expect = (expect_vocab_size, expect_tokenizer_fingerprint)
+        self._record = (
+            None if record_to is None else Path(record_to),
+            record_compression,
+            dict(record_metadata or {}),
         )
-        self._channels: list[grpc.aio.Channel] = []
+        self._recorder: RecordingWriter | None = None
+        self._lock = threading.Lock()
+        self._channels: list[Any] = []
         self._stubs: list[pb_grpc.TeacherStub] = []
-        self._info_msgs: dict[int, pb.TeacherInfo] = {}
+        self._infos: dict[int, tuple[TeacherInfo, pb.TeacherInfo]] = {}
+        self._current = 0
+        self._rr = itertools.count()
+        self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._closed = False
 
-    @property
-    def targets(self) -> list[str]:
-        return list(self._core.targets)
-
+    # -- targets, info and retries ----------------------------------------------------
     @property
     def current_target(self) -> str:
-        return self._core.targets[self._core.current]
+        """The target the latest call went to."""
+        return self.targets[self._current]
 
     def _stub(self, index: int) -> pb_grpc.TeacherStub:
         if self._closed:
             raise TeacherError("client: already closed")
         if not self._stubs:
-            core = self._core
-            for t in core.targets:
-                opts = core.channel_options(t)
-                if core.credentials is None:
-                    channel = grpc.aio.insecure_channel(t, options=opts)
-                else:
-                    channel = grpc.aio.secure_channel(t, core.credentials, options=opts)
-                self._channels.append(channel)
-                self._stubs.append(pb_grpc.TeacherStub(channel))
+            for t in self.targets:
+                ch = _channel(t, self._credentials, self._max_message_bytes, self._tls_server_name)
+                self._channels.append(ch)
+                self._stubs.append(pb_grpc.TeacherStub(ch))
         return self._stubs[index]
 
+    def _check_info(self, info: TeacherInfo, target: str) -> None:
+        """Raise unless the teacher speaks our schema and has the expected vocabulary."""
+        info.check_schema()
+        vocab, fingerprint = self._expect
+        problems = []
+        if vocab is not None and info.vocab_size != vocab:
+            problems.append(
+                f"vocab_size: the teacher has {info.vocab_size}, the student expects {vocab}"
+            )
+        if fingerprint is not None and info.tokenizer_fingerprint != fingerprint:
+            problems.append(
+                f"tokenizer_fingerprint: the teacher has {info.tokenizer_fingerprint!r}, "
+                f"the student expects {fingerprint!r}"
+            )
+        if problems:
+            raise VocabMismatchError(f"teacher {target}: " + "; ".join(problems))
+
     async def _fetch_info(self, index: int) -> TeacherInfo:
-        core = self._core
-        if index not in core.infos:
+        if index not in self._infos:
             msg = await self._stub(index).GetInfo(
-                pb.GetInfoRequest(), timeout=core.timeout_s, metadata=core.metadata
+                pb.GetInfoRequest(), timeout=self._timeout_s, metadata=self._metadata
             )
             info = TeacherInfo.from_message(msg)
-            core.check_info(info, core.targets[index])
-            self._info_msgs[index] = msg
-            core.infos[index] = info
-        return core.infos[index]
+            self._check_info(info, self.targets[index])
+            self._infos[index] = (info, msg)
+        return self._infos[index][0]
 
-    async def _call(self, fn: Callable[[int], Awaitable[T]], index: int | None = None) -> T:
-        core = self._core
-        index = core.next_target() if index is None else index
-        last: TeacherError | None = None
-        for attempt in range(core.tries):
-            core.current = index
+    def _wait(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed tries (exponential, with jitter)."""
+        first, largest = self._backoff
+        return min(largest, first * (2 ** (failures - 1))) * (0.5 + random.random() / 2)
+
+    def _give_up(self, failures: int, last: TeacherError) -> None:
+        """Re-raise ``last`` unless it is retryable and tries are left; else wait."""
+        if not _is_retryable(last):
+            raise last from None
+        if failures >= self._tries:
+            raise TeacherUnavailableError(
+                f"teacher unavailable after {failures} tries ({', '.join(self.targets)}): "
+                f"{last.message}",
+                grpc.StatusCode.UNAVAILABLE,
+            )
+
+    async def _call(self, fn: Callable[[int], Awaitable[T]], index: int) -> T:
+        """Run ``fn(target_index)`` with retries on UNAVAILABLE, moving between targets."""
+        failures = 0
+        while True:
+            self._current = index
             try:
                 return await fn(index)
             except grpc.RpcError as e:
-                err = error_from_rpc(e)
-                if not _is_retryable(err):
-                    raise err from None
-                last = err
-            if attempt + 1 < core.tries:
-                await asyncio.sleep(core.backoff(attempt))
-                index = core.fail_over(index)
-        assert last is not None
-        raise core.unavailable(core.tries, last)
+                failures += 1
+                self._give_up(failures, error_from_rpc(e))
+            await asyncio.sleep(self._wait(failures))
+            index = (index + 1) % len(self.targets)
 
     async def info(self) -> TeacherInfo:
         """The teacher's ``GetInfo`` (checked against the expected vocabulary)."""
-        return await self._call(self._fetch_info, self._core.current)
+        return await self._call(self._fetch_info, self._current)
+
+    # -- recording ----------------------------------------------------------------------
+    def _record_answer(self, index: int, asm: ResponseAssembler) -> None:
+        """Write one answered request to the recording (when recording)."""
+        path, compression, metadata = self._record
+        if path is None or asm.error is not None:
+            return
+        with self._lock:
+            if self._recorder is None:
+                self._recorder = RecordingWriter(
+                    path,
+                    self._infos[index][1],
+                    compression=compression,
+                    metadata={"targets": self.targets, **metadata},
+                )
+        self._recorder.write(asm.request, asm.merged_response())
+
+    # -- score --------------------------------------------------------------------------
+    def _request(
+        self, batch: Any, top_k: int, dtype: str | int, include_sampled: bool
+    ) -> pb.ScoreRequest:
+        """A batch of sequences or a :class:`ScoreBatch` -> ScoreRequest with a new id."""
+        sequences, positions = (
+            (batch.sequences, batch.positions) if isinstance(batch, ScoreBatch) else (batch, None)
+        )
+        return build_request(
+            sequences,
+            top_k,
+            dtype=dtype,
+            positions=positions,
+            include_sampled=include_sampled,
+            request_id=next(self._ids),
+        )
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return self._timeout_s if timeout_s is None else _positive("timeout_s", timeout_s)
 
     async def score(
         self,
@@ -208,36 +435,65 @@ class AsyncTeacherClient:
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
     ) -> TeacherPayload:
-        """Score one batch (see :meth:`TeacherClient.score`)."""
-        core = self._core
-        timeout = core.call_timeout(timeout_s)
-        request = build_request(
-            sequences,
-            top_k,
-            dtype=dtype,
-            positions=positions,
-            include_sampled=include_sampled,
-            request_id=core.new_request_id(),
-        )
+        """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
+
+        Args:
+            sequences: ``[B, L]`` tensor/array or a list of 1-D token id sequences.
+            top_k: K.
+            dtype: wire dtype of the log-probs (``float16``, ``bfloat16``, ``float32``);
+                the payload holds them widened to float32.
+            positions: None (every position) or ``(start, end)`` per sequence.
+            include_sampled: also fetch the log-prob of the actual next token.
+            device: where the tensors go.
+            timeout_s: this call's deadline (default: the client's).
+        """
+        timeout = self._deadline(timeout_s)
+        request = self._request(ScoreBatch(sequences, positions), top_k, dtype, include_sampled)
 
         async def unary(index: int) -> ResponseAssembler:
-            info = await self._fetch_info(index)
+            await self._fetch_info(index)
             asm = ResponseAssembler(request)
-            asm.add(await self._stub(index).Score(request, timeout=timeout, metadata=core.metadata))
-            core.record(info, self._info_msgs[index], asm)
+            asm.add(
+                await self._stub(index).Score(request, timeout=timeout, metadata=self._metadata)
+            )
+            self._record_answer(index, asm)
             return asm
 
-        info = await self._call(self._fetch_info, core.next_target())
-        if core.needs_stream(request, info):
-            gen = self._run_stream(_as_async([request]), depth=0, device=device, timeout_s=timeout)
+        info = await self._call(self._fetch_info, next(self._rr) % len(self.targets))
+        limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
+        if not fits_one_message(response_bytes(request), len(request.sequences), limit):
+            gen = self._run_stream(_as_async([request]), 0, timeout)
             try:
-                return await anext(gen)
+                return (await anext(gen)).payload(device)
             finally:
                 await gen.aclose()
-        asm = await self._call(unary, core.current)
+        asm = await self._call(unary, self._current)
         return asm.payload(device)
 
+    # -- stream -------------------------------------------------------------------------
     def stream(
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int,
+        *,
+        device: torch.device | str = "cpu",
+        **options: Any,
+    ) -> AsyncIterator[TeacherPayload]:
+        """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
+        ``device``; ``options`` (``depth``, ``dtype``, ``include_sampled``, ``timeout_s``)
+        as :meth:`stream_answers`."""
+        answers = self.stream_answers(batches, top_k, **options)
+
+        async def payloads() -> AsyncIterator[TeacherPayload]:
+            try:
+                async for answer in answers:
+                    yield answer.payload(device)
+            finally:
+                await answers.aclose()  # type: ignore[attr-defined]
+
+        return payloads()
+
+    def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int,
@@ -245,78 +501,74 @@ class AsyncTeacherClient:
         depth: int = 4,
         dtype: str = "float16",
         include_sampled: bool = True,
-        device: torch.device | str = "cpu",
         timeout_s: float | None = None,
-    ) -> AsyncIterator[TeacherPayload]:
-        """Payloads of ``batches`` in input order, ``depth`` requests in flight (see
-        :meth:`TeacherClient.stream`); ``batches`` may be an async iterable."""
+    ) -> AsyncIterator[ResponseAssembler]:
+        """The complete answers to ``batches``, in input order, undecoded (each one's
+        ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,
+        the blocking client in the caller's thread while the loop reads on.
+
+        ``batches`` (an iterable or an async iterable) yields batches of sequences (as
+        for :meth:`score`) or :class:`ScoreBatch` items (with positions); it is consumed
+        lazily, at most ``depth`` batches ahead of the payload the caller holds. While the
+        caller works on payload ``n``, requests ``n+1 .. n+depth`` are with the teacher
+        (``depth=0``: none, every request waits for the caller). A request the teacher
+        refused raises its typed exception when the caller reaches that batch, which
+        ends the iteration. ``dtype``, ``include_sampled``, ``timeout_s``: as
+        :meth:`score` (``timeout_s`` counts per request, from when it is sent).
+        """
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
-        core = self._core
+        timeout = self._deadline(timeout_s)
 
         async def requests() -> AsyncIterator[pb.ScoreRequest | TeacherError]:
-            async for b in _as_async(batches):
-                yield request_from_batch(core, b, top_k, dtype, include_sampled)
+            async for batch in _as_async(batches):
+                try:
+                    yield self._request(batch, top_k, dtype, include_sampled)
+                except TeacherError as e:  # raised when the caller reaches this batch
+                    yield e
 
-        return self._run_stream(
-            requests(), depth=depth, device=device, timeout_s=core.call_timeout(timeout_s)
-        )
-
-    async def _open_stream(self, index: int) -> _AsyncStream:
-        await self._fetch_info(index)
-        return _AsyncStream(self._stub(index), self._core.metadata)
+        return self._run_stream(requests(), depth, timeout)
 
     async def _run_stream(
         self,
-        requests: AsyncIterator[Any],
-        *,
+        requests: AsyncIterator[pb.ScoreRequest | TeacherError],
         depth: int,
-        device: torch.device | str,
         timeout_s: float,
-    ) -> AsyncGenerator[TeacherPayload, None]:
-        core = self._core
+    ) -> AsyncGenerator[ResponseAssembler, None]:
         window = _StreamWindow()
-        index = core.next_target()
-        conn: _AsyncStream | None = None
+        index = next(self._rr) % len(self.targets)
+        conn: _Connection | None = None
         exhausted = False
         failures = 0
-        last: TeacherError | None = None
 
-        async def fill(limit: int) -> None:
+        async def fill(conn: _Connection, limit: int) -> None:
             nonlocal exhausted
             while not exhausted and len(window) < limit:
                 request = await anext(requests, None)
-                if request is None:
-                    exhausted = True
-                    return
+                exhausted = request is None
                 if isinstance(request, TeacherError):
                     window.add_failed(request)
-                    continue
-                window.add(request)
-                assert conn is not None
-                await conn.send(request)
+                elif request is not None:
+                    window.add(request)
+                    await conn.send(request)
 
         try:
             while True:
                 if conn is None:
                     if failures:
-                        if failures >= core.tries:
-                            assert last is not None
-                            raise core.unavailable(failures, last)
-                        await asyncio.sleep(core.backoff(failures - 1))
-                        index = core.fail_over(index)
-                    core.current = index
+                        await asyncio.sleep(self._wait(failures))
+                        index = (index + 1) % len(self.targets)
+                    self._current = index
                     try:
-                        conn = await self._open_stream(index)
+                        await self._fetch_info(index)
                     except grpc.RpcError as e:
-                        last = error_from_rpc(e)
-                        if not _is_retryable(last):
-                            raise last from None
                         failures += 1
+                        self._give_up(failures, error_from_rpc(e))
                         continue
+                    conn = _Connection(self._stub(index), self._metadata)
                     for pending in window.unanswered():
                         await conn.send(pending.request)
-                await fill(max(depth, 1))
+                await fill(conn, max(depth, 1))
                 if not window:
                     return
                 head = window.head()
@@ -324,27 +576,22 @@ class AsyncTeacherClient:
                     window.pop()
                     if head.assembler.error is not None:
                         raise head.assembler.error
-                    await fill(depth)
-                    core.record(core.infos[index], self._info_msgs[index], head.assembler)
-                    yield head.assembler.payload(device)
+                    await fill(conn, depth)
+                    self._record_answer(index, head.assembler)
+                    yield head.assembler
                     continue
-                wait = head.sent_at + timeout_s - time.monotonic()
                 try:
-                    item = await conn.get(wait)
+                    item = await conn.get(head.sent_at + timeout_s - time.monotonic())
                 except TimeoutError:
                     raise DeadlineExceededError(
                         f"request {head.request.request_id}: no complete answer within "
                         f"timeout_s {timeout_s} s",
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                     ) from None
-                if item is _END or isinstance(item, grpc.RpcError):
-                    last = (
-                        error_from_rpc(item)
-                        if isinstance(item, grpc.RpcError)
-                        else TeacherUnavailableError("the teacher closed the stream early")
-                    )
-                    if not _is_retryable(last):
-                        raise last from None
+                if isinstance(item, grpc.RpcError):
+                    last = error_from_rpc(item)
+                elif item is _END:
+                    last = TeacherUnavailableError("the teacher closed the stream early")
                 else:
                     try:
                         if window.route(item):
@@ -352,19 +599,25 @@ class AsyncTeacherClient:
                         continue
                     except _RetryStream as e:
                         last = e.error
+                # Connection lost (or the teacher refused with UNAVAILABLE): reconnect.
                 failures += 1
+                self._give_up(failures, last)
                 await conn.close()
                 conn = None
         finally:
             if conn is not None:
                 await conn.close()
 
+    # -- lifecycle ----------------------------------------------------------------------
     async def close(self) -> None:
-        """Close the channels and finish the recording."""
+        """Close the channels and finish the recording (last rows flushed)."""
         if self._closed:
             return
         self._closed = True
-        self._core.close_recorder()
+        with self._lock:
+            if self._recorder is not None:
+                self._recorder.close()
+                self._recorder = None
         for channel in self._channels:
             await channel.close()
 

@@ -32,7 +32,7 @@ from student_client.recording import (
     METADATA_FILE,
     RecordingReader,
 )
-from student_client.wire import DTYPE_NAMES
+from topk_protocol import DTYPE_NAMES
 
 __all__ = ["build_parser", "main", "read_token_sequences"]
 

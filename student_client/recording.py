@@ -59,9 +59,16 @@ from google.protobuf import json_format
 
 from student_client._closeable import Closeable
 from student_client.errors import RecordingError
-from student_client.payload import request_dtype, request_includes_sampled, request_spans
-from student_client.wire import decode_sequence, dtype_from_name, dtype_name, pb
-from student_client.wire.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
+from topk_protocol import (
+    decode_sequence,
+    dtype_from_name,
+    dtype_name,
+    pb,
+    request_dtype,
+    request_includes_sampled,
+    request_spans,
+)
+from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
 
 __all__ = [
     "FORMAT_NAME",

@@ -19,19 +19,20 @@ import numpy as np
 import torch
 
 from student_client._closeable import Closeable
-from student_client.client import ScoreBatch
+from student_client.aio_client import ScoreBatch
 from student_client.errors import InvalidRequestError, NotRecordedError, VocabMismatchError
-from student_client.payload import (
-    ResponseAssembler,
+from student_client.payload import ResponseAssembler, TeacherPayload
+from student_client.recording import RecordingReader, can_serve_dtype
+from topk_protocol import (
     TeacherInfo,
-    TeacherPayload,
     build_request,
+    dtype_name,
+    encode_sequence,
+    pb,
     request_dtype,
     request_includes_sampled,
     request_spans,
 )
-from student_client.recording import RecordingReader, can_serve_dtype
-from student_client.wire import dtype_name, encode_sequence, pb
 
 __all__ = ["ReplayClient", "describe_request", "replay_response"]
 

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from teacher_server.backends.base import Backend, load_backend
+from teacher_server.backends.base import Backend
+from teacher_server.backends.registry import BACKENDS, load_backend
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.server import ServerConfig, run_server
 
@@ -60,7 +61,7 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     s.add_argument("--model", help="model directory (vllm / transformers backends)")
-    s.add_argument("--backend", choices=["vllm", "transformers", "replay"], default="vllm")
+    s.add_argument("--backend", choices=list(BACKENDS), default="vllm")
     s.add_argument("--recording", help="recording file (replay backend)")
     s.add_argument("--host", default="0.0.0.0", help="gRPC address")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
@@ -154,12 +155,12 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
     if args.backend == "replay":
         if not args.recording:
             raise SystemExit("teacher-server: --recording is required with --backend replay")
-        return load_backend("replay", path=args.recording, max_top_k=args.max_top_k)
+        return load_backend(args.backend, path=args.recording, max_top_k=args.max_top_k)
     if not args.model:
         raise SystemExit(f"teacher-server: --model is required with --backend {args.backend}")
     if args.backend == "transformers":
         return load_backend(
-            "transformers",
+            args.backend,
             model=args.model,
             max_top_k=args.max_top_k,
             dtype="float32" if args.dtype == "auto" else args.dtype,
@@ -168,7 +169,7 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
             max_model_len=args.max_model_len,
         )
     return load_backend(
-        "vllm",
+        args.backend,
         model=args.model,
         max_top_k=args.max_top_k,
         dtype=args.dtype,

@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from student_client.wire import pb
 from teacher_server.auth import token_matches
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
+from topk_protocol import pb
 
 __all__ = ["build_http_app"]
 

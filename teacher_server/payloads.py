@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from student_client.wire import encode_sequence, itemsize, pb
 from teacher_server.backends.base import ScoredSequence
+from topk_protocol import bytes_per_row, encode_sequence, pb
 
-__all__ = ["bytes_per_row", "encode_scored", "iter_stream_responses"]
-
-
-def bytes_per_row(top_k: int, dtype: int, include_sampled: bool) -> int:
-    """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)."""
-    size = itemsize(dtype)
-    return top_k * (4 + size) + (size if include_sampled else 0)
+__all__ = ["encode_scored", "iter_stream_responses"]
 
 
 def encode_scored(

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from student_client.wire import pb
+from topk_protocol import pb
 
 __all__ = ["SERVICE_NAME", "Undecodable", "teacher_rpc_handler"]
 

@@ -18,7 +18,6 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from student_client.wire import pb
 from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
@@ -34,6 +33,7 @@ from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
 from teacher_server.validation import Limits
+from topk_protocol import pb
 
 __all__ = ["ServerConfig", "TeacherServer", "run_server"]
 

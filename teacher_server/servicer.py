@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import numpy as np
 
-from student_client.wire import SCHEMA_VERSION, pb, pb_grpc
-from student_client.wire.codec import DTYPE_NAMES
 from teacher_server.admission import AdmissionQueue, AdmissionRefused
 from teacher_server.backends.base import Backend, ScoredSequence
 from teacher_server.lifecycle import Lifecycle
@@ -30,13 +28,11 @@ from teacher_server.validation import (
     RequestError,
     parse_request,
 )
+from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, fits_one_message, pb, pb_grpc
 
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
 log = logging.getLogger(__name__)
-
-# Room for protobuf framing around the payload arrays when checking the unary size limit.
-_FRAMING_BYTES = 64
 
 
 def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
@@ -148,11 +144,11 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             self._count("Score", e.code, t0)
             await context.abort(e.code, e.message)
         try:
-            size = parsed.response_bytes() + _FRAMING_BYTES * (len(parsed.sequences) + 1)
-            if size > self._limits.max_message_bytes:
+            size = parsed.response_bytes()
+            if not fits_one_message(size, len(parsed.sequences), self._limits.max_message_bytes):
                 raise RequestError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"response: {size} bytes would exceed max_message_bytes "
+                    f"response: {size} payload bytes (+ framing) would exceed max_message_bytes "
                     f"{self._limits.max_message_bytes}; use ScoreStream or fewer positions",
                 )
             scored = await self._score(parsed)

@@ -12,8 +12,14 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from student_client.wire import itemsize, pb
-from student_client.wire.codec import DTYPE_NAMES
+from topk_protocol import (
+    DTYPE_NAMES,
+    bytes_per_row,
+    pb,
+    request_dtype,
+    request_includes_sampled,
+    sequence_span,
+)
 
 __all__ = ["Limits", "ParsedRequest", "ParsedSequence", "RequestError", "parse_request"]
 
@@ -62,10 +68,7 @@ class ParsedRequest:
 
     def response_bytes(self) -> int:
         """Bytes of the payload arrays this request will produce."""
-        per_row = self.top_k * (4 + itemsize(self.dtype))
-        if self.include_sampled:
-            per_row += itemsize(self.dtype)
-        return self.num_positions * per_row
+        return self.num_positions * bytes_per_row(self.top_k, self.dtype, self.include_sampled)
 
 
 def _invalid(message: str) -> RequestError:
@@ -78,16 +81,13 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
         raise _invalid("sequences: empty; a request needs at least 1 sequence")
     if not 1 <= req.top_k <= limits.max_top_k:
         raise _invalid(f"top_k: {req.top_k} is outside [1, {limits.max_top_k}] (max_top_k)")
-    dtype: int
-    if req.dtype == pb.LOGPROB_DTYPE_UNSPECIFIED:
-        dtype = pb.LOGPROB_DTYPE_FLOAT16
-    elif req.dtype in DTYPE_NAMES.values():
-        dtype = int(req.dtype)
-    else:
+    try:
+        dtype = request_dtype(req)
+    except ValueError:
         raise _invalid(
             f"dtype: unknown log-prob dtype {req.dtype}; supported: "
             + ", ".join(f"{v} ({k})" for k, v in DTYPE_NAMES.items())
-        )
+        ) from None
     total = 0
     for i, seq in enumerate(req.sequences):
         n_bytes = len(seq.token_ids)
@@ -120,13 +120,13 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
                 f"sequences[{i}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
                 f"[0, {limits.vocab_size})"
             )
-        start = seq.position_start if seq.HasField("position_start") else 0
-        end = seq.position_end if seq.HasField("position_end") else n
+        start, end = sequence_span(seq)
         if not 0 <= start <= end <= n:
             raise _invalid(
                 f"sequences[{i}].position_start/position_end: [{start}, {end}) is not a range "
                 f"inside the sequence's {n} positions [0, {n}]"
             )
-        parsed.append(ParsedSequence(ids, int(start), int(end)))
-    include = req.include_sampled_logprobs if req.HasField("include_sampled_logprobs") else True
-    return ParsedRequest(req.request_id, parsed, int(req.top_k), dtype, bool(include))
+        parsed.append(ParsedSequence(ids, start, end))
+    return ParsedRequest(
+        req.request_id, parsed, int(req.top_k), dtype, request_includes_sampled(req)
+    )

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from teacher_server.launch import TeacherProcess, free_port, http_status, start_teacher
-from teacher_server.tiny_model import TINY_SERVE_ARGS
+from devtools.launch import TeacherProcess, free_port, http_status, start_teacher
+from devtools.tiny_model import TINY_SERVE_ARGS
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "http_status", "start_server"]
 
@@ -26,7 +26,7 @@ start_server = start_teacher
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen2 model (vocab 512) with a byte-level tokenizer."""
-    from teacher_server.tiny_model import write_tiny_model
+    from devtools.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
 

@@ -1,4 +1,4 @@
-"""Student-side distillation losses against a teacher's top-k log-probs (SPEC section 4).
+"""Student-side distillation losses against a teacher's top-k log-probs (docs/losses.md).
 
 Entry points: `topk_kl_loss` (function) and `TopKKLLoss` (module), both chunked over rows,
 vocab-parallel aware, with an analytic backward. `topk_kl_reference` is the dense slow path.

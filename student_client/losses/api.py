@@ -36,7 +36,7 @@ def topk_kl_loss(
 ) -> tuple[Tensor, TopKKLStats]:
     """Distillation loss of student logits against a teacher's top-k log-probs.
 
-    Per position (SPEC section 4), with `q = softmax(z / T)`, teacher top-k set `I`,
+    Per position (docs/losses.md), with `q = softmax(z / T)`, teacher top-k set `I`,
     `p_i = exp(l_i)`, `P = sum_I p_i`, `Q = sum_I q_i`:
 
     - "truncated" (verl `forward_kl_topk`): `sum_I p_i (log p_i - log q_i)`. Not a KL: it is

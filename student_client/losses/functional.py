@@ -1,4 +1,4 @@
-"""Pure per-position math of the top-k KL losses (SPEC section 4), on reduced statistics.
+"""Pure per-position math of the top-k KL losses (docs/losses.md), on reduced statistics.
 
 The chunked pass (`chunked.py`) walks the vocabulary once per row and reduces it to a few
 numbers per position; everything here works on those `[N]` / `[N, K]` tensors only, never on

@@ -15,7 +15,6 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "ScoredSequence",
-    "load_backend",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
 ]
@@ -42,7 +41,7 @@ class ScoredSequence:
 
     ``ids`` ``[S, K]`` int32 and ``logprobs`` ``[S, K]`` float32, rows sorted descending;
     ``sampled_logprobs`` ``[S]`` float32: log p(x[t+1] | x[..t]), NaN at the last position
-    of the sequence (SPEC section 2).
+    of the sequence (docs/protocol.md, position alignment).
     """
 
     ids: npt.NDArray[np.int32]
@@ -108,20 +107,3 @@ def topk_from_logprobs(
     if n > 1:
         sampled[:-1] = logprobs[np.arange(n - 1), token_ids[1:n]]
     return ScoredSequence(ids, lps, sampled)
-
-
-def load_backend(name: str, **kwargs: Any) -> Backend:
-    """Construct a backend by name: ``vllm``, ``transformers`` or ``replay``."""
-    if name == "vllm":
-        from teacher_server.backends.vllm_backend import VLLMBackend
-
-        return VLLMBackend(**kwargs)
-    if name == "transformers":
-        from teacher_server.backends.transformers_backend import TransformersBackend
-
-        return TransformersBackend(**kwargs)
-    if name == "replay":
-        from teacher_server.backends.replay_backend import ReplayBackend
-
-        return ReplayBackend(**kwargs)
-    raise ValueError(f"backend: unknown backend {name!r}; use vllm, transformers or replay")

@@ -22,9 +22,9 @@ import numpy as np
 import numpy.typing as npt
 
 from student_client.recording import RecordedSequence, RecordingReader, can_serve_dtype
-from student_client.wire import dtype_name
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.validation import RequestError
+from topk_protocol import dtype_name
 
 if TYPE_CHECKING:
     from teacher_server.validation import ParsedRequest

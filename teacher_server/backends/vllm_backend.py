@@ -1,10 +1,10 @@
-"""vLLM backend on the fast log-prob path (SPEC section 5).
+"""vLLM backend on the fast log-prob path (docs/vllm.md).
 
 One ``SamplingParams(max_tokens=1, prompt_logprobs=K, logprobs=K, flat_logprobs=True,
 detokenize=False)`` request per sequence; vLLM batches concurrent requests. Prompt
 log-prob row ``i`` (``i >= 1``) is the distribution that predicts ``x[i]``, so payload
 position ``t < L-1`` comes from prompt row ``t+1`` and position ``L-1`` from the one
-generated token's log-probs (SPEC section 2).
+generated token's log-probs (docs/protocol.md, position alignment).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class VLLMBackend(Backend):
             "model": self._model,
             "dtype": self._dtype,
             "max_logprobs": self._max_top_k,
-            # Stale prompt log-probs have been reported with prefix caching (SPEC 5).
+            # Stale prompt log-probs have been reported with prefix caching (docs/vllm.md).
             "enable_prefix_caching": False,
         }
         if self._max_model_len:

@@ -14,7 +14,7 @@ import torch
 from conftest import ServerProcess, start_server
 from test_client_live import requests_ok
 
-from student_client import client as client_mod
+from student_client import aio_client as client_mod
 from student_client.aio_client import AsyncTeacherClient
 from student_client.client import TeacherClient
 from student_client.payload import TeacherPayload

@@ -18,10 +18,10 @@ from student_client.errors import (
     UnauthenticatedError,
     error_from_code,
 )
-from student_client.payload import ResponseAssembler, build_request, request_spans
-from student_client.wire import pb
+from student_client.payload import ResponseAssembler
 from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import encode_scored, iter_stream_responses
+from topk_protocol import build_request, pb, request_spans
 
 
 def _scored(rng: np.random.Generator, n: int, k: int, start: int, last: bool) -> ScoredSequence:

@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from student_client import client as client_mod
+from student_client import aio_client as client_mod
 from student_client.aio_client import AsyncTeacherClient
 from student_client.client import ScoreBatch, TeacherClient
 from student_client.errors import DeadlineExceededError, InvalidRequestError

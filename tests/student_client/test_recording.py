@@ -19,18 +19,18 @@ import pytest
 import torch
 
 from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
-from student_client.payload import (
-    ResponseAssembler,
-    TeacherPayload,
+from student_client.payload import ResponseAssembler, TeacherPayload
+from student_client.recording import RecordingReader, RecordingWriter, sequence_key
+from student_client.replay import ReplayClient
+from teacher_server.backends.base import ScoredSequence
+from teacher_server.payloads import iter_stream_responses
+from topk_protocol import (
     build_request,
+    encode_sequence,
+    pb,
     request_includes_sampled,
     request_spans,
 )
-from student_client.recording import RecordingReader, RecordingWriter, sequence_key
-from student_client.replay import ReplayClient
-from student_client.wire import encode_sequence, pb
-from teacher_server.backends.base import ScoredSequence
-from teacher_server.payloads import iter_stream_responses
 
 ROOT = Path(__file__).resolve().parents[2]
 INFO = pb.TeacherInfo(
@@ -286,7 +286,7 @@ _KILLED_WRITER = textwrap.dedent(
     import sys, time
     import numpy as np
     from student_client.recording import RecordingWriter
-    from student_client.wire import pb
+    from topk_protocol import pb
     info = pb.TeacherInfo(model_name="fake", vocab_size=512, max_top_k=64, schema_version=1)
     w = RecordingWriter(sys.argv[1], info, top_k=4, dtype="float16", flush_interval_s=0.2)
     rng = np.random.default_rng(0)
@@ -384,7 +384,7 @@ _STUDENT_ONLY = textwrap.dedent(
     import numpy as np
     from student_client.recording import RecordingWriter
     from student_client.replay import ReplayClient
-    from student_client.wire import pb
+    from topk_protocol import pb
     info = pb.TeacherInfo(model_name="m", vocab_size=512, max_top_k=64, schema_version=1)
     rng = np.random.default_rng(0)
     with RecordingWriter(sys.argv[1], info, top_k=8, dtype="float32") as w:

@@ -109,7 +109,7 @@ def test_full_queue_answers_unavailable_and_the_client_retries(  # type: ignore[
 
     from student_client.client import TeacherClient
     from student_client.errors import ResourceExhaustedError
-    from student_client.wire import encode_token_ids, pb, pb_grpc
+    from topk_protocol import encode_token_ids, pb, pb_grpc
 
     server = teacher_factory(
         [

@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from student_client.wire import encode_token_ids, pb, pb_grpc
 from teacher_server.lifecycle import SHUTDOWN_MARGIN_S
+from topk_protocol import encode_token_ids, pb, pb_grpc
 
 
 def _req(n: int = 5, request_id: str = "r", k: int = 4) -> pb.ScoreRequest:

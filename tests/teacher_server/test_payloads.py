@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from student_client.wire import decode_sequence, pb
-from student_client.wire.codec import concat_chunks
 from teacher_server.backends.base import ScoredSequence, topk_from_logprobs
 from teacher_server.backends.vllm_backend import flat_to_topk
-from teacher_server.payloads import bytes_per_row, iter_stream_responses
+from teacher_server.payloads import iter_stream_responses
+from topk_protocol import bytes_per_row, concat_chunks, decode_sequence, pb
 
 
 def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from student_client.wire import encode_token_ids, pb, pb_grpc
 from teacher_server.rpc_handlers import SERVICE_NAME
+from topk_protocol import encode_token_ids, pb, pb_grpc
 
 METHODS = {
     "GetInfo": pb.GetInfoRequest,

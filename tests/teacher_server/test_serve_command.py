@@ -28,9 +28,9 @@ import pytest
 from conftest import ROOT, free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from student_client.wire import encode_token_ids, pb, pb_grpc
 from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, SHUTDOWN_MARGIN_S
+from topk_protocol import encode_token_ids, pb, pb_grpc
 
 PROBE_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 600.0

@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from student_client.wire import encode_token_ids, pb, pb_grpc
 from teacher_server.validation import Limits, RequestError, parse_request
+from topk_protocol import encode_token_ids, pb, pb_grpc
 
 LIMITS = Limits(
     vocab_size=512, max_top_k=256, max_tokens_per_request=65536, max_sequence_length=4095

@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from student_client.wire import decode_sequence, encode_token_ids, pb, pb_grpc
-from student_client.wire.codec import DecodedSequence, concat_chunks
+from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
+from topk_protocol.codec import DecodedSequence, concat_chunks
 
 pytestmark = pytest.mark.vllm
 

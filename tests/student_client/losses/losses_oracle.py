@@ -1,7 +1,7 @@
 """Test helpers: a plain dense float64 oracle of the losses and input generators.
 
 The oracle is written independently of `student_client.losses`: it forms `q = softmax`,
-`P`, `Q`, `1 - P`, `1 - Q` directly in float64 and follows SPEC section 4 literally.
+`P`, `Q`, `1 - P`, `1 - Q` directly in float64 and follows docs/losses.md literally.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def oracle_loss(
 def analytic_gradient(
     logits: Tensor, ids: Tensor, logprobs: Tensor, *, mode: str, temperature: float = 1.0
 ) -> Tensor:
-    """SPEC section 4's closed-form gradient of the per-position loss, summed, float64.
+    """The closed-form gradient (docs/losses.md) of the per-position loss, summed, float64.
 
     tail: `q_j - p_j` inside `I`, `q_j (P - Q) / (1 - Q)` outside; truncated:
     `q_j P - p_j [j in I]`; both divided by `T`. `[*lead, V]`.

@@ -1,8 +1,9 @@
 """Arrays <-> wire messages, with no per-element Python loop.
 
 Both sides use this module: the teacher encodes ``[S, K]`` arrays into a
-``SequencePayload``; the student decodes one back into numpy arrays or torch tensors.
-All arrays on the wire are little-endian and row-major.
+``SequencePayload``; the student decodes them back (:func:`decode_floats_into` is the one
+log-prob decoder, used by :func:`decode_sequence` and by the client's response assembler).
+All arrays on the wire are little-endian and row-major (layout: ``docs/protocol.md``).
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
-from student_client.wire._generated import teacher_pb2 as pb
+from topk_protocol._generated import teacher_pb2 as pb
 
 __all__ = [
     "DTYPE_NAMES",
     "SCHEMA_VERSION",
     "DecodedSequence",
+    "concat_chunks",
+    "decode_floats_into",
     "decode_sequence",
-    "decode_sequence_torch",
     "decode_token_ids",
     "dtype_from_name",
     "dtype_name",
@@ -30,6 +31,7 @@ __all__ = [
     "itemsize",
 ]
 
+#: The schema version this code speaks (``TeacherInfo.schema_version``).
 SCHEMA_VERSION = pb.SCHEMA_VERSION_1
 
 DTYPE_NAMES: dict[str, int] = {
@@ -43,13 +45,8 @@ _ITEMSIZE: dict[int, int] = {
     pb.LOGPROB_DTYPE_FLOAT16: 2,
     pb.LOGPROB_DTYPE_BFLOAT16: 2,
 }
-_TORCH_DTYPE: dict[int, torch.dtype] = {
-    pb.LOGPROB_DTYPE_FLOAT32: torch.float32,
-    pb.LOGPROB_DTYPE_FLOAT16: torch.float16,
-    pb.LOGPROB_DTYPE_BFLOAT16: torch.bfloat16,
-}
 if not np.little_endian:  # pragma: no cover - every supported platform is little-endian
-    raise ImportError("topk-distill's torch decoding assumes a little-endian host")
+    raise ImportError("topk-distill's decoding assumes a little-endian host")
 _LE_I32 = np.dtype("<i4")
 _LE_F32 = np.dtype("<f4")
 _LE_F16 = np.dtype("<f2")
@@ -93,6 +90,7 @@ def _f32_to_bf16_bits(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
 
 
 def _bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    """bfloat16 bit patterns -> float32 (exact)."""
     return (bits.astype(_LE_U32) << np.uint32(16)).view(_LE_F32)
 
 
@@ -105,17 +103,33 @@ def _encode_floats(x: npt.ArrayLike, dtype: int) -> bytes:
     return _f32_to_bf16_bits(arr).tobytes()
 
 
-def _decode_floats_np(buf: bytes, dtype: int, count: int, field: str) -> npt.NDArray[np.float32]:
+def decode_floats_into(dst: npt.NDArray[np.float32], buf: bytes, dtype: int, field: str) -> None:
+    """Decode ``buf`` (wire ``dtype``) into the float32 array ``dst`` in one vectorized copy.
+
+    The only log-prob decoder: float16 and bfloat16 widen to float32 exactly. Raises
+    ``ValueError`` naming ``field`` when ``buf`` does not hold ``dst.size`` values.
+    """
     size = _ITEMSIZE[dtype]
-    if len(buf) != count * size:
+    if len(buf) != dst.size * size:
         raise ValueError(
-            f"{field}: expected {count * size} bytes ({count} x {size}), got {len(buf)}"
+            f"{field}: expected {dst.size * size} bytes ({dst.size} x {size}), got {len(buf)}"
         )
     if dtype == pb.LOGPROB_DTYPE_FLOAT32:
-        return np.frombuffer(buf, dtype=_LE_F32).astype(np.float32, copy=False)
-    if dtype == pb.LOGPROB_DTYPE_FLOAT16:
-        return np.frombuffer(buf, dtype=_LE_F16).astype(np.float32)
-    return _bf16_bits_to_f32(np.frombuffer(buf, dtype=_LE_U16))
+        dst[...] = np.frombuffer(buf, dtype=_LE_F32).reshape(dst.shape)
+    elif dtype == pb.LOGPROB_DTYPE_FLOAT16:
+        dst[...] = np.frombuffer(buf, dtype=_LE_F16).reshape(dst.shape)
+    else:  # bfloat16: the upper 16 bits of a float32, written straight into the halves
+        halves = dst.view(_LE_U16).reshape(*dst.shape, 2)
+        halves[..., 0] = 0
+        halves[..., 1] = np.frombuffer(buf, dtype=_LE_U16).reshape(dst.shape)
+
+
+def _decode_floats(
+    buf: bytes, dtype: int, shape: tuple[int, ...], field: str
+) -> npt.NDArray[np.float32]:
+    out = np.empty(shape, dtype=np.float32)
+    decode_floats_into(out, buf, dtype, field)
+    return out
 
 
 def encode_token_ids(token_ids: npt.ArrayLike) -> bytes:
@@ -212,45 +226,13 @@ def decode_sequence(msg: pb.SequencePayload) -> DecodedSequence:
     """``SequencePayload`` -> numpy arrays (float32 log-probs whatever the wire dtype)."""
     s, k, enum = _check_shape(msg)
     ids = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(s, k)
-    lp = _decode_floats_np(msg.logprobs, enum, s * k, "logprobs").reshape(s, k)
+    lp = _decode_floats(msg.logprobs, enum, (s, k), "logprobs")
     sp = (
-        _decode_floats_np(msg.sampled_logprobs, enum, s, "sampled_logprobs")
+        _decode_floats(msg.sampled_logprobs, enum, (s,), "sampled_logprobs")
         if msg.sampled_logprobs
         else (None if s else np.zeros(0, np.float32))
     )
     return DecodedSequence(ids, lp, sp, int(msg.position_start), int(msg.sequence_index))
-
-
-def _torch_from_bytes(buf: bytes, dtype: torch.dtype, count: int, field: str) -> torch.Tensor:
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(buf) != count * size:
-        raise ValueError(
-            f"{field}: expected {count * size} bytes ({count} x {size}), got {len(buf)}"
-        )
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    # bytearray: torch.frombuffer wants a writable buffer; one memcpy, no Python loop.
-    return torch.frombuffer(bytearray(buf), dtype=dtype)
-
-
-def decode_sequence_torch(
-    msg: pb.SequencePayload, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``SequencePayload`` -> ``(ids [S, K] int32, logprobs [S, K] wire dtype,
-    sampled_logprobs [S] wire dtype or None)`` torch tensors on ``device``."""
-    s, k, enum = _check_shape(msg)
-    tdt = _TORCH_DTYPE[enum]
-    ids = _torch_from_bytes(msg.ids, torch.int32, s * k, "ids").reshape(s, k)
-    lp = _torch_from_bytes(msg.logprobs, tdt, s * k, "logprobs").reshape(s, k)
-    sp = (
-        _torch_from_bytes(msg.sampled_logprobs, tdt, s, "sampled_logprobs")
-        if msg.sampled_logprobs or s == 0
-        else None
-    )
-    if str(device) != "cpu":
-        ids, lp = ids.to(device, non_blocking=True), lp.to(device, non_blocking=True)
-        sp = sp.to(device, non_blocking=True) if sp is not None else None
-    return ids, lp, sp
 
 
 def concat_chunks(chunks: Sequence[DecodedSequence]) -> DecodedSequence:

@@ -1,6 +1,6 @@
 """Write a tiny Qwen2 model directory (weights + byte-level tokenizer) for tests and examples.
 
-The architecture follows SPEC section 5: it loads in vLLM's CPU backend (head_dim 64; 16
+The architecture follows docs/vllm.md: it loads in vLLM's CPU backend (head_dim 64; 16
 fails in the CPU attention kernel) and in transformers.
 """
 
@@ -24,7 +24,7 @@ TINY_SERVE_ARGS = [
 ]  # fmt: skip
 
 #: Special tokens placed right after the 256 byte tokens.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+EXTRA_TOKENS = ["<|endoftext|>", "<|pad|>"]
 
 
 def byte_tokenizer() -> Any:
@@ -43,11 +43,11 @@ def byte_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(EXTRA_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=SPECIAL_TOKENS[0],
-        pad_token=SPECIAL_TOKENS[1],
+        eos_token=EXTRA_TOKENS[0],
+        pad_token=EXTRA_TOKENS[1],
     )
 
 
@@ -79,7 +79,7 @@ def tiny_qwen2_config(
     max_position_embeddings: int = 8192,
     initializer_range: float = 0.2,
 ) -> Any:
-    """A ``transformers.Qwen2Config`` for a tiny model (SPEC section 5)."""
+    """A ``transformers.Qwen2Config`` for a tiny model (docs/vllm.md)."""
     from transformers import Qwen2Config
 
     fields: dict[str, Any] = dict(

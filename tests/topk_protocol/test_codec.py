@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from student_client.wire import (
+from topk_protocol import (
+    decode_floats_into,
     decode_sequence,
-    decode_sequence_torch,
     decode_token_ids,
     dtype_from_name,
     encode_sequence,
     encode_token_ids,
     pb,
 )
-from student_client.wire.codec import concat_chunks
+from topk_protocol.codec import concat_chunks
 
 SHAPES = [(0, 4), (1, 1), (1, 64), (47, 1), (47, 8), (3, 256), (129, 64)]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -54,16 +54,18 @@ def test_round_trip_numpy(shape: tuple[int, int], dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_round_trip_torch(shape: tuple[int, int], dtype: str) -> None:
+def test_decode_floats_into_a_strided_view(shape: tuple[int, int], dtype: str) -> None:
+    """The one decoder writes into a slice of a larger array (what the assembler does)."""
     ids, lp, sampled = _arrays(*shape, seed=1)
     msg = encode_sequence(ids, lp, sampled, dtype=dtype)
-    t_ids, t_lp, t_sp = decode_sequence_torch(msg)
-    assert t_ids.shape == shape and t_ids.dtype == torch.int32
-    assert t_lp.dtype == getattr(torch, dtype) and t_lp.shape == shape
-    assert t_sp is not None and t_sp.shape == (shape[0],)
-    np.testing.assert_array_equal(t_ids.numpy(), ids)
-    np.testing.assert_array_equal(t_lp.float().numpy(), _expected(lp, dtype))
-    np.testing.assert_array_equal(t_sp.float().numpy(), _expected(sampled, dtype))
+    big = np.full((2, shape[0] + 3, shape[1]), 7.0, np.float32)
+    decode_floats_into(big[1, 2 : 2 + shape[0]], msg.logprobs, dtype_from_name(dtype), "lp")
+    np.testing.assert_array_equal(big[1, 2 : 2 + shape[0]], _expected(lp, dtype))
+    assert (
+        (big[0] == 7.0).all()
+        and (big[1, :2] == 7.0).all()
+        and (big[1, 2 + shape[0] :] == 7.0).all()
+    )
 
 
 def test_payload_size_at_k64_float16() -> None:
@@ -86,7 +88,6 @@ def test_sampled_omitted() -> None:
     ids, lp, _ = _arrays(4, 2)
     msg = encode_sequence(ids, lp, None, dtype="float32")
     assert decode_sequence(msg).sampled_logprobs is None
-    assert decode_sequence_torch(msg)[2] is None
 
 
 def test_token_ids_round_trip() -> None:
@@ -111,7 +112,7 @@ def test_bad_messages_name_the_field() -> None:
     with pytest.raises(ValueError, match="logprobs"):
         decode_sequence(msg)
     with pytest.raises(ValueError, match="logprobs"):
-        decode_sequence_torch(msg)
+        decode_floats_into(np.zeros((3, 4), np.float32), msg.logprobs, msg.dtype, "logprobs")
     with pytest.raises(ValueError, match="dtype"):
         dtype_from_name("float64")
     with pytest.raises(ValueError, match="dtype"):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
@@ -15,7 +15,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    committed = ROOT / "student_client" / "wire" / "_generated"
+    committed = ROOT / "topk_protocol" / "_generated"
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(p.name for p in committed.iterdir() if p.suffix in (".py", ".pyi"))
     stale = [n for n in names if (tmp_path / n).read_text() != (committed / n).read_text()]
@@ -38,8 +38,8 @@ def test_student_side_imports_without_server_packages() -> None:
     """The wire code works with grpc_tools, vLLM, FastAPI and transformers unavailable."""
     code = _BLOCK_SERVER_PACKAGES + (
         "import numpy as np\n"
-        "from student_client.wire import encode_sequence, decode_sequence_torch, pb_grpc\n"
+        "from topk_protocol import encode_sequence, decode_sequence, pb_grpc\n"
         "m = encode_sequence(np.zeros((2, 3), np.int32), np.zeros((2, 3)), None)\n"
-        "assert decode_sequence_torch(m)[0].shape == (2, 3)\n"
+        "assert decode_sequence(m).ids.shape == (2, 3)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,69 @@
+"""The topk-distill protocol: the one place that knows the wire format and its rules.
+
+The generated protobuf/gRPC code (``pb``, ``pb_grpc``), the array codec, request
+building, normalization, defaults and sizes, the typed errors of gRPC statuses, and
+``TeacherInfo``. Both ``teacher_server`` and ``student_client`` import it; it imports
+neither (checked by the import contracts in ``pyproject.toml``). See ``docs/protocol.md``.
+"""
+
+from topk_protocol._generated import teacher_pb2 as pb
+from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
+from topk_protocol.codec import (
+    DTYPE_NAMES,
+    SCHEMA_VERSION,
+    DecodedSequence,
+    concat_chunks,
+    decode_floats_into,
+    decode_sequence,
+    decode_token_ids,
+    dtype_from_name,
+    dtype_name,
+    encode_sequence,
+    encode_token_ids,
+    itemsize,
+)
+from topk_protocol.info import TeacherInfo
+from topk_protocol.requests import (
+    DEFAULT_DTYPE,
+    FRAMING_BYTES,
+    Span,
+    build_request,
+    bytes_per_row,
+    fits_one_message,
+    normalize_sequences,
+    request_dtype,
+    request_includes_sampled,
+    request_spans,
+    response_bytes,
+    sequence_span,
+)
+
+__all__ = [
+    "DEFAULT_DTYPE",
+    "DTYPE_NAMES",
+    "FRAMING_BYTES",
+    "SCHEMA_VERSION",
+    "DecodedSequence",
+    "Span",
+    "TeacherInfo",
+    "build_request",
+    "bytes_per_row",
+    "concat_chunks",
+    "decode_floats_into",
+    "decode_sequence",
+    "decode_token_ids",
+    "dtype_from_name",
+    "dtype_name",
+    "encode_sequence",
+    "encode_token_ids",
+    "fits_one_message",
+    "itemsize",
+    "normalize_sequences",
+    "pb",
+    "pb_grpc",
+    "request_dtype",
+    "request_includes_sampled",
+    "request_spans",
+    "response_bytes",
+    "sequence_span",
+]
