@@ -1,5 +1,5 @@
 # topk-distill: every target sets up what it needs by itself.
-#   make test   - create .venv, install everything, run lint, type checks and the test suite
+#   make test   - create .venv, install everything, run lint, type checks, import contracts and the test suite
 #   make demo   - create .venv, install everything, serve a tiny teacher and distill a student
 SHELL := /bin/bash
 PYTHON ?= python3
