@@ -1,10 +1,13 @@
 """Student-side distillation losses against a teacher's top-k log-probs (docs/losses.md).
 
 Entry points: `topk_kl_loss` (function) and `TopKKLLoss` (module), both chunked over rows,
-vocab-parallel aware, with an analytic backward. `topk_kl_reference` is the dense slow path.
+vocab-parallel aware, with an analytic backward; `fused_topk_kl_loss`, the same loss from the
+last hidden states and the lm_head weight without forming the logits, and
+`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM. `topk_kl_reference`
+is the dense slow path.
 """
 
-from student_client.losses.api import topk_kl_loss
+from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
 from student_client.losses.chunked import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.module import TopKKLLoss
 from student_client.losses.reference import topk_kl_reference
@@ -27,6 +30,7 @@ __all__ = [
     "TopKKLLoss",
     "TopKKLStats",
     "auto_chunk_rows",
+    "fused_topk_kl_loss",
     "topk_kl_loss",
     "topk_kl_reference",
 ]

@@ -1,4 +1,5 @@
-"""`topk_kl_loss`: validation, masking, clamping and reduction around the chunked kernel."""
+"""`topk_kl_loss` and `fused_topk_kl_loss`: validation, masking, clamping, reduction, stats
+around the chunked and the fused kernels."""
 
 from __future__ import annotations
 
@@ -7,18 +8,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from student_client.losses.chunked import ChunkedSettings, auto_chunk_rows, chunked_topk_kl_rows
-from student_client.losses.masking import (
-    counted_positions,
-    masked_mean,
-    neutralize_uncounted,
-    reduce_positions,
+from student_client.losses.chunked import (
+    ChunkedSettings,
+    TeacherColumns,
+    auto_chunk_rows,
+    chunked_topk_kl_rows,
+    statistics_dtype,
 )
+from student_client.losses.fused import (
+    DEFAULT_FUSED_WORK_BYTES,
+    FusedLinearTopKKLFunction,
+    FusedSettings,
+    auto_fused_chunk_rows,
+)
+from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
 from student_client.losses.parallel import VocabShard
 from student_client.losses.types import LossMode, Reduction, RowTerms, TopKKLStats
-from student_client.losses.validation import check_options, check_teacher_values, check_tensors
+from student_client.losses.validation import check_linear, check_options, check_tensors
 
-__all__ = ["topk_kl_loss"]
+__all__ = ["fused_topk_kl_loss", "topk_kl_loss"]
 
 
 def topk_kl_loss(
@@ -33,6 +41,8 @@ def topk_kl_loss(
     tail_mass_eps: float = 1e-6,
     clamp_min: float | None = None,
     process_group: Any = None,
+    validate: bool = True,
+    overlap: bool = False,
 ) -> tuple[Tensor, TopKKLStats]:
     """Distillation loss of student logits against a teacher's top-k log-probs.
 
@@ -73,10 +83,17 @@ def topk_kl_loss(
             (rank `r`: ids `[r * V_local, (r + 1) * V_local)`); None: one process. Every rank
             passes the same teacher tensors and mask and gets the same loss and stats; the
             gradient it gets is that of its own shard.
+        validate: check the teacher's values and the mask's (a few host syncs). False: no
+            value checks, and the call never waits for the device (no `.item()`,
+            `.tolist()`, `nonzero` or boolean indexing); invalid values then give undefined
+            results instead of an error. Shape, dtype and option checks always run.
+        overlap: compute `stats.overlap` (a `topk` over every `[chunk, V_local]` block and,
+            sharded, one all-gather per chunk); False: `stats.overlap` is NaN.
 
     Returns:
         `(loss, stats)`: `loss` a scalar (or `[...]` for "none") in float32 (float64 for
-        float64 logits), differentiable w.r.t. `logits`; `stats` a `TopKKLStats`.
+        float64 logits), differentiable w.r.t. `logits`; `stats` a `TopKKLStats`, lazy:
+        its numbers are copied to the host when first read.
 
     Raises:
         ValueError: naming the argument, for any invalid input.
@@ -95,14 +112,17 @@ def topk_kl_loss(
     check_tensors(logits, teacher_ids, teacher_logprobs, mask, global_vocab=shard.global_vocab)
 
     positions_shape = logits.shape[:-1]
-    local_vocab, top_k = logits.shape[-1], teacher_ids.shape[-1]
+    local_vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, local_vocab)
-    n_positions = flat_logits.shape[0]
-    ids = teacher_ids.reshape(n_positions, top_k)
-    logprobs = teacher_logprobs.detach().reshape(n_positions, top_k)
-    counted = counted_positions(mask, n_positions, logits.device)
-    check_teacher_values(ids[counted], logprobs[counted], shard.global_vocab)
-    ids, logprobs = neutralize_uncounted(ids, logprobs, counted)
+    ids, logprobs, counted = prepare_teacher_rows(
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        n_positions=flat_logits.shape[0],
+        device=logits.device,
+        global_vocab=shard.global_vocab,
+        validate=validate,
+    )
 
     settings = ChunkedSettings(
         tail_mode=mode == "tail",
@@ -110,6 +130,7 @@ def topk_kl_loss(
         tail_mass_eps=float(tail_mass_eps),
         chunk_rows=chunk_size if chunk_size is not None else auto_chunk_rows(local_vocab),
         shard=shard,
+        overlap=overlap,
     )
     rows = chunked_topk_kl_rows(flat_logits, ids, logprobs, settings)
 
@@ -120,22 +141,126 @@ def topk_kl_loss(
         per_position = per_position.clamp_min(clamp_min)
 
     loss = reduce_positions(per_position, counted, reduction, positions_shape)
-    stats = _summarize(rows, per_position.detach(), clamped, counted)
+    stats = summarize(rows, per_position.detach(), clamped, counted, overlap=overlap)
     return loss, stats
 
 
-def _summarize(
-    rows: RowTerms, per_position: Tensor, clamped: Tensor, counted: Tensor
-) -> TopKKLStats:
-    """Means over the counted positions of the `[N]` per-position values (one host sync)."""
-    columns = {
-        "loss": per_position,
-        "head_loss": rows.head,
-        "tail_loss": rows.tail,
-        "teacher_mass": rows.teacher_mass,
-        "student_mass": rows.student_mass,
-        "overlap": rows.overlap,
-        "clamped_fraction": clamped.to(per_position.dtype),
-    }
-    means = masked_mean(torch.stack(list(columns.values()), dim=-1), counted).tolist()
-    return TopKKLStats(**dict(zip(columns, means, strict=True)), positions=int(counted.sum()))
+def fused_topk_kl_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    mode: LossMode = "tail",
+    mask: Tensor | None = None,
+    reduction: Reduction = "mean",
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    tail_mass_eps: float = 1e-6,
+    clamp_min: float | None = None,
+    process_group: Any = None,
+    bias: Tensor | None = None,
+    validate: bool = True,
+    overlap: bool = False,
+    grad_in_forward: bool = True,
+) -> tuple[Tensor, TopKKLStats]:
+    """`topk_kl_loss(hidden @ weight.T + bias, ...)` without ever forming the logits.
+
+    Same math, options, validation, statistics and return value as `topk_kl_loss` (see
+    there); the logits are computed chunk by chunk and multiplied straight into the
+    gradients of `hidden`, `weight` and `bias` (`fused.py`).
+
+    Args:
+        hidden: last hidden states `[..., H]`: float32, bfloat16, float16 (float64 for checks).
+        weight: the lm_head weight `[V_local, H]`, same dtype and device as `hidden`; under
+            `process_group`, this rank's vocabulary shard (rank `r`: rows for ids
+            `[r * V_local, (r + 1) * V_local)`).
+        teacher_ids, teacher_logprobs, mode, mask, reduction, temperature, tail_mass_eps,
+            clamp_min, validate, overlap: as in `topk_kl_loss`.
+        chunk_size: rows per chunk (one `[chunk, V_local]` logits block in the weight's
+            dtype); None: a 64 MiB block. The loss math runs on fp32 sub-blocks of 16 MiB.
+        process_group: vocab-parallel group (as in `topk_kl_loss`). Every rank passes the
+            same `hidden`, teacher tensors and mask and gets the same loss and stats. The
+            gradient of `hidden` is already summed over the ranks (every rank gets the
+            full one: do not all-reduce it again); `weight.grad` / `bias.grad` are those of
+            the rank's shard (reduce them over data-parallel replicas as usual).
+        bias: optional lm_head bias `[V_local]`.
+        grad_in_forward: for "mean" / "sum", compute the gradients during forward (three
+            matmuls per chunk; measured faster on CPU, docs/losses.md) when one is needed;
+            False recomputes the chunk logits in backward (four). "none" always recomputes.
+
+    Returns:
+        `(loss, stats)` as `topk_kl_loss`; `loss` is differentiable w.r.t. `hidden`,
+        `weight` and `bias`. With gradients computed in forward, backward scales them by
+        the upstream gradient in place, so the graph cannot be backpropagated twice.
+
+    Raises:
+        ValueError: naming the argument, for any invalid input.
+    """
+    check_options(
+        mode=mode,
+        reduction=reduction,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        tail_mass_eps=tail_mass_eps,
+        clamp_min=clamp_min,
+    )
+    if not isinstance(hidden, Tensor):
+        raise ValueError(f"hidden: must be a torch.Tensor, got {type(hidden).__name__}")
+    check_linear(hidden, weight, bias)
+    shard = VocabShard.from_group(process_group, weight.shape[0])
+    check_tensors(
+        hidden,
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        global_vocab=shard.global_vocab,
+        student_name="hidden",
+        last_dim="H",
+    )
+
+    positions_shape = hidden.shape[:-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    ids, logprobs, counted = prepare_teacher_rows(
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        n_positions=flat_hidden.shape[0],
+        device=hidden.device,
+        global_vocab=shard.global_vocab,
+        validate=validate,
+    )
+    index, owned = shard.localize(ids)
+    teacher = TeacherColumns(
+        index=index, owned=owned, logprobs=logprobs.to(statistics_dtype(hidden.device))
+    )
+    local_vocab = weight.shape[0]
+    grad_enabled = torch.is_grad_enabled()
+    settings = FusedSettings(
+        loss=ChunkedSettings(
+            tail_mode=mode == "tail",
+            temperature=float(temperature),
+            tail_mass_eps=float(tail_mass_eps),
+            chunk_rows=auto_chunk_rows(local_vocab, budget_bytes=DEFAULT_FUSED_WORK_BYTES),
+            shard=shard,
+            overlap=overlap,
+        ),
+        chunk_rows=chunk_size
+        if chunk_size is not None
+        else auto_fused_chunk_rows(local_vocab, weight.element_size()),
+        clamp_min=clamp_min,
+        reduction=reduction,
+        grad_in_forward=grad_in_forward,
+        needs_grad=(
+            grad_enabled and hidden.requires_grad,
+            grad_enabled and weight.requires_grad,
+            grad_enabled and bias is not None and bias.requires_grad,
+        ),
+    )
+    outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
+    loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
+    rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
+    stats = summarize(rows, per_position, clamped, counted, overlap=overlap)
+    if reduction == "none":
+        loss = loss.reshape(positions_shape)
+    return loss, stats

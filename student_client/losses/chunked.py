@@ -14,7 +14,7 @@ Peak extra memory: the gradient buffer (1x the logits) plus one fp32 chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,11 +31,19 @@ from student_client.losses.types import RowTerms
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "ChunkPass",
     "ChunkedSettings",
     "ChunkedTopKKLFunction",
+    "TeacherColumns",
     "auto_chunk_rows",
+    "center_",
+    "chunk_bounds",
     "chunked_topk_kl_rows",
+    "logit_gradient_",
+    "recompute_logit_gradient_",
+    "reduce_chunk",
     "statistics_dtype",
+    "terms_from_reductions",
     "working_dtype",
 ]
 
@@ -69,6 +77,7 @@ class ChunkedSettings:
     tail_mass_eps: float
     chunk_rows: int
     shard: VocabShard
+    overlap: bool = True
 
     @property
     def inv_temperature(self) -> float:
@@ -76,7 +85,7 @@ class ChunkedSettings:
 
 
 @dataclass(frozen=True)
-class _TeacherColumns:
+class TeacherColumns:
     """The teacher's top-k as seen from one vocab shard.
 
     - `index`: local column of each teacher id, `[N, K]` int64 (0 where not owned).
@@ -88,40 +97,58 @@ class _TeacherColumns:
     owned: Tensor | None
     logprobs: Tensor
 
+    def rows(self, rows: slice) -> TeacherColumns:
+        """The same columns for a slice of rows."""
+        owned = None if self.owned is None else self.owned[rows]
+        return TeacherColumns(index=self.index[rows], owned=owned, logprobs=self.logprobs[rows])
 
-def _center_(work: Tensor, row_max: Tensor, inv_temperature: float) -> None:
+
+class ChunkPass(NamedTuple):
+    """What `reduce_chunk` leaves for a chunk of `n` rows.
+
+    - `row_max`: global row max of the raw logits, `[n]`.
+    - `reductions`: the vocabulary reductions summed over every shard (working dtype).
+    - `exp_teacher`: this shard's `exp(s_i)` at the teacher's ids, `[n, K]` (0 where not owned).
+    """
+
+    row_max: Tensor
+    reductions: VocabReductions
+    exp_teacher: Tensor
+
+
+def center_(work: Tensor, row_max: Tensor, inv_temperature: float) -> None:
     """In place: `work` `[n, V_local]` <- `(work - row_max) / T`, `row_max` `[n]`."""
     work.sub_(row_max.unsqueeze(1))
     if inv_temperature != 1.0:
         work.mul_(inv_temperature)
 
 
-def _reduce_chunk(
+def reduce_chunk(
     chunk: Tensor,
     work: Tensor,
-    teacher: _TeacherColumns,
+    teacher: TeacherColumns,
     settings: ChunkedSettings,
-) -> tuple[Tensor, VocabReductions]:
-    """One row chunk's pass over the vocabulary.
+) -> ChunkPass:
+    """One row chunk's pass over the vocabulary (three collectives when sharded).
 
     Args:
-        chunk: student logits of the chunk, `[n, V_local]`, any float dtype.
-        work: scratch buffer `[n, V_local]` in the working dtype (overwritten).
+        chunk: student logits of the chunk, `[n, V_local]`, any float dtype (may be `work`
+            itself, then nothing is copied).
+        work: scratch buffer `[n, V_local]` in the working dtype. On return it holds
+            `exp(s - max)` with the teacher's owned columns set to 0.
         teacher: the teacher columns of the chunk's rows (`[n, K]`).
         settings: loss parameters and the vocab shard.
-
-    Returns:
-        `(row_max, reductions)`: the global row max of the raw logits `[n]`, and the
-        reductions summed over all shards.
     """
     shard = settings.shard
     top_k = teacher.index.shape[1]
     work.copy_(chunk)
     row_max = shard.all_reduce_max_(work.amax(dim=1))
-    _center_(work, row_max, settings.inv_temperature)
+    center_(work, row_max, settings.inv_temperature)
 
     teacher_logits = gather_columns(work, teacher.index, teacher.owned)
-    local_top = torch.topk(work, min(top_k, work.shape[1]), dim=1, sorted=False).values
+    local_top = None
+    if settings.overlap:
+        local_top = torch.topk(work, min(top_k, work.shape[1]), dim=1, sorted=False).values
 
     work.exp_()
     exp_inside = gather_columns(work, teacher.index, teacher.owned)
@@ -132,19 +159,109 @@ def _reduce_chunk(
     )
     shard.all_reduce_sum_(packed)
 
-    candidates = shard.all_gather_columns(local_top)
-    if candidates.shape[1] > top_k:
-        candidates = torch.topk(candidates, top_k, dim=1, sorted=False).values
+    kth_largest = None
+    if local_top is not None:
+        candidates = shard.all_gather_columns(local_top)
+        if candidates.shape[1] > top_k:
+            candidates = torch.topk(candidates, top_k, dim=1, sorted=False).values
+        kth_largest = candidates.amin(dim=1)
     reductions = VocabReductions(
         sum_outside=packed[:, 0],
         sum_inside=packed[:, 1],
         teacher_logits=packed[:, 2:],
-        kth_largest=candidates.amin(dim=1),
+        kth_largest=kth_largest,
     )
-    return row_max, reductions
+    return ChunkPass(row_max=row_max, reductions=reductions, exp_teacher=exp_inside)
 
 
-def _chunk_bounds(n_rows: int, chunk_rows: int) -> list[slice]:
+def terms_from_reductions(
+    teacher_logprobs: Tensor, reductions: VocabReductions, settings: ChunkedSettings
+) -> tuple[RowTerms, GradientCoefficients, Tensor]:
+    """Per-position terms of rows whose vocabulary pass is done.
+
+    Args:
+        teacher_logprobs: `[n, K]` in the statistics dtype (`statistics_dtype`).
+        reductions: `[n]` / `[n, K]` reductions in the working dtype.
+        settings: mode and tail guard.
+
+    Returns:
+        `(terms, coefficients, teacher_probs)`, all in the statistics dtype: the per-row
+        `RowTerms`, the gradient coefficients and `p_i` `[n, K]`.
+
+    The per-position math works on `[n]` / `[n, K]` values only, so it runs in float64
+    (cheap): the cancellations in `log p - log q` and in `1 - P` at large K then cost no
+    fp32 digits. It is per row, so any split of the rows gives the same values.
+    """
+    stats_dtype = teacher_logprobs.dtype
+    converted = VocabReductions(
+        *(None if value is None else value.to(stats_dtype) for value in reductions)
+    )
+    masses = teacher_mass(teacher_logprobs)
+    terms, coefficients = row_terms(
+        teacher_logprobs,
+        masses,
+        converted,
+        tail_mode=settings.tail_mode,
+        tail_mass_eps=settings.tail_mass_eps,
+    )
+    return terms, coefficients, masses.probs
+
+
+def logit_gradient_(
+    work: Tensor,
+    exp_teacher: Tensor,
+    index: Tensor,
+    owned: Tensor | None,
+    teacher_probs: Tensor,
+    total: Tensor,
+    coefficients: GradientCoefficients,
+    scale: Tensor,
+) -> None:
+    """In place: `work` `exp(s - max)` `[n, V_local]` -> the loss's gradient w.r.t. the logits.
+
+    Args:
+        work: `exp(s - max)` of the rows (working dtype; the teacher's columns may hold
+            anything, they are overwritten).
+        exp_teacher: `exp(s_i - max)` at the teacher's ids, `[n, K]` (any value where not owned).
+        index: local column of each teacher id, `[n, K]` int64.
+        owned: bool `[n, K]`, ids held by this shard (None: all).
+        teacher_probs: `p_i`, `[n, K]`, working dtype.
+        total: `sum_j exp(s_j - max)` over the whole vocabulary, `[n]`.
+        coefficients: `a`, `b` per row, `[n]` each, working dtype.
+        scale: upstream gradient of each row's loss divided by `T`, `[n]`.
+    """
+    inv_total = total.reciprocal()
+    student_probs = exp_teacher * inv_total.unsqueeze(1)
+    inside = teacher_column_gradient(student_probs, teacher_probs, coefficients, scale)
+    work.mul_((scale * coefficients.outside * inv_total).unsqueeze(1))
+    put_columns(work, index, owned, inside)
+
+
+def recompute_logit_gradient_(
+    work: Tensor,
+    chunk: Tensor,
+    index: Tensor,
+    owned: Tensor | None,
+    teacher_probs: Tensor,
+    row_max: Tensor,
+    total: Tensor,
+    coefficients: GradientCoefficients,
+    scale: Tensor,
+    settings: ChunkedSettings,
+) -> None:
+    """`work` `[n, V_local]` <- the gradient w.r.t. the logits `chunk`, from saved row stats.
+
+    Rebuilds `exp(s - max)` from the saved row max (never from a rounded log-sum-exp), then
+    `logit_gradient_`. `chunk` may be `work` itself. Arguments as in `logit_gradient_`.
+    """
+    work.copy_(chunk)
+    center_(work, row_max, settings.inv_temperature)
+    work.exp_()
+    exp_teacher = gather_columns(work, index, owned)
+    logit_gradient_(work, exp_teacher, index, owned, teacher_probs, total, coefficients, scale)
+
+
+def chunk_bounds(n_rows: int, chunk_rows: int) -> list[slice]:
     """Row slices of at most `chunk_rows` rows covering `[0, n_rows)`."""
     return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
 
@@ -185,24 +302,23 @@ def _chunked_gradient(
         buffer = logits.new_empty((min(settings.chunk_rows, n_rows), local_vocab), dtype=work_dtype)
     scale = grad_rows.to(work_dtype) * settings.inv_temperature
 
-    for rows in _chunk_bounds(n_rows, settings.chunk_rows):
+    for rows in chunk_bounds(n_rows, settings.chunk_rows):
         target = grad[rows]
         work = target if buffer is None else buffer[: target.shape[0]]
-        chunk_owned = None if owned is None else owned[rows]
-        chunk_index = index[rows]
-        work.copy_(logits[rows])
-        _center_(work, row_max[rows], settings.inv_temperature)
-        work.exp_()
-        inv_total = total[rows].reciprocal()
-        student_probs = gather_columns(work, chunk_index, chunk_owned) * inv_total.unsqueeze(1)
-        chunk_coefficients = GradientCoefficients(
-            outside=coefficients.outside[rows], inside_extra=coefficients.inside_extra[rows]
+        recompute_logit_gradient_(
+            work,
+            logits[rows],
+            index[rows],
+            None if owned is None else owned[rows],
+            teacher_probs[rows],
+            row_max[rows],
+            total[rows],
+            GradientCoefficients(
+                outside=coefficients.outside[rows], inside_extra=coefficients.inside_extra[rows]
+            ),
+            scale[rows],
+            settings,
         )
-        inside = teacher_column_gradient(
-            student_probs, teacher_probs[rows], chunk_coefficients, scale[rows]
-        )
-        work.mul_((scale[rows] * chunk_coefficients.outside * inv_total).unsqueeze(1))
-        put_columns(work, chunk_index, chunk_owned, inside)
         if work is not target:
             target.copy_(work)  # the only rounding to the logits' dtype
     return grad
@@ -217,7 +333,7 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, teacher: _TeacherColumns, settings: ChunkedSettings
+        ctx: Any, logits: Tensor, teacher: TeacherColumns, settings: ChunkedSettings
     ) -> tuple[Tensor, ...]:
         n_rows, local_vocab = logits.shape
         top_k = teacher.index.shape[1]
@@ -227,47 +343,28 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
         sum_outside = torch.empty(n_rows, **factory)
         sum_inside = torch.empty(n_rows, **factory)
         teacher_logits = torch.empty(n_rows, top_k, **factory)
-        kth_largest = torch.empty(n_rows, **factory)
+        kth_largest = torch.empty(n_rows, **factory) if settings.overlap else None
         work = torch.empty(min(settings.chunk_rows, n_rows), local_vocab, **factory)
-        for rows in _chunk_bounds(n_rows, settings.chunk_rows):
+        for rows in chunk_bounds(n_rows, settings.chunk_rows):
             chunk = logits[rows]
-            chunk_teacher = _TeacherColumns(
-                index=teacher.index[rows],
-                owned=None if teacher.owned is None else teacher.owned[rows],
-                logprobs=teacher.logprobs[rows],
-            )
-            chunk_max, reduced = _reduce_chunk(
-                chunk, work[: chunk.shape[0]], chunk_teacher, settings
-            )
-            row_max[rows] = chunk_max
+            chunk_pass = reduce_chunk(chunk, work[: chunk.shape[0]], teacher.rows(rows), settings)
+            row_max[rows] = chunk_pass.row_max
+            reduced = chunk_pass.reductions
             sum_outside[rows] = reduced.sum_outside
             sum_inside[rows] = reduced.sum_inside
             teacher_logits[rows] = reduced.teacher_logits
-            kth_largest[rows] = reduced.kth_largest
+            if kth_largest is not None and reduced.kth_largest is not None:
+                kth_largest[rows] = reduced.kth_largest
 
-        # The per-position math works on [N] / [N, K] values only, so it runs in float64
-        # (cheap): the cancellations in `log p - log q` and in `1 - P` at large K then cost
-        # no fp32 digits. Results go back to the working dtype.
-        stats_dtype = teacher.logprobs.dtype
-        reductions = VocabReductions(
-            sum_outside=sum_outside.to(stats_dtype),
-            sum_inside=sum_inside.to(stats_dtype),
-            teacher_logits=teacher_logits.to(stats_dtype),
-            kth_largest=kth_largest.to(stats_dtype),
-        )
-        masses = teacher_mass(teacher.logprobs)
-        terms, coefficients = row_terms(
-            teacher.logprobs,
-            masses,
-            reductions,
-            tail_mode=settings.tail_mode,
-            tail_mass_eps=settings.tail_mass_eps,
+        reductions = VocabReductions(sum_outside, sum_inside, teacher_logits, kth_largest)
+        terms, coefficients, teacher_probs = terms_from_reductions(
+            teacher.logprobs, reductions, settings
         )
         ctx.save_for_backward(
             logits,
             teacher.index,
             teacher.owned,
-            masses.probs.to(work_dtype),
+            teacher_probs.to(work_dtype),
             row_max,
             sum_outside + sum_inside,
             coefficients.outside.to(work_dtype),
@@ -326,7 +423,7 @@ def chunked_topk_kl_rows(
         `RowTerms` of `[N]` tensors in the working dtype; `loss` is differentiable.
     """
     index, owned = settings.shard.localize(teacher_ids)
-    teacher = _TeacherColumns(
+    teacher = TeacherColumns(
         index=index,
         owned=owned,
         logprobs=teacher_logprobs.to(dtype=statistics_dtype(logits.device)),

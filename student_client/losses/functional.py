@@ -20,6 +20,7 @@ gradient w.r.t. the raw logits `z_j` is this divided by `T`.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -58,13 +59,14 @@ class VocabReductions(NamedTuple):
     - `sum_outside`: `sum_{j not in I} exp(s_j)`, `[N]` (the student tail, unnormalized).
     - `sum_inside`: `sum_{i in I} exp(s_i)`, `[N]`.
     - `teacher_logits`: `s_i` at the teacher's ids, `[N, K]`.
-    - `kth_largest`: the K-th largest `s_j` over the whole vocabulary, `[N]`.
+    - `kth_largest`: the K-th largest `s_j` over the whole vocabulary, `[N]`; None when the
+      overlap statistic was not asked for (then `RowTerms.overlap` is NaN).
     """
 
     sum_outside: Tensor
     sum_inside: Tensor
     teacher_logits: Tensor
-    kth_largest: Tensor
+    kth_largest: Tensor | None
 
 
 class GradientCoefficients(NamedTuple):
@@ -132,14 +134,18 @@ def row_terms(
         inside_extra = torch.zeros_like(head)
     outside = teacher.mass - inside_extra * student_mass
 
-    overlap = (reductions.teacher_logits >= reductions.kth_largest.unsqueeze(-1)).to(probs.dtype)
+    if reductions.kth_largest is None:
+        overlap = torch.full_like(head, math.nan)
+    else:
+        inside_top = reductions.teacher_logits >= reductions.kth_largest.unsqueeze(-1)
+        overlap = inside_top.to(probs.dtype).mean(-1)
     terms = RowTerms(
         loss=loss,
         head=head,
         tail=tail,
         teacher_mass=teacher.mass,
         student_mass=student_mass,
-        overlap=overlap.mean(-1),
+        overlap=overlap,
     )
     return terms, GradientCoefficients(outside=outside, inside_extra=inside_extra)
 

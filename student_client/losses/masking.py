@@ -6,12 +6,22 @@ neutral teacher rows put at positions that do not count, the reduction and the m
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from student_client.losses.types import Reduction
+from student_client.losses.types import STAT_FIELDS, Reduction, RowTerms, TopKKLStats
+from student_client.losses.validation import check_mask_values, check_teacher_values
 
-__all__ = ["counted_positions", "masked_mean", "neutralize_uncounted", "reduce_positions"]
+__all__ = [
+    "counted_positions",
+    "masked_mean",
+    "neutralize_uncounted",
+    "prepare_teacher_rows",
+    "reduce_positions",
+    "summarize",
+]
 
 
 def counted_positions(mask: Tensor | None, n_positions: int, device: torch.device) -> Tensor:
@@ -39,10 +49,8 @@ def neutralize_uncounted(
         counted: bool `[N]`.
 
     Returns:
-        `(teacher_ids, teacher_logprobs)`, `[N, K]` each (the inputs when all positions count).
+        `(teacher_ids, teacher_logprobs)`, `[N, K]` each. No host sync (always two `where`s).
     """
-    if bool(counted.all()):
-        return teacher_ids, teacher_logprobs
     keep = counted.unsqueeze(-1)
     top_k = teacher_ids.shape[-1]
     placeholder_ids = torch.arange(top_k, device=teacher_ids.device, dtype=teacher_ids.dtype)
@@ -77,3 +85,65 @@ def masked_mean(values: Tensor, counted: Tensor) -> Tensor:
     """Means over the counted positions of each column of `values` `[N, C]` -> `[C]` (0 if none)."""
     kept = _zero_uncounted(values, counted.unsqueeze(-1))
     return kept.sum(0) / counted.sum().clamp_min(1).to(kept.dtype)
+
+
+def prepare_teacher_rows(
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor | None,
+    *,
+    n_positions: int,
+    device: torch.device,
+    global_vocab: int,
+    validate: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Flat teacher rows ready for the kernels, and the counted positions.
+
+    Args:
+        teacher_ids, teacher_logprobs: `[..., K]` (shapes checked by the caller).
+        mask: `[...]` or None.
+        n_positions: `N`, the number of positions.
+        device: the student's device.
+        global_vocab: vocabulary size over all shards.
+        validate: check the values of the counted rows and of the mask (host syncs);
+            False skips them and nothing here waits for the device.
+
+    Returns:
+        `(ids [N, K], logprobs [N, K] detached, counted bool [N])`, with placeholder rows
+        where a position does not count.
+    """
+    top_k = teacher_ids.shape[-1]
+    ids = teacher_ids.reshape(n_positions, top_k)
+    logprobs = teacher_logprobs.detach().reshape(n_positions, top_k)
+    counted = counted_positions(mask, n_positions, device)
+    if validate:
+        check_mask_values(mask)
+        if mask is None:
+            check_teacher_values(ids, logprobs, global_vocab)
+        else:
+            check_teacher_values(ids[counted], logprobs[counted], global_vocab)
+    if mask is not None:
+        ids, logprobs = neutralize_uncounted(ids, logprobs, counted)
+    return ids, logprobs, counted
+
+
+def summarize(
+    rows: RowTerms, per_position: Tensor, clamped: Tensor, counted: Tensor, *, overlap: bool
+) -> TopKKLStats:
+    """Lazy means over the counted positions of the `[N]` per-position values (no sync).
+
+    `overlap` False: the overlap statistic was not computed and reads as NaN.
+    """
+    columns = [
+        per_position,
+        rows.head,
+        rows.tail,
+        rows.teacher_mass,
+        rows.student_mass,
+        rows.overlap if overlap else torch.zeros_like(per_position),
+        clamped.to(per_position.dtype),
+    ]
+    means = masked_mean(torch.stack(columns, dim=-1), counted)
+    if not overlap:
+        means[STAT_FIELDS.index("overlap")] = math.nan
+    return TopKKLStats.lazy(means, counted.sum())

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
 from typing import Literal, NamedTuple
 
+import torch
 from torch import Tensor
 
 __all__ = [
     "LOSS_MODES",
     "REDUCTIONS",
+    "STAT_FIELDS",
     "LossMode",
     "Reduction",
     "RowTerms",
@@ -46,9 +48,20 @@ class RowTerms(NamedTuple):
     overlap: Tensor
 
 
-@dataclass(frozen=True)
+STAT_FIELDS: tuple[str, ...] = (
+    "loss",
+    "head_loss",
+    "tail_loss",
+    "teacher_mass",
+    "student_mass",
+    "overlap",
+    "clamped_fraction",
+)
+"""Float fields of `TopKKLStats`, in order (then `positions`, an int)."""
+
+
 class TopKKLStats:
-    """Batch statistics of one loss call, as plain Python numbers.
+    """Batch statistics of one loss call, read as plain Python numbers.
 
     Every float is a mean over the counted positions (the mask), whatever the reduction;
     when no position counts they are all 0.0 and `positions` is 0.
@@ -56,21 +69,116 @@ class TopKKLStats:
     - `loss`: mean per-position loss (after the optional clamp).
     - `head_loss`, `tail_loss`: means of `RowTerms.head` and `RowTerms.tail`.
     - `teacher_mass`, `student_mass`: means of `P` and `Q`.
-    - `overlap`: mean fraction of the teacher's top-k inside the student's top-k.
+    - `overlap`: mean fraction of the teacher's top-k inside the student's top-k; NaN when
+      the loss was called without `overlap=True` (it costs a `topk` per block).
     - `clamped_fraction`: fraction of positions whose loss was raised to `clamp_min`
       (truncated mode with `clamp_min` only; else 0.0). Those positions get no gradient.
     - `positions`: number of counted positions.
+
+    Lazy: the loss stores the means as one device tensor and copies them to the host (one
+    sync) the first time a number is read. `tensors()` gives them without any sync, e.g. to
+    log every N steps. Built from Python numbers (`TopKKLStats(loss=..., ...)`) it is
+    simply those numbers.
     """
 
-    loss: float
-    head_loss: float
-    tail_loss: float
-    teacher_mass: float
-    student_mass: float
-    overlap: float
-    clamped_fraction: float
-    positions: int
+    __slots__ = ("_host", "_means", "_positions")
+
+    def __init__(
+        self,
+        loss: float = 0.0,
+        head_loss: float = 0.0,
+        tail_loss: float = 0.0,
+        teacher_mass: float = 0.0,
+        student_mass: float = 0.0,
+        overlap: float = 0.0,
+        clamped_fraction: float = 0.0,
+        positions: int = 0,
+    ) -> None:
+        values = (loss, head_loss, tail_loss, teacher_mass, student_mass, overlap)
+        self._host: tuple[tuple[float, ...], int] | None = (
+            tuple(float(v) for v in (*values, clamped_fraction)),
+            int(positions),
+        )
+        self._means: Tensor | None = None
+        self._positions: Tensor | None = None
+
+    @classmethod
+    def lazy(cls, means: Tensor, positions: Tensor) -> TopKKLStats:
+        """Stats backed by device tensors: `means` `[len(STAT_FIELDS)]`, `positions` `[]`."""
+        stats = cls.__new__(cls)
+        stats._host = None
+        stats._means = means.detach()
+        stats._positions = positions.detach()
+        return stats
+
+    def _values(self) -> tuple[tuple[float, ...], int]:
+        if self._host is None:
+            assert self._means is not None and self._positions is not None  # set by `lazy`
+            self._host = (tuple(self._means.tolist()), int(self._positions))
+            self._means = self._positions = None
+        return self._host
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The stats as 0-d tensors on the loss's device (no host sync); `positions` int64."""
+        if self._means is not None and self._positions is not None:
+            means, positions = self._means, self._positions
+        else:
+            floats, count = self._values()
+            means, positions = torch.tensor(floats), torch.tensor(count)
+        named = dict(zip(STAT_FIELDS, means.unbind(), strict=True))
+        return {**named, "positions": positions}
+
+    def _field(self, index: int) -> float:
+        return self._values()[0][index]
+
+    @property
+    def loss(self) -> float:
+        return self._field(0)
+
+    @property
+    def head_loss(self) -> float:
+        return self._field(1)
+
+    @property
+    def tail_loss(self) -> float:
+        return self._field(2)
+
+    @property
+    def teacher_mass(self) -> float:
+        return self._field(3)
+
+    @property
+    def student_mass(self) -> float:
+        return self._field(4)
+
+    @property
+    def overlap(self) -> float:
+        return self._field(5)
+
+    @property
+    def clamped_fraction(self) -> float:
+        return self._field(6)
+
+    @property
+    def positions(self) -> int:
+        return self._values()[1]
 
     def as_dict(self) -> dict[str, float]:
-        """All fields as a flat `{name: value}` dict, e.g. for a metrics logger."""
-        return {name: float(value) for name, value in asdict(self).items()}
+        """All fields as a flat `{name: value}` dict, e.g. for a metrics logger (one sync)."""
+        floats, count = self._values()
+        return {**dict(zip(STAT_FIELDS, floats, strict=True)), "positions": float(count)}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TopKKLStats):
+            return NotImplemented
+        mine, theirs = self.as_dict(), other.as_dict()
+        return all(
+            mine[name] == theirs[name] or (math.isnan(mine[name]) and math.isnan(theirs[name]))
+            for name in mine
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable cache, compared by value
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value!r}" for name, value in self.as_dict().items())
+        return f"TopKKLStats({fields})"

@@ -12,6 +12,8 @@ from student_client.losses.types import LOSS_MODES, REDUCTIONS
 __all__ = [
     "LOGIT_DTYPES",
     "LOGPROB_TOLERANCE",
+    "check_linear",
+    "check_mask_values",
     "check_options",
     "check_teacher_values",
     "check_tensors",
@@ -67,24 +69,28 @@ def check_tensors(
     mask: Tensor | None,
     *,
     global_vocab: int,
+    student_name: str = "logits",
+    last_dim: str = "V_local",
 ) -> None:
-    """Check types, dtypes, devices and shapes.
+    """Check types, dtypes, devices and shapes (no value checks: nothing syncs).
 
-    Expected: `logits` `[..., V_local]`, `teacher_ids` and `teacher_logprobs` `[..., K]`
-    with `1 <= K <= global_vocab`, `mask` `[...]` or None.
+    Expected: `logits` `[..., V_local]` (for the fused loss: `hidden` `[..., H]`, named by
+    `student_name` / `last_dim`), `teacher_ids` and `teacher_logprobs` `[..., K]` with
+    `1 <= K <= global_vocab`, `mask` `[...]` or None.
     """
     for name, value in (
-        ("logits", logits),
+        (student_name, logits),
         ("teacher_ids", teacher_ids),
         ("teacher_logprobs", teacher_logprobs),
     ):
         if not isinstance(value, Tensor):
             raise _fail(name, f"must be a torch.Tensor, got {type(value).__name__}")
     if logits.dtype not in LOGIT_DTYPES:
-        raise _fail("logits", f"dtype must be one of {LOGIT_DTYPES}, got {logits.dtype}")
+        raise _fail(student_name, f"dtype must be one of {LOGIT_DTYPES}, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise _fail(
-            "logits", f"must have shape [..., V_local] with V_local >= 1, got {_shape(logits)}"
+            student_name,
+            f"must have shape [..., {last_dim}] with {last_dim} >= 1, got {_shape(logits)}",
         )
     if teacher_ids.dtype.is_floating_point or teacher_ids.dtype.is_complex:
         raise _fail("teacher_ids", f"must be an integer tensor, got {teacher_ids.dtype}")
@@ -97,7 +103,7 @@ def check_tensors(
         raise _fail(
             "teacher_ids",
             f"shape {_shape(teacher_ids)} must be [..., K] with [...] = {_shape(logits)[:-1]} "
-            f"(the logits' leading dims)",
+            f"(the leading dims of {student_name})",
         )
     top_k = teacher_ids.shape[-1]
     if not 1 <= top_k <= global_vocab:
@@ -112,8 +118,6 @@ def check_tensors(
             raise _fail("mask", f"must be None or a torch.Tensor, got {type(mask).__name__}")
         if mask.shape != positions:
             raise _fail("mask", f"shape {_shape(mask)} must equal {_shape(logits)[:-1]}")
-        if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-            raise _fail("mask", "must be bool or hold only 0 and 1")
     others: dict[str, Tensor | None] = {
         "teacher_ids": teacher_ids,
         "teacher_logprobs": teacher_logprobs,
@@ -121,7 +125,49 @@ def check_tensors(
     }
     for name, other in others.items():
         if other is not None and other.device != logits.device:
-            raise _fail(name, f"is on {other.device}, logits on {logits.device}")
+            raise _fail(name, f"is on {other.device}, {student_name} on {logits.device}")
+
+
+def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """Check the fused loss's lm_head: `weight` `[V_local, H]`, `bias` `[V_local]` or None.
+
+    `hidden` `[..., H]` is checked by `check_tensors`; here: same dtype and device.
+    """
+    if not isinstance(weight, Tensor):
+        raise _fail("weight", f"must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.shape[0] < 1:
+        raise _fail(
+            "weight", f"must have shape [V_local, H] with V_local >= 1, got {_shape(weight)}"
+        )
+    hidden_size = hidden.shape[-1] if hidden.dim() else None
+    if weight.shape[1] != hidden_size:
+        raise _fail(
+            "weight",
+            f"shape {_shape(weight)} must be [V_local, H] with H = {hidden_size} "
+            f"(the last dim of hidden)",
+        )
+    if weight.dtype != hidden.dtype:
+        raise _fail("weight", f"dtype {weight.dtype} must equal hidden's {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise _fail("weight", f"is on {weight.device}, hidden on {hidden.device}")
+    if bias is None:
+        return
+    if not isinstance(bias, Tensor):
+        raise _fail("bias", f"must be None or a torch.Tensor, got {type(bias).__name__}")
+    if bias.shape != weight.shape[:1]:
+        raise _fail("bias", f"shape {_shape(bias)} must be [V_local] = [{weight.shape[0]}]")
+    if bias.dtype != weight.dtype or bias.device != weight.device:
+        raise _fail(
+            "bias",
+            f"must match weight's dtype and device ({weight.dtype} on {weight.device}), "
+            f"got {bias.dtype} on {bias.device}",
+        )
+
+
+def check_mask_values(mask: Tensor | None) -> None:
+    """A non-bool `mask` must hold only 0 and 1 (one host sync)."""
+    if mask is not None and mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise _fail("mask", "must be bool or hold only 0 and 1")
 
 
 def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_vocab: int) -> None:

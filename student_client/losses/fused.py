@@ -1,0 +1,389 @@
+"""Fused lm_head + top-k KL: the student's `[N, V]` logits never exist.
+
+`FusedLinearTopKKLFunction` walks row chunks of the last hidden states. Per chunk it computes
+the chunk's logits `hidden[rows] @ weight.T (+ bias)` into one reused `[chunk, V_local]`
+block (the weight's dtype), then runs the *same* per-chunk code as `topk_kl_loss`
+(`chunked.reduce_chunk`, `terms_from_reductions`, `logit_gradient_`) on fp32 sub-blocks of
+it, and multiplies the chunk's logit gradient into `grad_hidden` and `grad_weight` at once.
+
+When the gradient is computed (docs/losses.md, "Fused lm_head", has the measurements):
+
+- in forward (default for reduction "mean" / "sum"): three matmuls per chunk, like the
+  logits path (logits, `G @ W`, `G.T @ h`). The upstream gradient of a reduced loss is one
+  scalar, unknown in forward, so the gradients are computed for an upstream gradient of 1
+  and backward multiplies them by it (in place). Only done when a gradient is needed.
+- recomputed in backward (reduction "none", whose upstream gradient is per position, or
+  `grad_in_forward=False`): forward keeps per-row statistics only; backward computes the
+  chunk logits again (a fourth matmul) and rebuilds `exp(s - max)` from the saved row max.
+
+Memory: one `[chunk, V_local]` block in the weight's dtype, one fp32 sub-block, the fp32
+`grad_weight` accumulator `[V_local, H]` (for a bf16/fp16 weight; it is rounded once at the
+end), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row values. Nothing of size `[N, V]`.
+
+Vocab-parallel: every rank holds a weight shard; the per-chunk collectives are those of
+`reduce_chunk`; each rank's `G @ W_shard` is a partial sum of `grad_hidden`, all-reduced
+(SUM) over the group once per call, so every rank returns the full `grad_hidden`. Each
+rank's `grad_weight` / `grad_bias` are those of its own shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from student_client.losses.chunked import (
+    ChunkedSettings,
+    TeacherColumns,
+    chunk_bounds,
+    logit_gradient_,
+    recompute_logit_gradient_,
+    reduce_chunk,
+    terms_from_reductions,
+    working_dtype,
+)
+from student_client.losses.functional import GradientCoefficients
+from student_client.losses.masking import reduce_positions
+from student_client.losses.types import Reduction
+
+__all__ = [
+    "DEFAULT_FUSED_BLOCK_BYTES",
+    "DEFAULT_FUSED_WORK_BYTES",
+    "FusedLinearTopKKLFunction",
+    "FusedSettings",
+    "auto_fused_chunk_rows",
+]
+
+DEFAULT_FUSED_BLOCK_BYTES = 64 * 2**20
+"""Default size of one chunk's logits block in the weight's dtype (64 MiB)."""
+
+DEFAULT_FUSED_WORK_BYTES = 16 * 2**20
+"""Default size of the fp32 work sub-block the loss math runs on (16 MiB)."""
+
+_WEIGHT_SLICE_BYTES = 8 * 2**20
+"""`grad_weight` is accumulated in vocabulary slices of this many bytes of the weight's
+dtype (one reused temporary; torch has no bf16 x bf16 -> fp32 matmul on CPU)."""
+
+
+def auto_fused_chunk_rows(
+    local_vocab: int, element_bytes: int, budget_bytes: int = DEFAULT_FUSED_BLOCK_BYTES
+) -> int:
+    """Rows per chunk so that one `[rows, local_vocab]` logits block fits `budget_bytes`."""
+    return max(1, budget_bytes // max(1, local_vocab * element_bytes))
+
+
+@dataclass(frozen=True)
+class FusedSettings:
+    """Fixed parameters of one fused call (validated by the caller).
+
+    - `loss`: the loss math's settings; its `chunk_rows` is the fp32 sub-block's rows.
+    - `chunk_rows`: rows per chunk (one logits block, one pass of the three matmuls).
+    - `clamp_min`, `reduction`: as in `topk_kl_loss`.
+    - `grad_in_forward`: compute the gradients in forward (reductions "mean" / "sum").
+    - `needs_grad`: which of hidden, weight, bias need a gradient.
+    """
+
+    loss: ChunkedSettings
+    chunk_rows: int
+    clamp_min: float | None
+    reduction: Reduction
+    grad_in_forward: bool
+    needs_grad: tuple[bool, bool, bool]
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
+    """`out` `[n, V_local]` <- `hidden` `[n, H]` @ `weight.T` (+ `bias`), in the weight's dtype."""
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+class _GradientSink:
+    """Accumulates `grad_hidden`, `grad_weight`, `grad_bias` chunk by chunk."""
+
+    def __init__(
+        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, settings: FusedSettings
+    ) -> None:
+        needs_hidden, needs_weight, needs_bias = settings.needs_grad
+        self.weight = weight
+        self.shard = settings.loss.shard
+        self.hidden_dtype = hidden.dtype
+        work_dtype = working_dtype(weight.dtype)
+        self.grad_hidden = None
+        if needs_hidden:
+            # Sharded: each rank holds a partial sum, all-reduced in the working dtype.
+            dtype = work_dtype if self.shard.is_sharded else hidden.dtype
+            self.grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype)
+        self.grad_weight = None
+        self.weight_slice: Tensor | None = None
+        if needs_weight:
+            self.grad_weight = torch.zeros(weight.shape, dtype=work_dtype, device=weight.device)
+            if work_dtype != weight.dtype:
+                rows = max(
+                    1, _WEIGHT_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size())
+                )
+                self.weight_slice = weight.new_empty((min(rows, weight.shape[0]), weight.shape[1]))
+        self.grad_bias = None
+        if needs_bias and bias is not None:
+            self.grad_bias = torch.zeros(bias.shape, dtype=work_dtype, device=bias.device)
+
+    def add_bias(self, grad_logits: Tensor) -> None:
+        """`grad_logits` `[n, V_local]` in the working dtype (before any rounding)."""
+        if self.grad_bias is not None:
+            self.grad_bias.add_(grad_logits.sum(dim=0))
+
+    def add_chunk(self, rows: slice, grad_logits: Tensor, hidden: Tensor) -> None:
+        """Multiply a chunk's logit gradient `[n, V_local]` (weight dtype) into the grads."""
+        if self.grad_hidden is not None:
+            target = self.grad_hidden[rows]
+            if target.dtype == grad_logits.dtype:
+                torch.mm(grad_logits, self.weight, out=target)
+            else:
+                target.copy_(grad_logits @ self.weight)
+        if self.grad_weight is None:
+            return
+        if self.weight_slice is None:
+            self.grad_weight.addmm_(grad_logits.t(), hidden)
+            return
+        # bf16/fp16: each slice's product is a bf16 matmul (fp32 inside), then summed in fp32.
+        for columns in chunk_bounds(self.grad_weight.shape[0], self.weight_slice.shape[0]):
+            part = self.weight_slice[: columns.stop - columns.start]
+            torch.mm(grad_logits[:, columns].t(), hidden, out=part)
+            self.grad_weight[columns].add_(part)
+
+    def finish(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """The gradients in the inputs' dtypes (`grad_hidden` summed over the vocab shards)."""
+        grad_hidden = self.grad_hidden
+        if grad_hidden is not None and self.shard.is_sharded:
+            grad_hidden = self.shard.all_reduce_sum_(grad_hidden).to(self.hidden_dtype)
+        grad_weight = self.grad_weight
+        self.grad_weight = None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(self.weight.dtype)  # the only rounding
+        grad_bias = self.grad_bias
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(self.weight.dtype)
+        return grad_hidden, grad_weight, grad_bias
+
+
+def _row_scale(
+    upstream: Tensor, clamped: Tensor, counted: Tensor, divisor: Tensor, settings: FusedSettings
+) -> Tensor:
+    """Upstream gradient of each row's unclamped loss, divided by `T`, `[n]`.
+
+    `upstream` is `[n]` ("none") or a scalar ("mean" / "sum"); rows that do not count or
+    were clamped get 0. `divisor`: the number of counted positions of the whole call (for
+    "mean"; at least 1).
+    """
+    kept = counted & ~clamped
+    scale = torch.where(kept, upstream, torch.zeros((), dtype=upstream.dtype))
+    if settings.reduction == "mean":
+        scale = scale / divisor.to(scale.dtype)
+    return scale * settings.loss.inv_temperature
+
+
+class FusedLinearTopKKLFunction(torch.autograd.Function):
+    """The fused loss as one autograd node.
+
+    `apply(hidden [N, H], weight [V_local, H], bias [V_local] | None, teacher, counted [N],
+    settings)` returns `(loss, per_position, head, tail, teacher_mass, student_mass,
+    overlap, clamped)`: `loss` reduced as `settings.reduction` says (`[N]` for "none"), the
+    rest `[N]` diagnostics (`per_position` after the clamp; `clamped` bool). Only `loss` is
+    differentiable.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        teacher: TeacherColumns,
+        counted: Tensor,
+        settings: FusedSettings,
+    ) -> tuple[Tensor, ...]:
+        n_rows = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        work_dtype = working_dtype(weight.dtype)
+        factory: dict[str, Any] = {"dtype": work_dtype, "device": hidden.device}
+        columns = [torch.empty(n_rows, **factory) for _ in range(6)]
+        per_position, head, tail, teacher_mass, student_mass, overlap = columns
+        clamped = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
+
+        needs_any = any(settings.needs_grad)
+        grads_now = needs_any and settings.grad_in_forward and settings.reduction != "none"
+        sink = _GradientSink(hidden, weight, bias, settings) if grads_now else None
+        unit = torch.ones((), **factory)
+        divisor = counted.sum().clamp_min(1)
+        saved: dict[str, Tensor] = {}
+        if needs_any and not grads_now:
+            saved = {
+                "row_max": torch.empty(n_rows, **factory),
+                "total": torch.empty(n_rows, **factory),
+                "outside": torch.empty(n_rows, **factory),
+                "inside_extra": torch.empty(n_rows, **factory),
+                "teacher_probs": torch.empty(teacher.index.shape, **factory),
+            }
+
+        chunk_rows = min(settings.chunk_rows, n_rows)
+        block_buffer = weight.new_empty((chunk_rows, local_vocab))
+        work_buffer = None
+        if weight.dtype != work_dtype:
+            sub_rows = min(settings.loss.chunk_rows, chunk_rows)
+            work_buffer = block_buffer.new_empty((sub_rows, local_vocab), dtype=work_dtype)
+        for rows in chunk_bounds(n_rows, settings.chunk_rows):
+            block = _chunk_logits(
+                hidden[rows], weight, bias, block_buffer[: rows.stop - rows.start]
+            )
+            for sub in chunk_bounds(block.shape[0], settings.loss.chunk_rows):
+                part = slice(rows.start + sub.start, rows.start + sub.stop)
+                logits = block[sub]
+                work = logits if work_buffer is None else work_buffer[: logits.shape[0]]
+                chunk_teacher = teacher.rows(part)
+                chunk_pass = reduce_chunk(logits, work, chunk_teacher, settings.loss)
+                terms, coefficients, teacher_probs = terms_from_reductions(
+                    chunk_teacher.logprobs, chunk_pass.reductions, settings.loss
+                )
+                loss = terms.loss
+                if settings.clamp_min is not None:
+                    clamped[part] = loss < settings.clamp_min
+                    loss = loss.clamp_min(settings.clamp_min)
+                values = (loss, terms.head, terms.tail, terms.teacher_mass, terms.student_mass)
+                for column, value in zip(columns, (*values, terms.overlap), strict=True):
+                    column[part] = value
+                reduced = chunk_pass.reductions
+                total = reduced.sum_outside + reduced.sum_inside
+                coefficients_w = GradientCoefficients(
+                    outside=coefficients.outside.to(work_dtype),
+                    inside_extra=coefficients.inside_extra.to(work_dtype),
+                )
+                if saved:
+                    saved["row_max"][part] = chunk_pass.row_max
+                    saved["total"][part] = total
+                    saved["outside"][part] = coefficients_w.outside
+                    saved["inside_extra"][part] = coefficients_w.inside_extra
+                    saved["teacher_probs"][part] = teacher_probs
+                if sink is None:
+                    continue
+                scale = _row_scale(unit, clamped[part], counted[part], divisor, settings)
+                logit_gradient_(
+                    work,
+                    chunk_pass.exp_teacher,
+                    chunk_teacher.index,
+                    chunk_teacher.owned,
+                    teacher_probs.to(work_dtype),
+                    total,
+                    coefficients_w,
+                    scale,
+                )
+                sink.add_bias(work)
+                if work is not logits:
+                    logits.copy_(work)  # the gradient, rounded once to the weight's dtype
+            if sink is not None:
+                sink.add_chunk(rows, block, hidden[rows])
+        del block_buffer, work_buffer
+
+        loss_out = reduce_positions(per_position, counted, settings.reduction, per_position.shape)
+        ctx.settings = settings
+        ctx.has_bias = bias is not None
+        ctx.precomputed = sink.finish() if sink is not None else None
+        if saved:
+            ctx.save_for_backward(
+                hidden,
+                weight,
+                bias,
+                teacher.index,
+                teacher.owned,
+                counted,
+                clamped,
+                saved["row_max"],
+                saved["total"],
+                saved["outside"],
+                saved["inside_extra"],
+                saved["teacher_probs"],
+            )
+        outputs = (loss_out, per_position, head, tail, teacher_mass, student_mass, overlap)
+        ctx.mark_non_differentiable(*outputs[1:], clamped)
+        return (*outputs, clamped)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, *_diagnostic_grads: Tensor) -> tuple[Any, ...]:
+        settings: FusedSettings = ctx.settings
+        if ctx.precomputed is not None:
+            grads = ctx.precomputed
+            ctx.precomputed = None  # scaled in place below: a second backward cannot reuse them
+            scaled = tuple(None if g is None else g.mul_(grad_loss) for g in grads)
+        elif ctx.saved_tensors:
+            scaled = _recomputed_gradients(ctx.saved_tensors, grad_loss, settings)
+        else:
+            raise RuntimeError(
+                "fused_topk_kl_loss: backward ran twice through a loss whose gradients were "
+                "computed in forward (retain_graph=True); call the loss again instead"
+            )
+        grad_hidden, grad_weight, grad_bias = scaled
+        needs = ctx.needs_input_grad
+        return (
+            grad_hidden if needs[0] else None,
+            grad_weight if needs[1] else None,
+            grad_bias if ctx.has_bias and needs[2] else None,
+            None,  # teacher: data, not a parameter
+            None,  # counted
+            None,  # settings
+        )
+
+
+def _recomputed_gradients(
+    saved: tuple[Tensor, ...], grad_loss: Tensor, settings: FusedSettings
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Backward of the recompute mode: the chunk logits again, then the same gradient."""
+    (
+        hidden,
+        weight,
+        bias,
+        index,
+        owned,
+        counted,
+        clamped,
+        row_max,
+        total,
+        outside,
+        inside_extra,
+        teacher_probs,
+    ) = saved
+    work_dtype = working_dtype(weight.dtype)
+    divisor = counted.sum().clamp_min(1)
+    scale = _row_scale(grad_loss.to(work_dtype), clamped, counted, divisor, settings)
+    sink = _GradientSink(hidden, weight, bias, settings)
+    n_rows, local_vocab = hidden.shape[0], weight.shape[0]
+    chunk_rows = min(settings.chunk_rows, n_rows)
+    block_buffer = weight.new_empty((chunk_rows, local_vocab))
+    work_buffer = None
+    if weight.dtype != work_dtype:
+        sub_rows = min(settings.loss.chunk_rows, chunk_rows)
+        work_buffer = block_buffer.new_empty((sub_rows, local_vocab), dtype=work_dtype)
+    for rows in chunk_bounds(n_rows, settings.chunk_rows):
+        block = _chunk_logits(hidden[rows], weight, bias, block_buffer[: rows.stop - rows.start])
+        for sub in chunk_bounds(block.shape[0], settings.loss.chunk_rows):
+            part = slice(rows.start + sub.start, rows.start + sub.stop)
+            logits = block[sub]
+            work = logits if work_buffer is None else work_buffer[: logits.shape[0]]
+            recompute_logit_gradient_(
+                work,
+                logits,
+                index[part],
+                None if owned is None else owned[part],
+                teacher_probs[part],
+                row_max[part],
+                total[part],
+                GradientCoefficients(outside=outside[part], inside_extra=inside_extra[part]),
+                scale[part],
+                settings.loss,
+            )
+            sink.add_bias(work)
+            if work is not logits:
+                logits.copy_(work)
+        sink.add_chunk(rows, block, hidden[rows])
+    del block_buffer, work_buffer
+    return sink.finish()
