@@ -4,14 +4,25 @@ Run from the repository root::
 
     python benchmarks/bench_losses.py                       # N = 8192 and 16384, V = 32768, K = 64
     python benchmarks/bench_losses.py --positions 2048 --repeats 1   # quick look
+    python benchmarks/bench_losses.py --lm-head --positions 8192 --repeats 1   # fused vs logits
 
-Variants, all on bfloat16 logits `[N, V]` that require grad, forward + backward:
+Default variants, all on bfloat16 logits `[N, V]` that require grad, forward + backward:
+
 
 - `chunked-tail`, `chunked-truncated`: `topk_kl_loss` (this package), default chunk size.
 - `naive`: `log_softmax(logits.float())` + gather, autograd backward (verl's default path).
 - `rowchunk-autograd`: verl's row-chunked variant: per chunk of rows, an fp32 copy and its
   `logsumexp`, gathered, concatenated (4096 rows per chunk, the `chunked_topk_chunk_size`
   in verl's docs); autograd keeps every chunk's fp32 copy for backward.
+
+With `--lm-head` the inputs are instead bfloat16 last hidden states `[N, H]` and an lm_head
+weight `[V, H]`, both requiring grad, and every variant returns both gradients:
+
+- `logits-chunked`: the logits path, `logits = hidden @ weight.T` then `topk_kl_loss` (tail);
+  backward through the loss (the logits' own gradient) and the matmul.
+- `fused`: `fused_topk_kl_loss(hidden, weight, ...)` (tail), gradients computed in forward.
+- `fused-recompute`: the same with `grad_in_forward=False` (chunk logits recomputed in
+  backward: four matmuls instead of three).
 
 Memory method: each (variant, N) runs once in a fresh Python process. It builds the inputs
 (logits filled in place in small blocks, so building them leaves only a small transient
@@ -43,6 +54,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("chunked-tail", "chunked-truncated", "naive", "rowchunk-autograd")
+LM_HEAD_VARIANTS = ("logits-chunked", "fused", "fused-recompute")
 ROWCHUNK_ROWS = 4096  # verl's documented chunked_topk_chunk_size
 
 
@@ -80,6 +92,43 @@ def _inputs(n_rows: int, vocab: int, top_k: int) -> tuple[torch.Tensor, torch.Te
     return logits.requires_grad_(True), ids, teacher - 0.3
 
 
+def _lm_head_inputs(
+    n_rows: int, vocab: int, top_k: int, hidden_size: int
+) -> tuple[torch.Tensor, ...]:
+    """bf16 hidden `[N, H]` and weight `[V, H]` (both require grad), teacher ids, log-probs."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n_rows, hidden_size, generator=generator).to(torch.bfloat16)
+    weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16)
+    for start in range(0, vocab, 1024):  # fill in place: no fp32 [V, H] transient
+        block = torch.randn(min(1024, vocab - start), hidden_size, generator=generator)
+        weight[start : start + block.shape[0]] = block * (2.0 / hidden_size**0.5)
+    offset = torch.randint(0, vocab, (n_rows, 1), generator=generator)
+    stride = 2 * torch.randint(0, vocab // 2, (n_rows, 1), generator=generator) + 1
+    ids = (offset + stride * torch.arange(top_k)) % vocab
+    teacher = torch.log_softmax(torch.randn(n_rows, top_k, generator=generator) * 2, -1)
+    return hidden.requires_grad_(True), weight.requires_grad_(True), ids, teacher - 0.3
+
+
+def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor]:
+    from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+
+    def logits_path(hidden: torch.Tensor, weight: torch.Tensor, *teacher: torch.Tensor):
+        loss, _ = topk_kl_loss(hidden @ weight.t(), *teacher, chunk_size=chunk_size)
+        return loss
+
+    def fused(hidden: torch.Tensor, weight: torch.Tensor, *teacher: torch.Tensor):
+        loss, _ = fused_topk_kl_loss(
+            hidden,
+            weight,
+            *teacher,
+            chunk_size=chunk_size,
+            grad_in_forward=variant == "fused",
+        )
+        return loss
+
+    return logits_path if variant == "logits-chunked" else fused
+
+
 def _naive(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     log_q = torch.log_softmax(logits.float(), dim=-1).gather(1, ids)
     return (logprobs.exp() * (logprobs - log_q)).sum(-1).mean()
@@ -96,6 +145,8 @@ def _rowchunk(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -
 
 
 def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor]:
+    if variant in LM_HEAD_VARIANTS:
+        return _lm_head_loss_fn(variant, chunk_size)
     if variant == "naive":
         return _naive
     if variant == "rowchunk-autograd":
@@ -114,41 +165,54 @@ def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor
 def _fwd_bwd_seconds(
     loss_fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]
 ) -> float:
-    logits = inputs[0]
-    logits.grad = None
+    for tensor in inputs:
+        tensor.grad = None
     start = time.perf_counter()
     loss_fn(*inputs).backward()
     return time.perf_counter() - start
 
 
+def _make_inputs(
+    variant: str, n_rows: int, vocab: int, top_k: int, hidden_size: int
+) -> tuple[torch.Tensor, ...]:
+    if variant in LM_HEAD_VARIANTS:
+        return _lm_head_inputs(n_rows, vocab, top_k, hidden_size)
+    return _inputs(n_rows, vocab, top_k)
+
+
 def measure_memory(
-    variant: str, n_rows: int, vocab: int, top_k: int, chunk_size: int | None
+    variant: str, n_rows: int, vocab: int, top_k: int, chunk_size: int | None, hidden_size: int
 ) -> dict[str, float]:
     """Peak extra RSS of one forward + backward of `variant`, in this (fresh) process."""
     loss_fn = _loss_fn(variant, chunk_size)
-    inputs = _inputs(n_rows, vocab, top_k)
+    inputs = _make_inputs(variant, n_rows, vocab, top_k, hidden_size)
     if not _reset_peak():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): memory not measured")
     rss_before = _status_kib("VmRSS")
     seconds = _fwd_bwd_seconds(loss_fn, inputs)
     peak = _status_kib("VmHWM")
-    logits = inputs[0]
     return {
         "extra_bytes": (peak - rss_before) * 1024.0,
-        "logits_bytes": float(logits.numel() * logits.element_size()),
+        "logits_bytes": float(n_rows * vocab * 2),  # the [N, V] bf16 logits
         "first_s": seconds,
     }
 
 
 def measure_time(
-    variants: list[str], n_rows: int, vocab: int, top_k: int, repeats: int, chunk_size: int | None
+    variants: list[str],
+    n_rows: int,
+    vocab: int,
+    top_k: int,
+    repeats: int,
+    chunk_size: int | None,
+    hidden_size: int,
 ) -> dict[str, dict[str, float]]:
     """Forward + backward seconds per variant, interleaved round by round in one process.
 
     Interleaving spreads any outside load on the machine evenly over the variants. One
     warm-up round first; then `repeats` rounds; median and minimum per variant.
     """
-    inputs = _inputs(n_rows, vocab, top_k)
+    inputs = _make_inputs(variants[0], n_rows, vocab, top_k, hidden_size)
     loss_fns = {variant: _loss_fn(variant, chunk_size) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     for round_index in range(repeats + 1):
@@ -177,20 +241,36 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=None, help="chunked variants only")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS + LM_HEAD_VARIANTS)
+    parser.add_argument(
+        "--lm-head",
+        action="store_true",
+        help="fused lm_head variants (hidden [N, H] and weight [V, H] in, both gradients)",
+    )
+    parser.add_argument("--hidden-size", type=int, default=1024, help="--lm-head only")
     parser.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-timing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.variants is None:
+        args.variants = list(LM_HEAD_VARIANTS if args.lm_head else VARIANTS)
+    if len({v in LM_HEAD_VARIANTS for v in args.variants}) > 1:
+        parser.error("--variants: do not mix lm_head variants with logits variants")
     n_rows = args.positions[0]
     if args.child_memory is not None:
         result: object = measure_memory(
-            args.child_memory, n_rows, args.vocab, args.top_k, args.chunk_size
+            args.child_memory, n_rows, args.vocab, args.top_k, args.chunk_size, args.hidden_size
         )
         print(json.dumps(result))
         return
     if args.child_timing:
         result = measure_time(
-            args.variants, n_rows, args.vocab, args.top_k, args.repeats, args.chunk_size
+            args.variants,
+            n_rows,
+            args.vocab,
+            args.top_k,
+            args.repeats,
+            args.chunk_size,
+            args.hidden_size,
         )
         print(json.dumps(result))
         return
@@ -199,19 +279,23 @@ def main() -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+    lm_head = args.variants[0] in LM_HEAD_VARIANTS
+    baseline = "logits-chunked" if lm_head else "naive"
+    inputs = f"bf16 hidden [N, {args.hidden_size}] and weight" if lm_head else "bf16 logits"
     print(
-        f"V={args.vocab}, K={args.top_k}, bf16 logits, torch {torch.__version__}, "
+        f"V={args.vocab}, K={args.top_k}, {inputs}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {args.repeats} timed rounds"
     )
     print()
     print(
         "| N | variant | logits | peak extra | extra / logits | time median (min), s "
-        "| median time / naive |"
+        f"| median time / {baseline} |"
     )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for n_positions in args.positions:
         common = ["--positions", str(n_positions), "--vocab", str(args.vocab)]
         common += ["--top-k", str(args.top_k), "--repeats", str(args.repeats)]
+        common += ["--hidden-size", str(args.hidden_size)]
         if args.chunk_size is not None:
             common += ["--chunk-size", str(args.chunk_size)]
         memory = {
@@ -219,7 +303,7 @@ def main() -> None:
         }
         timing = _child(env, "--child-timing", "--variants", *args.variants, *common)
         assert isinstance(timing, dict)
-        naive_time = timing.get("naive", {}).get("median_s")
+        naive_time = timing.get(baseline, {}).get("median_s")
         for variant in args.variants:
             mem, times = memory[variant], timing[variant]
             assert isinstance(mem, dict)

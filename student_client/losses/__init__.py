@@ -9,6 +9,7 @@ is the dense slow path.
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
 from student_client.losses.chunked import DEFAULT_CHUNK_BYTES, auto_chunk_rows
+from student_client.losses.lm_head import LMHeadInputs, causal_lm_hidden_and_head
 from student_client.losses.module import TopKKLLoss
 from student_client.losses.reference import topk_kl_reference
 from student_client.losses.types import (
@@ -24,12 +25,14 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOSS_MODES",
     "REDUCTIONS",
+    "LMHeadInputs",
     "LossMode",
     "Reduction",
     "RowTerms",
     "TopKKLLoss",
     "TopKKLStats",
     "auto_chunk_rows",
+    "causal_lm_hidden_and_head",
     "fused_topk_kl_loss",
     "topk_kl_loss",
     "topk_kl_reference",

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from student_client.losses.functional import (
     GradientCoefficients,
+    TeacherMass,
     VocabReductions,
     row_terms,
     teacher_column_gradient,
@@ -175,7 +176,10 @@ def reduce_chunk(
 
 
 def terms_from_reductions(
-    teacher_logprobs: Tensor, reductions: VocabReductions, settings: ChunkedSettings
+    teacher_logprobs: Tensor,
+    reductions: VocabReductions,
+    settings: ChunkedSettings,
+    masses: TeacherMass | None = None,
 ) -> tuple[RowTerms, GradientCoefficients, Tensor]:
     """Per-position terms of rows whose vocabulary pass is done.
 
@@ -183,6 +187,7 @@ def terms_from_reductions(
         teacher_logprobs: `[n, K]` in the statistics dtype (`statistics_dtype`).
         reductions: `[n]` / `[n, K]` reductions in the working dtype.
         settings: mode and tail guard.
+        masses: `teacher_mass(teacher_logprobs)` if already computed.
 
     Returns:
         `(terms, coefficients, teacher_probs)`, all in the statistics dtype: the per-row
@@ -196,7 +201,8 @@ def terms_from_reductions(
     converted = VocabReductions(
         *(None if value is None else value.to(stats_dtype) for value in reductions)
     )
-    masses = teacher_mass(teacher_logprobs)
+    if masses is None:
+        masses = teacher_mass(teacher_logprobs)
     terms, coefficients = row_terms(
         teacher_logprobs,
         masses,

@@ -44,7 +44,7 @@ from student_client.losses.chunked import (
     terms_from_reductions,
     working_dtype,
 )
-from student_client.losses.functional import GradientCoefficients
+from student_client.losses.functional import GradientCoefficients, TeacherMass, teacher_mass
 from student_client.losses.masking import reduce_positions
 from student_client.losses.types import Reduction
 
@@ -62,7 +62,7 @@ DEFAULT_FUSED_BLOCK_BYTES = 64 * 2**20
 DEFAULT_FUSED_WORK_BYTES = 16 * 2**20
 """Default size of the fp32 work sub-block the loss math runs on (16 MiB)."""
 
-_WEIGHT_SLICE_BYTES = 8 * 2**20
+_WEIGHT_SLICE_BYTES = 4 * 2**20
 """`grad_weight` is accumulated in vocabulary slices of this many bytes of the weight's
 dtype (one reused temporary; torch has no bf16 x bf16 -> fp32 matmul on CPU)."""
 
@@ -118,13 +118,14 @@ class _GradientSink:
             self.grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype)
         self.grad_weight = None
         self.weight_slice: Tensor | None = None
+        self.weight_slice_work: Tensor | None = None
         if needs_weight:
             self.grad_weight = torch.zeros(weight.shape, dtype=work_dtype, device=weight.device)
             if work_dtype != weight.dtype:
-                rows = max(
-                    1, _WEIGHT_SLICE_BYTES // max(1, weight.shape[1] * weight.element_size())
-                )
-                self.weight_slice = weight.new_empty((min(rows, weight.shape[0]), weight.shape[1]))
+                row_bytes = max(1, weight.shape[1] * weight.element_size())
+                rows = min(max(1, _WEIGHT_SLICE_BYTES // row_bytes), weight.shape[0])
+                self.weight_slice = weight.new_empty((rows, weight.shape[1]))
+                self.weight_slice_work = weight.new_empty((rows, weight.shape[1]), dtype=work_dtype)
         self.grad_bias = None
         if needs_bias and bias is not None:
             self.grad_bias = torch.zeros(bias.shape, dtype=work_dtype, device=bias.device)
@@ -144,17 +145,22 @@ class _GradientSink:
                 target.copy_(grad_logits @ self.weight)
         if self.grad_weight is None:
             return
-        if self.weight_slice is None:
+        if self.weight_slice is None or self.weight_slice_work is None:
             self.grad_weight.addmm_(grad_logits.t(), hidden)
             return
         # bf16/fp16: each slice's product is a bf16 matmul (fp32 inside), then summed in fp32.
+        # (Upcast first: a mixed-dtype `add_` takes torch's slow unvectorized CPU path.)
         for columns in chunk_bounds(self.grad_weight.shape[0], self.weight_slice.shape[0]):
-            part = self.weight_slice[: columns.stop - columns.start]
+            size = columns.stop - columns.start
+            part = self.weight_slice[:size]
             torch.mm(grad_logits[:, columns].t(), hidden, out=part)
-            self.grad_weight[columns].add_(part)
+            upcast = self.weight_slice_work[:size]
+            upcast.copy_(part)
+            self.grad_weight[columns].add_(upcast)
 
     def finish(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """The gradients in the inputs' dtypes (`grad_hidden` summed over the vocab shards)."""
+        self.weight_slice = self.weight_slice_work = None
         grad_hidden = self.grad_hidden
         if grad_hidden is not None and self.shard.is_sharded:
             grad_hidden = self.shard.all_reduce_sum_(grad_hidden).to(self.hidden_dtype)
@@ -184,6 +190,114 @@ def _row_scale(
     return scale * settings.loss.inv_temperature
 
 
+@dataclass
+class _ForwardResults:
+    """Per-row outputs of the forward pass, `[N]` each (working dtype; `clamped` bool)."""
+
+    columns: list[Tensor]
+    clamped: Tensor
+    saved: dict[str, Tensor]
+
+
+def _buffers(n_rows: int, weight: Tensor, settings: FusedSettings) -> tuple[Tensor, Tensor | None]:
+    """The reused `[chunk, V_local]` logits block (weight dtype) and fp32 sub-block (or None
+    when the weight's dtype is the working dtype: the math then runs in the block itself)."""
+    work_dtype = working_dtype(weight.dtype)
+    chunk_rows = min(settings.chunk_rows, n_rows)
+    block = weight.new_empty((chunk_rows, weight.shape[0]))
+    if weight.dtype == work_dtype:
+        return block, None
+    sub_rows = min(settings.loss.chunk_rows, chunk_rows)
+    return block, block.new_empty((sub_rows, weight.shape[0]), dtype=work_dtype)
+
+
+def _forward_chunks(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    teacher: TeacherColumns,
+    counted: Tensor,
+    settings: FusedSettings,
+    sink: _GradientSink | None,
+    keep_for_backward: bool,
+) -> _ForwardResults:
+    """The chunk loop of forward: loss terms per row, and the gradients when `sink` is given.
+
+    Buffers live only inside this function, so they are freed before the gradients are
+    rounded (`sink.finish`).
+    """
+    n_rows = hidden.shape[0]
+    work_dtype = working_dtype(weight.dtype)
+    factory: dict[str, Any] = {"dtype": work_dtype, "device": hidden.device}
+    columns = [torch.empty(n_rows, **factory) for _ in range(6)]
+    clamped = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
+    saved: dict[str, Tensor] = {}
+    if keep_for_backward:
+        saved = {
+            "row_max": torch.empty(n_rows, **factory),
+            "total": torch.empty(n_rows, **factory),
+            "outside": torch.empty(n_rows, **factory),
+            "inside_extra": torch.empty(n_rows, **factory),
+            "teacher_probs": torch.empty(teacher.index.shape, **factory),
+        }
+    masses = teacher_mass(teacher.logprobs)  # once: it depends on the teacher only
+    unit = torch.ones((), **factory)
+    divisor = counted.sum().clamp_min(1)
+
+    block_buffer, work_buffer = _buffers(n_rows, weight, settings)
+    for rows in chunk_bounds(n_rows, settings.chunk_rows):
+        block = _chunk_logits(hidden[rows], weight, bias, block_buffer[: rows.stop - rows.start])
+        for sub in chunk_bounds(block.shape[0], settings.loss.chunk_rows):
+            part = slice(rows.start + sub.start, rows.start + sub.stop)
+            logits = block[sub]
+            work = logits if work_buffer is None else work_buffer[: logits.shape[0]]
+            chunk_teacher = teacher.rows(part)
+            chunk_pass = reduce_chunk(logits, work, chunk_teacher, settings.loss)
+            terms, coefficients, teacher_probs = terms_from_reductions(
+                chunk_teacher.logprobs,
+                chunk_pass.reductions,
+                settings.loss,
+                TeacherMass(*(value[part] for value in masses)),
+            )
+            loss = terms.loss
+            if settings.clamp_min is not None:
+                clamped[part] = loss < settings.clamp_min
+                loss = loss.clamp_min(settings.clamp_min)
+            values = (loss, *terms[1:])
+            for column, value in zip(columns, values, strict=True):
+                column[part] = value
+            reduced = chunk_pass.reductions
+            total = reduced.sum_outside + reduced.sum_inside
+            coefficients_w = GradientCoefficients(
+                outside=coefficients.outside.to(work_dtype),
+                inside_extra=coefficients.inside_extra.to(work_dtype),
+            )
+            if saved:
+                saved["row_max"][part] = chunk_pass.row_max
+                saved["total"][part] = total
+                saved["outside"][part] = coefficients_w.outside
+                saved["inside_extra"][part] = coefficients_w.inside_extra
+                saved["teacher_probs"][part] = teacher_probs
+            if sink is None:
+                continue
+            logit_gradient_(
+                work,
+                chunk_pass.exp_teacher,
+                chunk_teacher.index,
+                chunk_teacher.owned,
+                teacher_probs.to(work_dtype),
+                total,
+                coefficients_w,
+                _row_scale(unit, clamped[part], counted[part], divisor, settings),
+            )
+            sink.add_bias(work)
+            if work is not logits:
+                logits.copy_(work)  # the gradient, rounded once to the weight's dtype
+        if sink is not None:
+            sink.add_chunk(rows, block, hidden[rows])
+    return _ForwardResults(columns=columns, clamped=clamped, saved=saved)
+
+
 class FusedLinearTopKKLFunction(torch.autograd.Function):
     """The fused loss as one autograd node.
 
@@ -204,91 +318,25 @@ class FusedLinearTopKKLFunction(torch.autograd.Function):
         counted: Tensor,
         settings: FusedSettings,
     ) -> tuple[Tensor, ...]:
-        n_rows = hidden.shape[0]
-        local_vocab = weight.shape[0]
-        work_dtype = working_dtype(weight.dtype)
-        factory: dict[str, Any] = {"dtype": work_dtype, "device": hidden.device}
-        columns = [torch.empty(n_rows, **factory) for _ in range(6)]
-        per_position, head, tail, teacher_mass, student_mass, overlap = columns
-        clamped = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
-
         needs_any = any(settings.needs_grad)
         grads_now = needs_any and settings.grad_in_forward and settings.reduction != "none"
         sink = _GradientSink(hidden, weight, bias, settings) if grads_now else None
-        unit = torch.ones((), **factory)
-        divisor = counted.sum().clamp_min(1)
-        saved: dict[str, Tensor] = {}
-        if needs_any and not grads_now:
-            saved = {
-                "row_max": torch.empty(n_rows, **factory),
-                "total": torch.empty(n_rows, **factory),
-                "outside": torch.empty(n_rows, **factory),
-                "inside_extra": torch.empty(n_rows, **factory),
-                "teacher_probs": torch.empty(teacher.index.shape, **factory),
-            }
-
-        chunk_rows = min(settings.chunk_rows, n_rows)
-        block_buffer = weight.new_empty((chunk_rows, local_vocab))
-        work_buffer = None
-        if weight.dtype != work_dtype:
-            sub_rows = min(settings.loss.chunk_rows, chunk_rows)
-            work_buffer = block_buffer.new_empty((sub_rows, local_vocab), dtype=work_dtype)
-        for rows in chunk_bounds(n_rows, settings.chunk_rows):
-            block = _chunk_logits(
-                hidden[rows], weight, bias, block_buffer[: rows.stop - rows.start]
-            )
-            for sub in chunk_bounds(block.shape[0], settings.loss.chunk_rows):
-                part = slice(rows.start + sub.start, rows.start + sub.stop)
-                logits = block[sub]
-                work = logits if work_buffer is None else work_buffer[: logits.shape[0]]
-                chunk_teacher = teacher.rows(part)
-                chunk_pass = reduce_chunk(logits, work, chunk_teacher, settings.loss)
-                terms, coefficients, teacher_probs = terms_from_reductions(
-                    chunk_teacher.logprobs, chunk_pass.reductions, settings.loss
-                )
-                loss = terms.loss
-                if settings.clamp_min is not None:
-                    clamped[part] = loss < settings.clamp_min
-                    loss = loss.clamp_min(settings.clamp_min)
-                values = (loss, terms.head, terms.tail, terms.teacher_mass, terms.student_mass)
-                for column, value in zip(columns, (*values, terms.overlap), strict=True):
-                    column[part] = value
-                reduced = chunk_pass.reductions
-                total = reduced.sum_outside + reduced.sum_inside
-                coefficients_w = GradientCoefficients(
-                    outside=coefficients.outside.to(work_dtype),
-                    inside_extra=coefficients.inside_extra.to(work_dtype),
-                )
-                if saved:
-                    saved["row_max"][part] = chunk_pass.row_max
-                    saved["total"][part] = total
-                    saved["outside"][part] = coefficients_w.outside
-                    saved["inside_extra"][part] = coefficients_w.inside_extra
-                    saved["teacher_probs"][part] = teacher_probs
-                if sink is None:
-                    continue
-                scale = _row_scale(unit, clamped[part], counted[part], divisor, settings)
-                logit_gradient_(
-                    work,
-                    chunk_pass.exp_teacher,
-                    chunk_teacher.index,
-                    chunk_teacher.owned,
-                    teacher_probs.to(work_dtype),
-                    total,
-                    coefficients_w,
-                    scale,
-                )
-                sink.add_bias(work)
-                if work is not logits:
-                    logits.copy_(work)  # the gradient, rounded once to the weight's dtype
-            if sink is not None:
-                sink.add_chunk(rows, block, hidden[rows])
-        del block_buffer, work_buffer
-
-        loss_out = reduce_positions(per_position, counted, settings.reduction, per_position.shape)
+        results = _forward_chunks(
+            hidden,
+            weight,
+            bias,
+            teacher,
+            counted,
+            settings,
+            sink,
+            keep_for_backward=needs_any and not grads_now,
+        )
+        per_position = results.columns[0]
+        loss = reduce_positions(per_position, counted, settings.reduction, per_position.shape)
         ctx.settings = settings
         ctx.has_bias = bias is not None
         ctx.precomputed = sink.finish() if sink is not None else None
+        saved = results.saved
         if saved:
             ctx.save_for_backward(
                 hidden,
@@ -297,16 +345,16 @@ class FusedLinearTopKKLFunction(torch.autograd.Function):
                 teacher.index,
                 teacher.owned,
                 counted,
-                clamped,
+                results.clamped,
                 saved["row_max"],
                 saved["total"],
                 saved["outside"],
                 saved["inside_extra"],
                 saved["teacher_probs"],
             )
-        outputs = (loss_out, per_position, head, tail, teacher_mass, student_mass, overlap)
-        ctx.mark_non_differentiable(*outputs[1:], clamped)
-        return (*outputs, clamped)
+        outputs = (loss, *results.columns, results.clamped)
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor, *_diagnostic_grads: Tensor) -> tuple[Any, ...]:
@@ -338,32 +386,24 @@ def _recomputed_gradients(
     saved: tuple[Tensor, ...], grad_loss: Tensor, settings: FusedSettings
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of the recompute mode: the chunk logits again, then the same gradient."""
-    (
-        hidden,
-        weight,
-        bias,
-        index,
-        owned,
-        counted,
-        clamped,
-        row_max,
-        total,
-        outside,
-        inside_extra,
-        teacher_probs,
-    ) = saved
-    work_dtype = working_dtype(weight.dtype)
+    hidden, weight, bias, _index, _owned, counted, clamped = saved[:7]
     divisor = counted.sum().clamp_min(1)
-    scale = _row_scale(grad_loss.to(work_dtype), clamped, counted, divisor, settings)
+    scale = _row_scale(
+        grad_loss.to(working_dtype(weight.dtype)), clamped, counted, divisor, settings
+    )
     sink = _GradientSink(hidden, weight, bias, settings)
-    n_rows, local_vocab = hidden.shape[0], weight.shape[0]
-    chunk_rows = min(settings.chunk_rows, n_rows)
-    block_buffer = weight.new_empty((chunk_rows, local_vocab))
-    work_buffer = None
-    if weight.dtype != work_dtype:
-        sub_rows = min(settings.loss.chunk_rows, chunk_rows)
-        work_buffer = block_buffer.new_empty((sub_rows, local_vocab), dtype=work_dtype)
-    for rows in chunk_bounds(n_rows, settings.chunk_rows):
+    _backward_chunks(saved, scale, settings, sink)
+    return sink.finish()
+
+
+def _backward_chunks(
+    saved: tuple[Tensor, ...], scale: Tensor, settings: FusedSettings, sink: _GradientSink
+) -> None:
+    """The chunk loop of the recompute mode (buffers freed on return)."""
+    hidden, weight, bias, index, owned = saved[:5]
+    row_max, total, outside, inside_extra, teacher_probs = saved[7:]
+    block_buffer, work_buffer = _buffers(hidden.shape[0], weight, settings)
+    for rows in chunk_bounds(hidden.shape[0], settings.chunk_rows):
         block = _chunk_logits(hidden[rows], weight, bias, block_buffer[: rows.stop - rows.start])
         for sub in chunk_bounds(block.shape[0], settings.loss.chunk_rows):
             part = slice(rows.start + sub.start, rows.start + sub.stop)
@@ -385,5 +425,3 @@ def _recomputed_gradients(
             if work is not logits:
                 logits.copy_(work)
         sink.add_chunk(rows, block, hidden[rows])
-    del block_buffer, work_buffer
-    return sink.finish()
