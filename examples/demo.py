@@ -7,6 +7,10 @@
 4. Stop the server with SIGTERM (it drains) and check that it exited cleanly.
 
     python -m examples.demo [--steps N] [--out DIR] [--backend vllm|transformers]
+        [--loss-mode tail|truncated] [--fused | --no-fused]
+
+Flags it does not know go to ``examples/distill.py``: by default the student trains with
+the fused lm_head loss (``--no-fused``: logits + ``topk_kl_loss``) in tail mode.
 """
 
 from __future__ import annotations

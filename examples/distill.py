@@ -3,7 +3,10 @@
 The student (a fresh Qwen2, smaller than the teacher) reads byte windows of the Python
 standard library's sources; for every window the teacher's top-k next-byte distribution
 comes through :class:`~student_client.client.TeacherClient` with prefetch, and the student
-minimises the chunked tail-aware top-k KL. Before and after, on held-out files, it
+minimises the tail-aware (or, with ``--loss-mode truncated``, the truncated) top-k KL, by
+default through the fused lm_head loss (``fused_topk_kl_loss`` on the last hidden states:
+the student's logits are never formed; ``--no-fused`` computes logits and uses
+``topk_kl_loss``). Before and after, on held-out files, it
 measures the student's cross-entropy and the full-vocabulary KL(teacher || student) (the
 teacher's weights are read locally for that, from ``--teacher-dir``), next to the
 teacher's own cross-entropy, prints a table, and writes a PNG of the training curves.
@@ -12,6 +15,7 @@ teacher's own cross-entropy, prints a table, and writes a PNG of the training cu
     python -m examples.distill --teacher 127.0.0.1:50051 --record runs/recording
     python -m examples.distill --replay runs/recording
     python -m examples.distill --dataset runs/recording    # shuffled DataLoader, many epochs
+    python -m examples.distill --teacher 127.0.0.1:50051 --loss-mode truncated --no-fused
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ import torch
 
 from examples.data import ByteCorpus, WindowSampler, fixed_windows, load_stdlib_corpus
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
-from student_client.losses import topk_kl_loss
+from student_client.losses import (
+    LossMode,
+    TopKKLStats,
+    causal_lm_hidden_and_head,
+    fused_topk_kl_loss,
+    topk_kl_loss,
+)
 
 __all__ = ["DistillConfig", "evaluate", "main", "run_distill", "student_model"]
 
@@ -56,6 +66,8 @@ class DistillConfig:
     hidden_size: int = 64
     num_layers: int = 1
     threads: int = 2
+    loss_mode: LossMode = "tail"
+    fused: bool = True
 
 
 @dataclass
@@ -121,6 +133,19 @@ def evaluate(student: Any, teacher: Any, windows: torch.Tensor, batch: int = 8) 
         n_kl += x.numel()
     student.train()
     return EvalResult(ce_s / n_ce, kl / n_kl, ce_t / n_ce)
+
+
+def distill_loss(student: Any, x: torch.Tensor, payload: Any, cfg: DistillConfig) -> Any:
+    """The step's loss and stats: fused on the last hidden states, or on the logits."""
+    options: dict[str, Any] = {"mode": cfg.loss_mode, "mask": payload.mask, "overlap": True}
+    if cfg.fused:
+        head = causal_lm_hidden_and_head(student, input_ids=x)  # [B, T, H], [V, H]
+        result: tuple[torch.Tensor, TopKKLStats] = fused_topk_kl_loss(
+            head.hidden, head.weight, payload.ids, payload.logprobs, bias=head.bias, **options
+        )
+        return result
+    logits = student(input_ids=x).logits  # [B, T, V]
+    return topk_kl_loss(logits, payload.ids, payload.logprobs, **options)
 
 
 def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:
@@ -220,10 +245,7 @@ def run_distill(args: argparse.Namespace, cfg: DistillConfig) -> RunResult:
     mass = 0.0
     with _training_batches(args, cfg, vocab, batches) as pairs:
         for step, (x, payload) in enumerate(pairs, start=1):
-            logits = student(input_ids=x).logits  # [B, T, V]
-            loss, stats = topk_kl_loss(
-                logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
-            )
+            loss, stats = distill_loss(student, x, payload, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -249,6 +271,9 @@ def run_distill(args: argparse.Namespace, cfg: DistillConfig) -> RunResult:
     return result
 
 
+_LOSS_LABELS = {"tail": "tail-aware", "truncated": "truncated"}
+
+
 def format_table(result: RunResult, cfg: DistillConfig) -> str:
     """The before/after table (markdown)."""
     b, a = result.before, result.after
@@ -265,7 +290,8 @@ def format_table(result: RunResult, cfg: DistillConfig) -> str:
         f"| teacher cross-entropy (reference) | {b.teacher_ce:.3f} | {a.teacher_ce:.3f} |",
         "",
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} positions, top-{cfg.top_k} "
-        f"tail-aware KL (teacher top-{cfg.top_k} mass {result.teacher_mass:.2f}), prefetch "
+        f"{_LOSS_LABELS[cfg.loss_mode]} KL ({'fused lm_head' if cfg.fused else 'on logits'}; "
+        f"teacher top-{cfg.top_k} mass {result.teacher_mass:.2f}), prefetch "
         f"depth {cfg.depth}: {result.seconds:.0f} s, {result.positions_per_s:,.0f} positions/s",
     ]
     return "\n".join(rows)
@@ -280,7 +306,7 @@ def plot(result: RunResult, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     steps = range(1, len(result.train_loss) + 1)
-    ax1.plot(steps, result.train_loss, lw=0.8, label="tail-aware top-k KL (train batch)")
+    ax1.plot(steps, result.train_loss, lw=0.8, label="top-k KL (train batch)")
     ax1.set_xlabel("step")
     ax1.set_ylabel("nats / position")
     ax1.set_title("training loss")
@@ -326,6 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument(
+        "--loss-mode",
+        choices=list(_LOSS_LABELS),
+        default=d.loss_mode,
+        help="tail-aware (K+1 categories) or truncated (verl) top-k KL",
+    )
+    ap.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=d.fused,
+        help="fused lm_head loss on the last hidden states (default); --no-fused: logits",
+    )
     return ap
 
 
@@ -344,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         eval_windows=args.eval_windows,
         eval_every=args.eval_every,
         lr=args.lr,
+        loss_mode=args.loss_mode,
+        fused=args.fused,
     )
     result = run_distill(args, cfg)
     table = format_table(result, cfg)

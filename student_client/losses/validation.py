@@ -131,8 +131,11 @@ def check_tensors(
 def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     """Check the fused loss's lm_head: `weight` `[V_local, H]`, `bias` `[V_local]` or None.
 
-    `hidden` `[..., H]` is checked by `check_tensors`; here: same dtype and device.
+    `hidden` `[..., H]` is checked by `check_tensors`; here: its dtype, and that the weight
+    matches it.
     """
+    if hidden.dtype not in LOGIT_DTYPES:
+        raise _fail("hidden", f"dtype must be one of {LOGIT_DTYPES}, got {hidden.dtype}")
     if not isinstance(weight, Tensor):
         raise _fail("weight", f"must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2 or weight.shape[0] < 1:

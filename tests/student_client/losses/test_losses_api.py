@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 from losses_oracle import make_case, oracle_loss, oracle_rows
 
 from student_client.losses import TopKKLLoss, TopKKLStats, topk_kl_loss
-from student_client.losses.types import LossMode, Reduction
+from student_client.losses.types import STAT_FIELDS, LossMode, Reduction
 
 MODES: tuple[LossMode, ...] = ("tail", "truncated")
 
@@ -180,7 +179,7 @@ def test_mask_with_no_counted_position_gives_zero(case, reduction: Reduction) ->
     loss.backward()
     assert logits.grad is not None
     assert bool((logits.grad == 0).all())
-    assert stats == TopKKLStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    assert stats == TopKKLStats(0.0, 0.0, 0.0, 0.0, 0.0, math.nan, 0.0, 0)  # overlap not asked
 
 
 # ------------------------------------------------------------------ clamp_min (verl parity)
@@ -267,10 +266,14 @@ def test_module_wrapper_matches_function(case) -> None:
 
 
 def test_stats_are_plain_python_numbers(case) -> None:
-    _, stats = topk_kl_loss(case.logits, case.ids, case.logprobs, mode="truncated")
+    _, stats = topk_kl_loss(case.logits, case.ids, case.logprobs, mode="truncated", overlap=True)
     values = stats.as_dict()
-    assert set(values) == {field.name for field in dataclasses.fields(TopKKLStats)}
+    assert set(values) == {*STAT_FIELDS, "positions"}
     assert all(type(value) is float for value in values.values())
     assert type(stats.positions) is int and stats.positions == 20
+    assert type(stats.loss) is float
     assert 0.0 <= stats.overlap <= 1.0
+    _, without_overlap = topk_kl_loss(case.logits, case.ids, case.logprobs, mode="truncated")
+    assert math.isnan(without_overlap.overlap)  # not computed unless asked for
+    assert without_overlap.loss == stats.loss
     assert 0.0 < stats.teacher_mass <= 1.0 + 1e-6

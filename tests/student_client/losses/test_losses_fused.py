@@ -173,12 +173,14 @@ def test_no_bias_no_grad_and_partial_requires_grad() -> None:
 
 
 def test_upstream_gradient_scales_precomputed_gradients() -> None:
-    hidden, weight, bias, ids, logprobs, _ = _problem(seed=7)
+    hidden, weight, _, ids, logprobs, _ = _problem(seed=7)
     leaf = hidden.clone().requires_grad_(True)
     loss, _ = fused_topk_kl_loss(leaf, weight, ids, logprobs, reduction="sum")
     (3.5 * loss).backward()
     reference = hidden.clone().requires_grad_(True)
-    (3.5 * oracle_loss(reference @ weight.T, ids, logprobs, mode="tail", reduction="sum")).backward()
+    (
+        3.5 * oracle_loss(reference @ weight.T, ids, logprobs, mode="tail", reduction="sum")
+    ).backward()
     torch.testing.assert_close(leaf.grad, reference.grad, rtol=1e-9, atol=1e-12)
 
 
@@ -192,7 +194,7 @@ def test_second_backward_through_precomputed_gradients_is_refused() -> None:
 
 
 def test_empty_batch_and_nothing_counted() -> None:
-    hidden, weight, bias, ids, logprobs, mask = _problem(seed=9)
+    hidden, weight, _, ids, logprobs, mask = _problem(seed=9)
     leaf = hidden[:0].clone().requires_grad_(True)
     loss, stats = fused_topk_kl_loss(leaf, weight, ids[:0], logprobs[:0])
     loss.backward()

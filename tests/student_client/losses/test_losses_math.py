@@ -125,7 +125,9 @@ def test_float64_gradcheck(mode: LossMode) -> None:
 
 def test_tail_mode_equals_full_kl_when_k_is_vocab() -> None:
     case = make_case((4, 6), 29, 29, seed=6)
-    loss, stats = topk_kl_loss(case.logits, case.ids, case.logprobs, mode="tail", reduction="none")
+    loss, stats = topk_kl_loss(
+        case.logits, case.ids, case.logprobs, mode="tail", reduction="none", overlap=True
+    )
     want = full_kl(case.logits, case.teacher_full)
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
     assert stats.overlap == pytest.approx(1.0)
@@ -219,7 +221,9 @@ def test_dense_reference_matches_oracle(mode: LossMode) -> None:
 def test_stats_match_oracle(mode: LossMode) -> None:
     case = make_case((9, 4), 40, 6, seed=9)
     mask = torch.rand(9, 4, generator=torch.Generator().manual_seed(1)) > 0.3
-    _, stats = topk_kl_loss(case.logits, case.ids, case.logprobs, mode=mode, mask=mask)
+    _, stats = topk_kl_loss(
+        case.logits, case.ids, case.logprobs, mode=mode, mask=mask, overlap=True
+    )
     want = oracle_rows(case.logits, case.ids, case.logprobs, mode=mode)
     counted = mask.double()
 

@@ -1,0 +1,153 @@
+"""With `validate=False` neither loss waits for the device: no host sync in forward or backward.
+
+A `TorchDispatchMode` sees every aten op of the call and fails on the ones that copy a
+device value to the host (`_local_scalar_dense`, behind `.item()`, `.tolist()`, `bool()`),
+on `nonzero` / `masked_select` (whose output size depends on the data) and on boolean-mask
+indexing (which calls `nonzero`). The stats are read only after the mode is left.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+
+aten = torch.ops.aten
+
+_SYNCING = {
+    aten._local_scalar_dense,
+    aten.item,
+    aten.nonzero,
+    aten.nonzero_static,
+    aten.masked_select,
+    aten.is_nonzero,
+    aten.equal,
+    aten.allclose,
+    aten.unique_consecutive,
+    aten._unique2,
+}
+
+
+def _is_bool_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+class NoHostSync(TorchDispatchMode):
+    """Raises on any aten op that makes the host wait for a device value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in _SYNCING:
+            raise AssertionError(f"host sync: {func}")
+        if packet in (aten.index, aten.index_put, aten.index_put_) and any(
+            _is_bool_tensor(index) for index in (args[1] if len(args) > 1 else [])
+        ):
+            raise AssertionError(f"boolean-mask indexing: {func}")
+        self.ops += 1
+        return func(*args, **kwargs)
+
+
+def test_the_guard_catches_syncs() -> None:
+    values = torch.randn(5)
+    # (`.tolist()` of a CPU tensor reads its memory without any aten op, so it is not in
+    # this list; on an accelerator it is a device-to-host copy that ends in the same ops.)
+    for sync in (
+        lambda: values.sum().item(),
+        lambda: float(values.sum()),
+        lambda: bool((values > 0).any()),
+        lambda: values[values > 0],
+        lambda: values.nonzero(),
+    ):
+        with pytest.raises(AssertionError, match=r"host sync|boolean-mask"), NoHostSync():
+            sync()
+
+
+def _problem(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(4, 9, 16, generator=generator)
+    weight = torch.randn(50, 16, generator=generator) * 0.5
+    teacher = torch.log_softmax(torch.randn(4, 9, 50, generator=generator) * 2, -1)
+    logprobs, ids = teacher.topk(6, dim=-1)
+    mask = torch.rand(4, 9, generator=generator) > 0.3
+    return hidden, weight, ids.int(), logprobs.half(), mask
+
+
+OPTIONS = [
+    {"mode": "tail", "reduction": "mean"},
+    {"mode": "truncated", "reduction": "sum", "clamp_min": 0.0, "temperature": 1.3},
+    {"mode": "tail", "reduction": "none", "overlap": True},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_topk_kl_loss_does_not_sync(options) -> None:
+    hidden, weight, ids, logprobs, mask = _problem()
+    logits = (hidden @ weight.T).requires_grad_(True)
+    guard = NoHostSync()
+    with guard:
+        loss, stats = topk_kl_loss(
+            logits, ids, logprobs, mask=mask, validate=False, chunk_size=5, **options
+        )
+        loss.sum().backward()
+    assert guard.ops > 0
+    want, want_stats = topk_kl_loss(logits.detach(), ids, logprobs, mask=mask, **options)
+    torch.testing.assert_close(loss.detach(), want)
+    assert stats == want_stats  # computed lazily, now that the guard is gone
+    assert logits.grad is not None and bool(logits.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_fused_loss_does_not_sync(options, grad_in_forward) -> None:
+    hidden, weight, ids, logprobs, mask = _problem(1)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    guard = NoHostSync()
+    with guard:
+        loss, stats = fused_topk_kl_loss(
+            hidden,
+            weight,
+            ids,
+            logprobs,
+            mask=mask,
+            validate=False,
+            chunk_size=7,
+            grad_in_forward=grad_in_forward,
+            **options,
+        )
+        loss.sum().backward()
+    assert guard.ops > 0
+    want, want_stats = fused_topk_kl_loss(
+        hidden.detach(), weight.detach(), ids, logprobs, mask=mask, chunk_size=7, **options
+    )
+    torch.testing.assert_close(loss.detach(), want)
+    assert stats == want_stats
+    assert math.isfinite(stats.loss) and stats.positions == int(mask.sum())
+    assert hidden.grad is not None and weight.grad is not None
+
+
+def test_validation_does_sync_and_the_guard_sees_it() -> None:
+    """The default (`validate=True`) checks values, which the guard must catch."""
+    hidden, weight, ids, logprobs, mask = _problem(2)
+    with pytest.raises(AssertionError, match=r"host sync|boolean-mask"), NoHostSync():
+        fused_topk_kl_loss(hidden, weight, ids, logprobs, mask=mask)
+
+
+def test_stats_tensors_need_no_sync() -> None:
+    hidden, weight, ids, logprobs, mask = _problem(3)
+    with NoHostSync():
+        _, stats = fused_topk_kl_loss(hidden, weight, ids, logprobs, mask=mask, validate=False)
+        tensors = stats.tensors()
+    assert set(tensors) == {*stats.as_dict()}
+    assert float(tensors["loss"]) == stats.loss
+    assert int(tensors["positions"]) == stats.positions
