@@ -112,15 +112,20 @@ def _lm_head_inputs(
 def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor]:
     from student_client.losses import fused_topk_kl_loss, topk_kl_loss
 
-    def logits_path(hidden: torch.Tensor, weight: torch.Tensor, *teacher: torch.Tensor):
-        loss, _ = topk_kl_loss(hidden @ weight.t(), *teacher, chunk_size=chunk_size)
+    def logits_path(
+        hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor
+    ) -> torch.Tensor:
+        loss, _ = topk_kl_loss(hidden @ weight.t(), ids, logprobs, chunk_size=chunk_size)
         return loss
 
-    def fused(hidden: torch.Tensor, weight: torch.Tensor, *teacher: torch.Tensor):
+    def fused(
+        hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor
+    ) -> torch.Tensor:
         loss, _ = fused_topk_kl_loss(
             hidden,
             weight,
-            *teacher,
+            ids,
+            logprobs,
             chunk_size=chunk_size,
             grad_in_forward=variant == "fused",
         )

@@ -198,8 +198,12 @@ def terms_from_reductions(
     fp32 digits. It is per row, so any split of the rows gives the same values.
     """
     stats_dtype = teacher_logprobs.dtype
+    kth_largest = reductions.kth_largest
     converted = VocabReductions(
-        *(None if value is None else value.to(stats_dtype) for value in reductions)
+        sum_outside=reductions.sum_outside.to(stats_dtype),
+        sum_inside=reductions.sum_inside.to(stats_dtype),
+        teacher_logits=reductions.teacher_logits.to(stats_dtype),
+        kth_largest=None if kth_largest is None else kth_largest.to(stats_dtype),
     )
     if masses is None:
         masses = teacher_mass(teacher_logprobs)
