@@ -10,6 +10,8 @@ Default variants, all on bfloat16 logits `[N, V]` that require grad, forward + b
 
 
 - `chunked-tail`, `chunked-truncated`: `topk_kl_loss` (this package), default chunk size.
+- `chunked-tail-overlap` (only with `--variants`): `chunked-tail` with `overlap=True`, to
+  measure what the overlap statistic costs.
 - `naive`: `log_softmax(logits.float())` + gather, autograd backward (verl's default path).
 - `rowchunk-autograd`: verl's row-chunked variant: per chunk of rows, an fp32 copy and its
   `logsumexp`, gathered, concatenated (4096 rows per chunk, the `chunked_topk_chunk_size`
@@ -54,6 +56,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("chunked-tail", "chunked-truncated", "naive", "rowchunk-autograd")
+EXTRA_VARIANTS = ("chunked-tail-overlap",)  # only when named in --variants
 LM_HEAD_VARIANTS = ("logits-chunked", "fused", "fused-recompute")
 ROWCHUNK_ROWS = 4096  # verl's documented chunked_topk_chunk_size
 
@@ -158,10 +161,13 @@ def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor
         return _rowchunk
     from student_client.losses import LossMode, topk_kl_loss
 
-    mode: LossMode = "tail" if variant == "chunked-tail" else "truncated"
+    mode: LossMode = "truncated" if variant == "chunked-truncated" else "tail"
+    overlap = variant == "chunked-tail-overlap"
 
     def chunked(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        loss, _ = topk_kl_loss(logits, ids, logprobs, mode=mode, chunk_size=chunk_size)
+        loss, _ = topk_kl_loss(
+            logits, ids, logprobs, mode=mode, chunk_size=chunk_size, overlap=overlap
+        )
         return loss
 
     return chunked
@@ -246,7 +252,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=None, help="chunked variants only")
-    parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS + LM_HEAD_VARIANTS)
+    parser.add_argument(
+        "--variants", nargs="+", default=None, choices=VARIANTS + EXTRA_VARIANTS + LM_HEAD_VARIANTS
+    )
     parser.add_argument(
         "--lm-head",
         action="store_true",
