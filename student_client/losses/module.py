@@ -30,6 +30,8 @@ class TopKKLLoss(nn.Module):
         tail_mass_eps: float = 1e-6,
         clamp_min: float | None = None,
         process_group: Any = None,
+        validate: bool = True,
+        overlap: bool = False,
     ) -> None:
         super().__init__()
         check_options(
@@ -47,6 +49,8 @@ class TopKKLLoss(nn.Module):
         self.tail_mass_eps = tail_mass_eps
         self.clamp_min = clamp_min
         self.process_group = process_group
+        self.validate = validate
+        self.overlap = overlap
 
     def forward(
         self,
@@ -67,11 +71,13 @@ class TopKKLLoss(nn.Module):
             tail_mass_eps=self.tail_mass_eps,
             clamp_min=self.clamp_min,
             process_group=self.process_group,
+            validate=self.validate,
+            overlap=self.overlap,
         )
 
     def extra_repr(self) -> str:
         return (
             f"mode={self.mode!r}, reduction={self.reduction!r}, chunk_size={self.chunk_size}, "
             f"temperature={self.temperature}, tail_mass_eps={self.tail_mass_eps}, "
-            f"clamp_min={self.clamp_min}"
+            f"clamp_min={self.clamp_min}, validate={self.validate}, overlap={self.overlap}"
         )
