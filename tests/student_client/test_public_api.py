@@ -9,12 +9,19 @@ import student_client
 
 
 def test_public_names_at_the_top() -> None:
-    from student_client import AsyncTeacherClient, ReplayClient, TeacherClient, topk_kl_loss
+    from student_client import (
+        AsyncTeacherClient,
+        ReplayClient,
+        TeacherClient,
+        fused_topk_kl_loss,
+        topk_kl_loss,
+    )
 
     assert TeacherClient.__module__ == "student_client.client"
     assert AsyncTeacherClient.__module__ == "student_client.aio_client"
     assert ReplayClient.__module__ == "student_client.replay"
     assert topk_kl_loss.__module__ == "student_client.losses.api"
+    assert fused_topk_kl_loss.__module__.startswith("student_client.losses.")
     for name in student_client.__all__:
         assert hasattr(student_client, name), name
 

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
+from devtools.tiny_model import tiny_qwen2_config
 from student_client.losses import causal_lm_hidden_and_head, fused_topk_kl_loss, topk_kl_loss
-from teacher_server.tiny_model import tiny_qwen2_config
 
 VOCAB = 260  # the tiny config's special ids are 256 and 257
 
