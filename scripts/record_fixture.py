@@ -1,5 +1,5 @@
 """Regenerate ``tests/data/tiny_vllm_recording/``: a small recording (a payload dataset
-directory, :mod:`student_client.recording`) of the real vLLM-backed teacher on the tiny
+directory, :mod:`topk_protocol.recording`) of the real vLLM-backed teacher on the tiny
 test model (``write_tiny_model(seed=0)``, vocab 512).
 
     python -m scripts.record_fixture [--out DIR] [--compression zstd|lz4|none]

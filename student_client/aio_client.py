@@ -11,7 +11,7 @@ facade that runs it on a background event loop.
   requests are re-sent, to the next target when there are several; a batch is neither
   lost nor yielded twice); per-request deadline; typed exceptions
   (:mod:`student_client.errors`);
-- ``record_to=`` records every answered request (:mod:`student_client.recording`).
+- ``record_to=`` records every answered request (:mod:`topk_protocol.recording`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import grpc
 import torch
 
 from student_client.payload import ResponseAssembler, TeacherPayload
-from student_client.recording import RecordingWriter
 from topk_protocol import (
     TeacherInfo,
     build_request,
@@ -58,6 +57,7 @@ from topk_protocol.errors import (
     VocabMismatchError,
     error_from_rpc,
 )
+from topk_protocol.recording import RecordingWriter
 
 __all__ = ["AsyncTeacherClient", "ScoreBatch", "parse_targets"]
 
@@ -259,7 +259,7 @@ class AsyncTeacherClient:
         expect_vocab_size, expect_tokenizer_fingerprint: checked against ``GetInfo``
             before the first request to a target; a mismatch raises VocabMismatchError.
         record_to: record every answered sequence to this recording directory
-            (:mod:`student_client.recording`; K and dtype of the first request).
+            (:mod:`topk_protocol.recording`; K and dtype of the first request).
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
         record_metadata: extra JSON metadata for the recording's ``metadata.json``.
 

@@ -15,11 +15,11 @@ import threading
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from student_client._closeable import Closeable
 from student_client.aio_client import AsyncTeacherClient, ScoreBatch, parse_targets
 from student_client.errors import TeacherError
 from student_client.payload import TeacherPayload
 from topk_protocol import TeacherInfo
+from topk_protocol._closeable import Closeable
 
 __all__ = ["ScoreBatch", "TeacherClient", "parse_targets"]
 

@@ -31,8 +31,8 @@ from torch.utils.data import Dataset
 
 from student_client.errors import NotRecordedError
 from student_client.payload import TeacherPayload
-from student_client.recording import RecordingReader, can_serve_dtype, cast_like_teacher
 from topk_protocol import dtype_from_name, dtype_name
+from topk_protocol.recording import RecordingReader, can_serve_dtype, cast_like_teacher
 
 __all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
 

@@ -8,7 +8,7 @@ of ints per line, or one object per line with the token column), or a Hugging Fa
 ``--column`` (default: the first of ``input_ids``, ``token_ids``, ``tokens``).
 
 Every position of every sequence is scored (with sampled log-probs) and written to the
-recording directory ``DIR`` (:mod:`student_client.recording`). Re-running the same command
+recording directory ``DIR`` (:mod:`topk_protocol.recording`). Re-running the same command
 skips sequences already recorded, so an interrupted run resumes where it stopped (losing
 at most the recorder's last flush interval, 2 s).
 """
@@ -27,12 +27,12 @@ import numpy as np
 import pyarrow as pa
 
 from student_client.client import TeacherClient
-from student_client.recording import (
+from topk_protocol import DTYPE_NAMES
+from topk_protocol.recording import (
     COMPRESSIONS,
     METADATA_FILE,
     RecordingReader,
 )
-from topk_protocol import DTYPE_NAMES
 
 __all__ = ["build_parser", "main", "read_token_sequences"]
 

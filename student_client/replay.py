@@ -3,7 +3,7 @@
 Any batch composition and order, any K' <= the recorded K (rows are sorted, so the top-K'
 is the recorded row's prefix), any position sub-range inside a recorded one, and any
 dtype the teacher would have cast from the recorded values (see
-:func:`~student_client.recording.can_serve_dtype`) are answered byte-identically to the
+:func:`~topk_protocol.recording.can_serve_dtype`) are answered byte-identically to the
 live teacher: the recorded values go through the teacher's own encoding and the client's
 own decoding. Anything else raises :class:`~student_client.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
@@ -18,11 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from student_client._closeable import Closeable
 from student_client.aio_client import ScoreBatch
 from student_client.errors import InvalidRequestError, NotRecordedError, VocabMismatchError
 from student_client.payload import ResponseAssembler, TeacherPayload
-from student_client.recording import RecordingReader, can_serve_dtype
 from topk_protocol import (
     TeacherInfo,
     build_request,
@@ -33,6 +31,8 @@ from topk_protocol import (
     request_includes_sampled,
     request_spans,
 )
+from topk_protocol._closeable import Closeable
+from topk_protocol.recording import RecordingReader, can_serve_dtype
 
 __all__ = ["ReplayClient", "describe_request", "replay_response"]
 
@@ -120,7 +120,7 @@ class ReplayClient(Closeable):
     """Serves ``info``/``score``/``stream`` from a recording directory.
 
     Args:
-        path: the recording (see :mod:`student_client.recording`).
+        path: the recording (see :mod:`topk_protocol.recording`).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against the recorded
             teacher's info at open; a mismatch raises VocabMismatchError.
     """

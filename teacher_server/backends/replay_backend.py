@@ -1,6 +1,6 @@
 """Replay backend: serve a recording (``teacher-server serve --backend replay``).
 
-A recording (:mod:`student_client.recording`) holds rows per sequence, looked up by the
+A recording (:mod:`topk_protocol.recording`) holds rows per sequence, looked up by the
 sequence's token ids whatever batch it was recorded in. Before scoring, every request is
 checked as a whole (:meth:`ReplayBackend.check_request`): each sequence must have a
 recorded row covering its positions, with sampled log-probs when they are asked for (a
@@ -21,10 +21,10 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from student_client.recording import RecordedSequence, RecordingReader, can_serve_dtype
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.validation import RequestError
 from topk_protocol import dtype_name
+from topk_protocol.recording import RecordedSequence, RecordingReader, can_serve_dtype
 
 if TYPE_CHECKING:
     from teacher_server.validation import ParsedRequest
@@ -42,7 +42,7 @@ class ReplayBackend(Backend):
     """Answers from a recording directory.
 
     Args:
-        path: the recording (:mod:`student_client.recording`).
+        path: the recording (:mod:`topk_protocol.recording`).
         max_top_k: largest K the server announces (default: the recorded teacher's);
             a K above the recorded one is refused with NOT_FOUND.
     """

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_recording import INFO, K, _teacher, assert_bit_equal
+from recording_fakes import INFO, K, assert_bit_equal, teacher_answer
 from torch.utils.data import DataLoader
 
 from student_client.dataset import PayloadDataset, collate_payloads
 from student_client.errors import NotRecordedError
-from student_client.recording import RecordingWriter
 from student_client.replay import ReplayClient
+from topk_protocol.recording import RecordingWriter
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def recording(tmp_path: Path) -> Path:
     path = tmp_path / "rec"
     with RecordingWriter(path, INFO, top_k=K, dtype="float32") as w:
         for i in range(12):
-            tokens, full = _teacher(4 + 3 * i, seed=i)
+            tokens, full = teacher_answer(4 + 3 * i, seed=i)
             s = i % 3  # some rows start later than position 0
             w.add(
                 tokens,
@@ -73,7 +73,7 @@ def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
     with pytest.raises(NotRecordedError, match="top_k: 17"):
         PayloadDataset(recording, top_k=17)
     path = tmp_path / "f16"
-    tokens, full = _teacher(6, seed=1)
+    tokens, full = teacher_answer(6, seed=1)
     with RecordingWriter(path, INFO, top_k=K, dtype="float16") as w:
         w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
     with pytest.raises(NotRecordedError, match="float32 cannot be served exactly from float16"):

@@ -24,8 +24,8 @@ from test_recording import assert_bit_equal
 from student_client.client import TeacherClient
 from student_client.dataset import PayloadDataset, collate_payloads
 from student_client.errors import NotRecordedError
-from student_client.recording import RecordingReader
 from student_client.replay import ReplayClient
+from topk_protocol.recording import RecordingReader
 
 FIXTURE = ROOT / "tests" / "data" / "tiny_vllm_recording"
 

@@ -4,7 +4,6 @@ passed over for one that has them; none has them: NOT_FOUND)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,22 +11,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.client import TeacherClient
 from student_client.errors import NotRecordedError
-from student_client.recording import RecordingWriter
 from student_client.replay import ReplayClient
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "student_client"))
-from test_recording import INFO, K, _live, _teacher, assert_bit_equal
+from topk_protocol.recording import RecordingWriter
 
 
 def test_replay_server_serves_recorded_values_or_not_found(
     tmp_path: Path, teacher_factory: Callable[..., Any]
 ) -> None:
     path = tmp_path / "rec"
-    a_tok, a = _teacher(25, seed=1)  # two copies: without sampled, then with
-    b_tok, b = _teacher(18, seed=2)  # recorded without sampled only
+    a_tok, a = teacher_answer(25, seed=1)  # two copies: without sampled, then with
+    b_tok, b = teacher_answer(18, seed=2)  # recorded without sampled only
     with RecordingWriter(path, INFO, top_k=K, dtype="float32") as w:
         w.add(a_tok, a.ids, a.logprobs, None, start=0, dtype="float32")
         w.add(b_tok, b.ids, b.logprobs, None, start=0, dtype="float32")
@@ -39,7 +36,7 @@ def test_replay_server_serves_recorded_values_or_not_found(
         # Case 1: the first copy of `a` has no sampled log-probs, the other one has.
         for dtype in ("float32", "float16", "bfloat16"):
             got = client.score([a_tok], 7, dtype=dtype)
-            assert_bit_equal(_live(corpus, [a_tok], 7, dtype=dtype), got)
+            assert_bit_equal(live_payload(corpus, [a_tok], 7, dtype=dtype), got)
             assert got.sampled_logprobs is not None
             assert not got.sampled_logprobs[0, :-1].isnan().any()  # NaN only at L-1
             assert_bit_equal(replay.score([a_tok], 7, dtype=dtype), got)
@@ -55,7 +52,9 @@ def test_replay_server_serves_recorded_values_or_not_found(
             next(it)
         # Without sampled log-probs, `b` is served.
         got = client.score([b_tok, a_tok], 4, include_sampled=False, positions=[(3, 9), (0, 25)])
-        want = _live(corpus, [b_tok, a_tok], 4, include_sampled=False, positions=[(3, 9), (0, 25)])
+        want = live_payload(
+            corpus, [b_tok, a_tok], 4, include_sampled=False, positions=[(3, 9), (0, 25)]
+        )
         assert_bit_equal(want, got)
         with pytest.raises(NotRecordedError, match="top_k 17: the recorded K is 16"):
             client.score([a_tok], 17)

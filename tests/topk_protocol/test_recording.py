@@ -16,68 +16,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
-from student_client.payload import ResponseAssembler, TeacherPayload
-from student_client.recording import RecordingReader, RecordingWriter, sequence_key
+from student_client.payload import ResponseAssembler
 from student_client.replay import ReplayClient
 from teacher_server.backends.base import ScoredSequence
-from teacher_server.payloads import iter_stream_responses
 from topk_protocol import (
     build_request,
     encode_sequence,
     pb,
-    request_includes_sampled,
-    request_spans,
 )
+from topk_protocol.recording import RecordingReader, RecordingWriter, sequence_key
 
 ROOT = Path(__file__).resolve().parents[2]
-INFO = pb.TeacherInfo(
-    model_name="fake",
-    vocab_size=512,
-    max_top_k=64,
-    tokenizer_fingerprint="ab" * 32,
-    schema_version=1,
-    backend="test",
-)
-K = 16
-
-
-def _teacher(n: int, seed: int) -> tuple[np.ndarray, ScoredSequence]:
-    """A sequence of n tokens and a float32 teacher answer for all its positions."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 512, size=n).astype(np.int32)
-    ids = np.argsort(rng.random((n, 512)), axis=1)[:, :K].astype(np.int32)
-    lps = -np.sort(rng.exponential(2.0, (n, K)).astype(np.float32), axis=1)
-    sampled = -rng.exponential(2.0, n).astype(np.float32)
-    sampled[-1] = np.nan
-    return tokens, ScoredSequence(ids, lps, sampled, 0)
-
-
-def _live(
-    corpus: dict[bytes, ScoredSequence], seqs: list[np.ndarray], k: int, **kwargs: Any
-) -> TeacherPayload:
-    """What the teacher would answer: the servicer's own slicing and encoding (streamed in
-    small chunks), decoded by the client's assembler."""
-    req = build_request(seqs, k, request_id="live", **kwargs)
-    scored = []
-    for seq, (s, e) in zip(req.sequences, request_spans(req), strict=True):
-        full = corpus[seq.token_ids]
-        scored.append(
-            ScoredSequence(full.ids[s:e, :k], full.logprobs[s:e, :k], full.sampled_logprobs[s:e], s)
-        )
-    asm = ResponseAssembler(req)
-    for msg in iter_stream_responses(
-        "live",
-        scored,
-        top_k=k,
-        dtype=req.dtype,
-        include_sampled=request_includes_sampled(req),
-        chunk_bytes=300,
-    ):
-        asm.add(msg)
-    return asm.payload()
 
 
 def _record(
@@ -87,9 +39,9 @@ def _record(
     corpus = {}
     with RecordingWriter(path, INFO, **kwargs) as w:
         for i in range(n):
-            tokens, scored = _teacher(int(5 + 7 * i), seed=i)
+            tokens, scored = teacher_answer(int(5 + 7 * i), seed=i)
             corpus[tokens.tobytes()] = scored
-            live = _live({tokens.tobytes(): scored}, [tokens], K, dtype=dtype)
+            live = live_payload({tokens.tobytes(): scored}, [tokens], K, dtype=dtype)
             req = build_request([tokens], K, dtype=dtype)
             asm = ResponseAssembler(req)
             asm.add(
@@ -110,19 +62,6 @@ def _record(
     return corpus
 
 
-def assert_bit_equal(a: TeacherPayload, b: TeacherPayload) -> None:
-    assert a.dtype == b.dtype and a.top_k == b.top_k
-    for x, y in ((a.ids, b.ids), (a.mask, b.mask), (a.position_start, b.position_start)):
-        assert torch.equal(x, y)
-    assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
-    if a.sampled_logprobs is None or b.sampled_logprobs is None:
-        assert a.sampled_logprobs is None and b.sampled_logprobs is None
-    else:
-        assert torch.equal(
-            a.sampled_logprobs.view(torch.int32), b.sampled_logprobs.view(torch.int32)
-        )
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_round_trip_and_metadata(tmp_path: Path, dtype: str) -> None:
     corpus = _record(tmp_path / "rec", 4, dtype=dtype)
@@ -138,7 +77,7 @@ def test_round_trip_and_metadata(tmp_path: Path, dtype: str) -> None:
             assert (row.start, row.end) == (0, len(full.ids))
 
 
-def test_flexible_replay_is_byte_identical_to_the_teacher(tmp_path: Path) -> None:
+def test_flexible_replay_is_byte_identical_to_theteacher_answer(tmp_path: Path) -> None:
     corpus = _record(tmp_path / "rec", 5)
     seqs = [np.frombuffer(t, "<i4") for t in corpus]
     with ReplayClient(tmp_path / "rec") as replay:
@@ -149,7 +88,9 @@ def test_flexible_replay_is_byte_identical_to_the_teacher(tmp_path: Path) -> Non
             ([seqs[1], seqs[1]], 1, {"include_sampled": False, "positions": [(2, 2), (4, 12)]}),
         ]
         for batch, k, kwargs in cases:
-            assert_bit_equal(_live(corpus, batch, k, **kwargs), replay.score(batch, k, **kwargs))
+            assert_bit_equal(
+                live_payload(corpus, batch, k, **kwargs), replay.score(batch, k, **kwargs)
+            )
         unknown = np.array([1, 2, 3], np.int32)
         with pytest.raises(
             NotRecordedError, match=r"sequences\[1\] \(3 tokens starting \[1, 2, 3\]\)"
@@ -164,7 +105,7 @@ def test_a_float16_recording_serves_only_float16(tmp_path: Path) -> None:
     seqs = [np.frombuffer(t, "<i4") for t in corpus]
     with ReplayClient(tmp_path / "rec") as replay:
         p = replay.score(seqs[::-1], 5, dtype="float16")
-        assert_bit_equal(_live(corpus, seqs[::-1], 5, dtype="float16"), p)
+        assert_bit_equal(live_payload(corpus, seqs[::-1], 5, dtype="float16"), p)
         for dtype in ("float32", "bfloat16"):
             with pytest.raises(
                 NotRecordedError, match=f"dtype {dtype}: the recording holds float16"
@@ -174,7 +115,7 @@ def test_a_float16_recording_serves_only_float16(tmp_path: Path) -> None:
 
 def test_copies_positions_and_sampled(tmp_path: Path) -> None:
     """A sequence recorded twice: [0, 10) without sampled log-probs, then [5, 30) with."""
-    tokens, full = _teacher(30, seed=9)
+    tokens, full = teacher_answer(30, seed=9)
     corpus = {tokens.tobytes(): full}
     with RecordingWriter(tmp_path / "rec", INFO, top_k=K, dtype="float32") as w:
         assert w.add(tokens, full.ids[:10], full.logprobs[:10], None, start=0, dtype="float32")
@@ -190,7 +131,9 @@ def test_copies_positions_and_sampled(tmp_path: Path) -> None:
     with ReplayClient(tmp_path / "rec") as replay:
         for pos, sampled in (((0, 10), False), ((6, 30), True), ((5, 9), True)):
             kw: dict[str, Any] = {"positions": [pos], "include_sampled": sampled}
-            assert_bit_equal(_live(corpus, [tokens], K, **kw), replay.score([tokens], K, **kw))
+            assert_bit_equal(
+                live_payload(corpus, [tokens], K, **kw), replay.score([tokens], K, **kw)
+            )
         with pytest.raises(NotRecordedError, match="sampled log-probs are not recorded"):
             replay.score([tokens], K, positions=[(0, 4)])
         with pytest.raises(
@@ -200,10 +143,10 @@ def test_copies_positions_and_sampled(tmp_path: Path) -> None:
             replay.score([tokens], K, positions=[(0, 30)], include_sampled=False)
 
 
-def test_resume_appends_a_shard_and_checks_the_teacher(tmp_path: Path) -> None:
+def test_resume_appends_a_shard_and_checks_theteacher_answer(tmp_path: Path) -> None:
     path = tmp_path / "rec"
     _record(path, 2)
-    tokens, full = _teacher(12, seed=77)
+    tokens, full = teacher_answer(12, seed=77)
     with RecordingWriter(path, INFO) as w:  # K and dtype come from metadata.json
         assert len(w) == 2 and (w.top_k, w.dtype) == (K, "float32")
         assert w.add(
@@ -285,7 +228,7 @@ _KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
     import numpy as np
-    from student_client.recording import RecordingWriter
+    from topk_protocol.recording import RecordingWriter
     from topk_protocol import pb
     info = pb.TeacherInfo(model_name="fake", vocab_size=512, max_top_k=64, schema_version=1)
     w = RecordingWriter(sys.argv[1], info, top_k=4, dtype="float16", flush_interval_s=0.2)
@@ -353,7 +296,7 @@ def test_truncated_last_batch_is_skipped_and_reported(tmp_path: Path) -> None:
     _record(path, 3, compression="none", flush_interval_s=1000)
     with RecordingWriter(path, INFO, flush_interval_s=1000) as w:
         for i in range(2):
-            tokens, full = _teacher(40, seed=100 + i)
+            tokens, full = teacher_answer(40, seed=100 + i)
             w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
             w.flush()
     shard = sorted(path.glob("*.arrow"))[-1]
@@ -382,7 +325,7 @@ _STUDENT_ONLY = textwrap.dedent(
                 raise ImportError(f"{name} is not installed (student-only)")
     sys.meta_path.insert(0, Block())
     import numpy as np
-    from student_client.recording import RecordingWriter
+    from topk_protocol.recording import RecordingWriter
     from student_client.replay import ReplayClient
     from topk_protocol import pb
     info = pb.TeacherInfo(model_name="m", vocab_size=512, max_top_k=64, schema_version=1)

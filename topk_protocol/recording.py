@@ -57,8 +57,6 @@ import numpy.typing as npt
 import pyarrow as pa
 from google.protobuf import json_format
 
-from student_client._closeable import Closeable
-from student_client.errors import RecordingError
 from topk_protocol import (
     decode_sequence,
     dtype_from_name,
@@ -68,7 +66,9 @@ from topk_protocol import (
     request_includes_sampled,
     request_spans,
 )
+from topk_protocol._closeable import Closeable
 from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
+from topk_protocol.errors import RecordingError
 
 __all__ = [
     "FORMAT_NAME",
