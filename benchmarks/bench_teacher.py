@@ -1,23 +1,41 @@
-"""Teacher throughput and payload size: this server vs vLLM's OpenAI-compatible server.
+"""Teacher throughput and payload size: the engine's limit, the log-prob paths, and this
+server vs vLLM's OpenAI-compatible server.
 
 Same tiny model, same engine settings (float32, prefix caching off), same sequences
-(default 8 x 2048 random token ids), in one run. For each K it scores every sequence
-``--reps`` times through
+(default 8 x 2048 random token ids), in one run.
 
-* this server: one ``ScoreStream`` request carrying all sequences, over loopback gRPC,
-  payload decoded to numpy (float16 log-probs);
-* vLLM's OpenAI server: one ``/v1/completions`` request per sequence, all in flight at
-  once, ``prompt_logprobs=K``, ``max_tokens=1``, JSON decoded;
+1. Engine: one in-process vLLM engine with the server's backend; every variant once per
+   round, round-robin, ``--engine-reps`` rounds:
 
-and prints scored positions per second (median over reps) and bytes per position on the
-wire (response bodies; gRPC: serialized messages).
+   * engine forward only: ``max_tokens=1``, no log-probs (the limit);
+   * the array log-prob path and vLLM's ``flat_logprobs`` path, for each K, to payload
+     arrays (the two paths' payloads are checked to be identical).
+
+   Reported (medians over rounds; ratios and differences paired with the same round's
+   forward only, which a shared, loaded machine needs): scored positions/s, the ratio to
+   forward only, the log-prob path's cost per position
+   ``(t_path - t_forward) / positions`` (wall clock) and the CPU time this process
+   (vLLM's front-end + the backend; the engine core runs in its own process) spent per
+   position beyond forward only.
+
+2. Servers: for each K, every sequence ``--reps`` times through
+
+   * this server (default log-prob path: arrays): one ``ScoreStream`` request carrying
+     all sequences, over loopback gRPC, payload decoded to numpy (float16 log-probs);
+   * vLLM's OpenAI server: one ``/v1/completions`` request per sequence, all in flight at
+     once, ``prompt_logprobs=K``, ``max_tokens=1``, JSON decoded.
+
+   Reported: scored positions per second (median over reps) and bytes per position on
+   the wire (response bodies; gRPC: serialized messages).
 
     python -m benchmarks.bench_teacher [--model DIR] [--batch 8] [--seq-len 2048] [--k 8 64]
+        [--reps 3] [--engine-reps 7] [--only engine|servers]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures as cf
 import json
 import os
@@ -34,6 +52,7 @@ import grpc
 import numpy as np
 
 from devtools.launch import free_port, start_teacher
+from teacher_server.backends.vllm_backend import VLLMBackend
 from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +80,98 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+async def _engine_variants(
+    backend: VLLMBackend, seqs: list[np.ndarray], ks: list[int], reps: int
+) -> dict[str, list[tuple[float, float]]]:
+    """``{variant: [(wall s, CPU s of this process) per round]}``; variants are
+    ``forward`` and ``{path} K={k}``, run once each per round, round-robin."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = backend._engine
+    ids = iter(range(1 << 62))
+
+    async def forward(seq: np.ndarray) -> None:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        async for _ in engine.generate(
+            TokensPrompt(prompt_token_ids=seq.tolist()), params, request_id=f"fwd-{next(ids)}"
+        ):
+            pass
+
+    async def run(name: str) -> None:
+        if name == "forward":
+            await asyncio.gather(*(forward(s) for s in seqs))
+            return
+        path, k = name.split(" K=")
+        backend.logprobs_path = path
+        got = await asyncio.gather(*(backend.score(s, int(k), 0, len(s)) for s in seqs))
+        payloads[name] = got
+
+    names = ["forward"] + [f"{p} K={k}" for k in ks for p in ("arrays", "flat")]
+    payloads: dict[str, list] = {}
+    rounds: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for rep in range(reps + 1):  # the first round warms up
+        for name in names:
+            t0, c0 = time.perf_counter(), time.process_time()
+            await run(name)
+            if rep:
+                rounds[name].append((time.perf_counter() - t0, time.process_time() - c0))
+    for k in ks:
+        for a, f in zip(payloads[f"arrays K={k}"], payloads[f"flat K={k}"], strict=True):
+            np.testing.assert_array_equal(a.ids, f.ids)
+            np.testing.assert_array_equal(a.logprobs, f.logprobs)
+            np.testing.assert_array_equal(a.sampled_logprobs, f.sampled_logprobs)
+    return rounds
+
+
+def bench_engine(model: str, seqs: list[np.ndarray], ks: list[int], reps: int) -> dict:
+    """Forward only vs both log-prob paths on ONE in-process engine (the server's
+    settings)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    backend = VLLMBackend(
+        model,
+        max_top_k=max(ks),
+        dtype="float32",
+        max_model_len=4096,
+        engine_kwargs={"max_num_batched_tokens": 16384},
+        logprobs_path="arrays",
+    )
+
+    async def main() -> dict:
+        await backend.start()
+        try:
+            return await _engine_variants(backend, seqs, ks, reps)
+        finally:
+            await backend.close()
+
+    return asyncio.run(main())
+
+
+def print_engine_table(rounds: dict, ks: list[int], positions: int) -> None:
+    """Medians over rounds; ratios and costs are paired with the same round's forward."""
+    med = statistics.median
+    fwd = rounds["forward"]
+    print(
+        "| K | engine, in-process | scored positions/s | vs forward only "
+        "| log-prob path cost, us/position (wall) | front-end CPU, us/position |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    print(f"| - | forward only (limit) | {positions / med(t for t, _ in fwd):,.0f} | 1 | - | - |")
+    label = {"arrays": "array log-prob path", "flat": "vLLM flat_logprobs path"}
+    for k in ks:
+        for path in ("flat", "arrays"):
+            pairs = list(zip(rounds[f"{path} K={k}"], fwd, strict=True))
+            ratios = [tf / t for (t, _), (tf, _) in pairs]
+            cost = med(t - tf for (t, _), (tf, _) in pairs) / positions * 1e6
+            cpu = med(c - c_fwd for (_, c), (_, c_fwd) in pairs) / positions * 1e6
+            speed = positions / med(t for t, _ in rounds[f"{path} K={k}"])
+            print(
+                f"| {k} | {label[path]} | {speed:,.0f} | {med(ratios):.2f}x "
+                f"| {cost:.2f} | {cpu:.2f} |"
+            )
+    print(f"({len(fwd)} rounds; array and flat payloads identical: ids, log-probs, sampled)")
 
 
 def bench_grpc(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, log: Path) -> dict:
@@ -152,6 +263,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--k", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--engine-reps", type=int, default=7, help="reps of the engine part")
+    ap.add_argument("--only", choices=["engine", "servers"], help="run one part only")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-teacher-"))
     model = args.model
@@ -162,12 +275,25 @@ def main() -> None:
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 256, args.seq_len).astype(np.int32) for _ in range(args.batch)]
     positions = args.batch * args.seq_len
-    print(f"# {args.batch} x {args.seq_len} tokens, reps={args.reps}, logs in {tmp}", flush=True)
+    print(
+        f"# {args.batch} x {args.seq_len} tokens, reps={args.reps}, "
+        f"engine reps={args.engine_reps}, logs in {tmp}",
+        flush=True,
+    )
+    t_forward = None
+    if args.only != "servers":
+        engine = bench_engine(model, seqs, args.k, args.engine_reps)
+        t_forward = statistics.median(t for t, _ in engine["forward"])
+        print()
+        print_engine_table(engine, args.k, positions)
+        print(flush=True)
+    if args.only == "engine":
+        return
     ours = bench_grpc(model, seqs, args.k, args.reps, tmp / "grpc.log")
     theirs = bench_openai(model, seqs, args.k, args.reps, tmp / "openai.log")
     print()
-    print("| K | server | scored positions/s | bytes/position | speed-up |")
-    print("|---|---|---:|---:|---:|")
+    print("| K | server | scored positions/s | bytes/position | speed-up | vs forward only |")
+    print("|---|---|---:|---:|---:|---:|")
     for k in args.k:
         (t_o, b_o), (t_v, b_v) = ours[k], theirs[k]
         rows = [
@@ -176,7 +302,8 @@ def main() -> None:
         ]
         for name, t, b in rows:
             speed, size = positions / t, b / positions
-            print(f"| {k} | {name} | {speed:,.0f} | {size:,.0f} | {t_v / t:.1f}x |")
+            limit = "-" if t_forward is None else f"{t_forward / t:.2f}x"
+            print(f"| {k} | {name} | {speed:,.0f} | {size:,.0f} | {t_v / t:.1f}x | {limit} |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, load_backend
+from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.server import ServerConfig, run_server
 
@@ -105,6 +106,13 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     )
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     s.add_argument("--device", default="cpu", help="torch device (transformers backend)")
+    s.add_argument(
+        "--logprobs-path",
+        choices=LOGPROBS_PATHS,
+        default="auto",
+        help="vLLM log-prob path: arrays (no Python object per entry), flat (vLLM's "
+        "flat_logprobs lists), auto (arrays where the installed vLLM checks out, else flat)",
+    )
     s.add_argument("--log-level", default=os.environ.get("TOPK_LOG_LEVEL", "INFO"))
     if vllm is None:
         # Without vLLM's flags, the two engine flags the transformers backend reads.
@@ -176,6 +184,7 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
         engine_kwargs=_engine_kwargs(args),
+        logprobs_path=args.logprobs_path,
     )
 
 

@@ -5,6 +5,10 @@ detokenize=False)`` request per sequence; vLLM batches concurrent requests. Prom
 log-prob row ``i`` (``i >= 1``) is the distribution that predicts ``x[i]``, so payload
 position ``t < L-1`` comes from prompt row ``t+1`` and position ``L-1`` from the one
 generated token's log-probs (docs/protocol.md, position alignment).
+
+Where the installed vLLM allows it, the log-probs skip vLLM's per-entry Python lists and
+reach the payload as arrays (``vllm_arrays``, docs/vllm_logprobs.md); ``flat_logprobs`` is the
+fallback.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from teacher_server.backends import vllm_arrays
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
@@ -80,6 +85,8 @@ class VLLMBackend(Backend):
         dtype: engine dtype (``float32`` makes payloads comparable to the reference).
         max_model_len: longest sequence (prompt + 1 generated token).
         engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``tensor_parallel_size``).
+        logprobs_path: ``auto``, ``arrays`` or ``flat`` (``vllm_arrays.LOGPROBS_PATHS``);
+            after :meth:`start`, :attr:`logprobs_path` is the one in use.
     """
 
     def __init__(
@@ -91,7 +98,13 @@ class VLLMBackend(Backend):
         max_model_len: int | None = None,
         served_model_name: str | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        logprobs_path: str = "auto",
     ) -> None:
+        if logprobs_path not in vllm_arrays.LOGPROBS_PATHS:
+            paths = ", ".join(vllm_arrays.LOGPROBS_PATHS)
+            raise ValueError(f"logprobs_path: {logprobs_path!r} is not one of {paths}")
+        self._requested_path = logprobs_path
+        self.logprobs_path = "flat"
         self._model = str(model)
         self._max_top_k = max_top_k
         self._dtype = dtype
@@ -105,6 +118,8 @@ class VLLMBackend(Backend):
         # vLLM builds its engine with blocking calls (imports, config, starting the engine
         # process): in a worker thread, so the event loop keeps answering probes.
         self._engine = await asyncio.to_thread(self._build_engine)
+        self.logprobs_path = vllm_arrays.select_path(self._requested_path, self._engine)
+        log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
         tokenizer = await _get_tokenizer(self._engine)
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
@@ -150,17 +165,10 @@ class VLLMBackend(Backend):
     async def score(
         self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
     ) -> ScoredSequence:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            prompt_logprobs=top_k,
-            logprobs=top_k,
-            flat_logprobs=True,
-            detokenize=False,
-        )
+        arrays = self.logprobs_path == "arrays"
+        params = self.sampling_params(top_k, arrays)
         request_id = f"topk-{next(self._ids)}"
         t0 = time.perf_counter()
         final = None
@@ -176,7 +184,26 @@ class VLLMBackend(Backend):
             raise
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")
+        if arrays:
+            n = len(token_ids)
+            arr = vllm_arrays.payload_from_output(final, n, top_k, start, end)
+            return ScoredSequence(*arr, start, time.perf_counter() - t0)
         return self._to_payload(final, token_ids, top_k, start, end, time.perf_counter() - t0)
+
+    @staticmethod
+    def sampling_params(top_k: int, arrays: bool) -> Any:
+        """The ``SamplingParams`` of one scoring request (on the array path if ``arrays``)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=top_k,
+            logprobs=top_k,
+            flat_logprobs=True,
+            detokenize=False,
+            **(vllm_arrays.sampling_overrides() if arrays else {}),
+        )
 
     @staticmethod
     def _to_payload(

@@ -1,0 +1,378 @@
+"""The array log-prob path: vLLM's top-k log-prob arrays straight to the payload.
+
+Written for vLLM 0.32 (checked on 0.32.0; see :data:`WRITTEN_FOR`).
+
+vLLM's engine core sends the front-end process, per request, the prompt log-probs as a
+``LogprobsTensors`` (``[rows, K+1]`` int32 token ids and float32 log-probs, column 0 the
+actual next token, columns 1..K the top-K in descending order; ``rows`` = prompt length - 1,
+delivered in one or more chunks) and the generated token's log-probs as a
+``LogprobsLists`` (numpy, ``[1, K_max+1]``, where ``K_max`` is the largest K in that
+engine step's batch). vLLM's own ``LogprobsProcessor`` then turns every entry into a
+Python object (``.tolist()`` and a Python loop per position), which costs several
+microseconds per position at K = 64.
+
+The hook: the backend marks its requests (``SamplingParams.extra_args``), and
+:func:`attach` wraps ``add_request`` of one engine's output processor so that a
+marked request gets an :class:`ArrayLogprobsProcessor` (a ``LogprobsProcessor`` whose two
+``_update_*`` methods keep the arrays as they arrive, by reference). ``RequestOutput``
+then carries :class:`LogprobArrays` in place of ``prompt_logprobs`` and
+``outputs[0].logprobs``, and :func:`topk_payload` builds the payload with numpy. Requests
+without the mark (and every other engine) are untouched.
+
+:func:`hook_problem` checks, at start-up, that the installed vLLM is a version this was
+written for and that the hook point still behaves as expected (a synthetic engine output
+goes through vLLM's stock processor and through ours, and must give the same entries);
+the backend falls back to the ``flat_logprobs`` path with one warning otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "LOGPROBS_PATHS",
+    "MARKER",
+    "SIMULATE_VERSION_ENV",
+    "WRITTEN_FOR",
+    "LogprobArrays",
+    "attach",
+    "hook_problem",
+    "payload_from_output",
+    "processor_for",
+    "sampling_overrides",
+    "select_path",
+    "topk_payload",
+]
+
+#: vLLM versions (major.minor) the hook was written for; any other version falls back.
+WRITTEN_FOR = ("0.32",)
+
+#: ``--logprobs-path`` choices: ``auto`` (arrays where the hook checks out, else flat),
+#: ``arrays`` (required: fail at start-up if the hook does not check out; any version),
+#: ``flat`` (vLLM's ``flat_logprobs`` lists, converted with numpy).
+LOGPROBS_PATHS = ("auto", "arrays", "flat")
+
+#: Key in ``SamplingParams.extra_args`` that marks a request for the array path.
+MARKER = "topk_distill_arrays"
+
+#: Testing aid: pretend the installed vLLM has this version (simulates a mismatch).
+SIMULATE_VERSION_ENV = "TOPK_DISTILL_SIMULATE_VLLM_VERSION"
+
+log = logging.getLogger(__name__)
+
+Rows = tuple[npt.NDArray[Any], npt.NDArray[Any]]
+
+
+class LogprobArrays:
+    """Log-prob rows of one request as they arrived: chunks of ``(ids [r, C], logprobs
+    [r, C])``, column 0 the actual token, columns 1..K the top-K (C >= K+1)."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self) -> None:
+        self.chunks: list[Rows] = []
+
+    def append_chunk(self, ids: npt.NDArray[Any], logprobs: npt.NDArray[Any]) -> None:
+        self.chunks.append((ids, logprobs))
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids, _ in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+    def __repr__(self) -> str:
+        return f"LogprobArrays(rows={len(self)}, chunks={len(self.chunks)})"
+
+
+def _fill(
+    chunks: Sequence[Rows],
+    start: int,
+    stop: int,
+    k: int,
+    ids: npt.NDArray[np.int32],
+    lps: npt.NDArray[np.float32],
+    actual: npt.NDArray[np.float32],
+) -> None:
+    """Copy rows ``[start, stop)`` of the concatenated chunks into the ``[stop - start, ...]``
+    outputs: top-K columns into ``ids`` / ``lps``, column 0 into ``actual``."""
+    offset = 0
+    for c_ids, c_lps in chunks:
+        n = len(c_ids)
+        lo, hi = max(start - offset, 0), min(stop - offset, n)
+        if lo < hi:
+            if c_ids.shape[1] < k + 1 or c_lps.shape != c_ids.shape:
+                raise RuntimeError(
+                    f"vLLM log-prob rows have shape {c_ids.shape} / {c_lps.shape}; "
+                    f"expected [rows, >= {k + 1}] for K = {k}"
+                )
+            dst = slice(offset + lo - start, offset + hi - start)
+            ids[dst] = c_ids[lo:hi, 1 : k + 1]
+            lps[dst] = c_lps[lo:hi, 1 : k + 1]
+            actual[dst] = c_lps[lo:hi, 0]
+        offset += n
+
+
+def topk_payload(
+    prompt: Sequence[Rows],
+    sample: Sequence[Rows],
+    length: int,
+    k: int,
+    start: int,
+    end: int,
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """Payload positions ``[start, end)`` of a sequence of ``length`` tokens.
+
+    ``prompt``: chunks of the prompt rows (``length - 1`` rows in all; row ``t`` predicts
+    ``x[t+1]``); ``sample``: the generated token's rows (row 0 is the distribution after
+    the whole sequence, used when ``end == length``). Returns ``(ids [S, K] int32,
+    logprobs [S, K] float32 sorted descending, actual [S] float32)`` with ``S = end -
+    start`` and ``actual[-1]`` NaN when ``end == length``.
+    """
+    rows = sum(len(i) for i, _ in prompt)
+    if rows != length - 1:
+        raise RuntimeError(f"vLLM returned {rows} prompt log-prob rows; expected {length - 1}")
+    s = end - start
+    ids = np.empty((s, k), np.int32)
+    lps = np.empty((s, k), np.float32)
+    actual = np.empty(s, np.float32)
+    p_end = min(end, length - 1)
+    _fill(prompt, start, p_end, k, ids, lps, actual)
+    if end == length:
+        if sum(len(i) for i, _ in sample) < 1:
+            raise RuntimeError("vLLM returned no log-probs for the generated token")
+        last = slice(s - 1, s)
+        _fill(sample, 0, 1, k, ids[last], lps[last], actual[last])
+        actual[-1] = np.nan
+    # vLLM's top-k comes sorted; sort (stably, as the flat path does) only if it is not.
+    if s and k > 1 and not np.all(lps[:, :-1] >= lps[:, 1:]):
+        order = np.argsort(-lps, axis=1, kind="stable")
+        ids = np.take_along_axis(ids, order, axis=1)
+        lps = np.take_along_axis(lps, order, axis=1)
+    return ids, lps, actual
+
+
+def payload_from_output(
+    out: Any, length: int, k: int, start: int, end: int
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request."""
+    prompt = out.prompt_logprobs
+    sample = out.outputs[0].logprobs
+    if not isinstance(prompt, LogprobArrays) or not isinstance(sample, LogprobArrays):
+        raise RuntimeError(
+            "the request was not handled by the array log-prob path "
+            f"(got {type(prompt).__name__} / {type(sample).__name__})"
+        )
+    return topk_payload(prompt.chunks, sample.chunks, length, k, start, end)
+
+
+def sampling_overrides() -> dict[str, Any]:
+    """``SamplingParams`` fields that send a request down the array path: the mark, and
+    one final output only (no intermediate ``RequestOutput`` per prefill chunk)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return {"extra_args": {MARKER: True}, "output_kind": RequestOutputKind.FINAL_ONLY}
+
+
+@functools.cache
+def _processor_class() -> type:
+    import torch
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    class ArrayLogprobsProcessor(LogprobsProcessor):
+        """vLLM's ``LogprobsProcessor`` that keeps the engine's arrays (no Python object
+        per entry). ``prompt_logprobs`` / ``logprobs`` are :class:`LogprobArrays`."""
+
+        def _update_prompt_logprobs(self, prompt_logprobs_tensors: Any) -> None:
+            ids, lps = prompt_logprobs_tensors[0], prompt_logprobs_tensors[1]
+            if lps.dtype == torch.bfloat16:  # numpy has no bfloat16 (vLLM sends float32)
+                lps = lps.float()
+            rows: Any = self.prompt_logprobs  # a LogprobArrays (see processor_for)
+            # Views of the received message, no copy; kept until the payload is built.
+            rows.append_chunk(ids.cpu().numpy(), lps.cpu().numpy())
+
+        def _update_sample_logprobs(self, logprobs_lists: Any) -> None:
+            ids, lps = logprobs_lists[0], logprobs_lists[1]
+            rows: Any = self.logprobs  # a LogprobArrays (see processor_for)
+            rows.append_chunk(ids, lps)
+            for value in lps[:, 0].tolist():  # one per generated token
+                self.cumulative_logprob += value
+
+    return ArrayLogprobsProcessor
+
+
+def processor_for(num_logprobs: int | None, num_prompt_logprobs: int | None) -> Any:
+    """A fresh array processor for one request."""
+    return _processor_class()(
+        tokenizer=None,
+        logprobs=LogprobArrays(),
+        prompt_logprobs=LogprobArrays(),
+        cumulative_logprob=0.0,
+        num_logprobs=num_logprobs,
+        num_prompt_logprobs=num_prompt_logprobs,
+    )
+
+
+def attach(output_processor: Any) -> None:
+    """Give the marked requests of one engine's output processor (``AsyncLLM.
+    output_processor``) the array processor; idempotent.
+
+    Wraps ``add_request`` on that instance only: the stock method registers the request
+    (with vLLM's processor) before the engine core sees it, then the wrapper swaps in an
+    ``ArrayLogprobsProcessor`` if the request carries :data:`MARKER` in
+    ``SamplingParams.extra_args``.
+    """
+    op = output_processor
+    if getattr(op, "_topk_distill_arrays", False):
+        return
+    original = op.add_request
+    states = op.request_states
+
+    def add_request(request: Any, *args: Any, **kwargs: Any) -> None:
+        new = request.request_id not in states
+        original(request, *args, **kwargs)
+        params = request.sampling_params
+        if new and params is not None and (params.extra_args or {}).get(MARKER):
+            state = states.get(request.request_id)
+            if state is not None:
+                state.logprobs_processor = processor_for(params.logprobs, params.prompt_logprobs)
+
+    op.add_request = add_request
+    op._topk_distill_arrays = True
+
+
+def _vllm_version() -> str:
+    simulated = os.environ.get(SIMULATE_VERSION_ENV)
+    if simulated:
+        return simulated
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _self_check() -> str | None:
+    """Feed one synthetic engine output (two prompt chunks, a generated-token row wider
+    than K + 1) to vLLM's stock ``flat_logprobs`` processor and to ours; the entries must
+    agree. Returns what differs, or None."""
+    import torch
+    from vllm.logprobs import create_prompt_logprobs, create_sample_logprobs
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists, LogprobsTensors
+
+    k, rows = 3, 5
+    rng = np.random.default_rng(0)
+    p_ids = rng.integers(0, 100, (rows, k + 1)).astype(np.int32)
+    p_lps = -np.sort(rng.random((rows, k + 1)), axis=1).astype(np.float32)
+    s_ids = rng.integers(0, 100, (1, k + 3)).astype(np.int32)
+    s_lps = -np.sort(rng.random((1, k + 3)), axis=1).astype(np.float32)
+    ranks = np.ones(rows, np.int32)
+    stock: Any = LogprobsProcessor(
+        tokenizer=None,
+        logprobs=create_sample_logprobs(True),
+        prompt_logprobs=create_prompt_logprobs(True),
+        cumulative_logprob=0.0,
+        num_logprobs=k,
+        num_prompt_logprobs=k,
+    )
+    ours = processor_for(k, k)
+    for lo, hi, sample in ((0, 2, None), (2, rows, (s_ids, s_lps))):
+        out = EngineCoreOutput(
+            request_id="topk-distill-self-check",
+            new_token_ids=[] if sample is None else [int(s_ids[0, 0])],
+            new_logprobs=None if sample is None else LogprobsLists(*sample, np.ones(1, np.int32)),
+            new_prompt_logprobs_tensors=LogprobsTensors(
+                torch.from_numpy(p_ids[lo:hi]),
+                torch.from_numpy(p_lps[lo:hi]),
+                torch.from_numpy(ranks[lo:hi]),
+            ),
+        )
+        stock.update_from_output(out)
+        ours.update_from_output(out)
+    flat_p, flat_s = stock.prompt_logprobs, stock.logprobs
+    # The stock container starts with an empty row for the first prompt token.
+    want_p = [(flat_p.token_ids[a:b], flat_p.logprobs[a:b]) for a, b in _spans(flat_p)][1:]
+    want_s = [(flat_s.token_ids[a:b], flat_s.logprobs[a:b]) for a, b in _spans(flat_s)]
+    got_p = _entries(ours.prompt_logprobs, k)
+    got_s = _entries(ours.logprobs, k)
+    if want_p != got_p:
+        return "prompt log-prob entries differ from vLLM's own processor"
+    if want_s != got_s:
+        return "generated-token log-prob entries differ from vLLM's own processor"
+    if stock.cumulative_logprob != ours.cumulative_logprob:
+        return "cumulative log-prob differs from vLLM's own processor"
+    return None
+
+
+def _spans(flat: Any) -> list[tuple[int, int]]:
+    return list(zip(flat.start_indices, flat.end_indices, strict=True))
+
+
+def _entries(arrays: LogprobArrays, k: int) -> list[tuple[list[int], list[float]]]:
+    return [
+        (i[: k + 1].tolist(), lp[: k + 1].tolist())
+        for ids, lps in arrays.chunks
+        for i, lp in zip(ids, lps, strict=True)
+    ]
+
+
+def _version_problem() -> str | None:
+    version = _vllm_version()
+    if ".".join(version.split(".")[:2]) not in WRITTEN_FOR:
+        return f"vLLM {version} is not a version it was written for ({', '.join(WRITTEN_FOR)})"
+    return None
+
+
+def hook_problem(engine: Any = None, *, check_version: bool = True) -> str | None:
+    """Why the array path cannot be used with the installed vLLM (and ``engine``, if given),
+    or None when it can. ``check_version=False`` skips only the version check."""
+    try:
+        version = _vllm_version()
+    except ImportError as exc:
+        return f"vLLM cannot be imported ({exc})"
+    if check_version and (problem := _version_problem()) is not None:
+        return problem
+    if engine is not None:
+        op = getattr(engine, "output_processor", None)
+        if not callable(getattr(op, "add_request", None)) or not isinstance(
+            getattr(op, "request_states", None), dict
+        ):
+            return "the engine has no output_processor.add_request / request_states"
+    try:
+        problem = _self_check()
+    except Exception as exc:  # any drift in vLLM's classes shows up here
+        return f"vLLM {version}: the hook self-check failed ({type(exc).__name__}: {exc})"
+    return None if problem is None else f"vLLM {version}: {problem}"
+
+
+def select_path(requested: str, engine: Any) -> str:
+    """Resolve ``requested`` (one of :data:`LOGPROBS_PATHS`) to ``"arrays"`` or ``"flat"``
+    for ``engine`` and :func:`attach` the hook when arrays are used. ``auto`` logs one
+    warning when it falls back; ``arrays`` raises when the hook does not check out."""
+    if requested not in LOGPROBS_PATHS:
+        raise ValueError(f"logprobs_path: {requested!r} is not one of {', '.join(LOGPROBS_PATHS)}")
+    if requested == "flat":
+        return "flat"
+    problem = hook_problem(engine, check_version=requested == "auto")
+    if problem is not None:
+        if requested == "arrays":
+            raise RuntimeError(
+                f"logprobs_path arrays: the array log-prob path cannot be used: {problem}"
+            )
+        log.warning(
+            "array log-prob path not used: %s; falling back to vLLM's flat_logprobs path "
+            "(slower: a Python object per log-prob entry)",
+            problem,
+        )
+        return "flat"
+    if requested == "arrays" and (untested := _version_problem()) is not None:
+        log.warning("array log-prob path forced on an untested vLLM: %s", untested)
+    attach(engine.output_processor)
+    return "arrays"
