@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, ServerProcess, start_server
-from test_recording import assert_bit_equal
+from recording_fakes import assert_bit_equal
 
 from student_client.client import TeacherClient
 from student_client.dataset import PayloadDataset, collate_payloads
