@@ -45,6 +45,7 @@ from student_client.payload import ResponseAssembler, TeacherPayload
 from topk_protocol import (
     TeacherInfo,
     build_request,
+    check_temperature,
     fits_one_message,
     pb,
     pb_grpc,
@@ -54,7 +55,6 @@ from topk_protocol.errors import (
     DeadlineExceededError,
     TeacherError,
     TeacherUnavailableError,
-    VocabMismatchError,
     error_from_rpc,
 )
 from topk_protocol.recording import RecordingWriter
@@ -258,6 +258,9 @@ class AsyncTeacherClient:
         backoff_s, max_backoff_s: first and largest wait between tries (doubling).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against ``GetInfo``
             before the first request to a target; a mismatch raises VocabMismatchError.
+        expect_temperature: the teacher temperature the student's loss is set up for,
+            checked against ``GetInfo`` the same way (None: any); a teacher serving
+            another one raises TeacherMismatchError naming ``teacher_temperature``.
         record_to: record every answered sequence to this recording directory
             (:mod:`topk_protocol.recording`; K and dtype of the first request).
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
@@ -283,6 +286,7 @@ class AsyncTeacherClient:
         record_to: str | Path | None = None,
         record_compression: str = "auto",
         record_metadata: dict[str, Any] | None = None,
+        expect_temperature: float | None = None,
     ) -> None:
         self._timeout_s = _positive("timeout_s", timeout_s)
         if retries < 0:
@@ -296,7 +300,13 @@ class AsyncTeacherClient:
         self._max_message_bytes = int(max_message_mb) * 1024 * 1024
         self._tries = int(retries) + 1
         self._backoff = (float(backoff_s), float(max_backoff_s))
-        self._expect = (expect_vocab_size, expect_tokenizer_fingerprint)
+        self._expect = (
+            expect_vocab_size,
+            expect_tokenizer_fingerprint,
+            None
+            if expect_temperature is None
+            else check_temperature(expect_temperature, "expect_temperature"),
+        )
         self._record = (
             None if record_to is None else Path(record_to),
             record_compression,
@@ -329,21 +339,16 @@ class AsyncTeacherClient:
         return self._stubs[index]
 
     def _check_info(self, info: TeacherInfo, target: str) -> None:
-        """Raise unless the teacher speaks our schema and has the expected vocabulary."""
+        """Raise unless the teacher speaks our schema and is the expected one (vocabulary,
+        temperature)."""
         info.check_schema()
-        vocab, fingerprint = self._expect
-        problems = []
-        if vocab is not None and info.vocab_size != vocab:
-            problems.append(
-                f"vocab_size: the teacher has {info.vocab_size}, the student expects {vocab}"
-            )
-        if fingerprint is not None and info.tokenizer_fingerprint != fingerprint:
-            problems.append(
-                f"tokenizer_fingerprint: the teacher has {info.tokenizer_fingerprint!r}, "
-                f"the student expects {fingerprint!r}"
-            )
-        if problems:
-            raise VocabMismatchError(f"teacher {target}: " + "; ".join(problems))
+        vocab, fingerprint, temperature = self._expect
+        info.check_expected(
+            f"teacher {target}",
+            vocab_size=vocab,
+            tokenizer_fingerprint=fingerprint,
+            temperature=temperature,
+        )
 
     async def _fetch_info(self, index: int) -> TeacherInfo:
         if index not in self._infos:

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from student_client.aio_client import ScoreBatch
-from student_client.errors import InvalidRequestError, NotRecordedError, VocabMismatchError
+from student_client.errors import InvalidRequestError, NotRecordedError
 from student_client.payload import ResponseAssembler, TeacherPayload
 from topk_protocol import (
     TeacherInfo,
     build_request,
+    check_temperature,
     dtype_name,
     encode_sequence,
     pb,
@@ -123,6 +124,8 @@ class ReplayClient(Closeable):
         path: the recording (see :mod:`topk_protocol.recording`).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against the recorded
             teacher's info at open; a mismatch raises VocabMismatchError.
+        expect_temperature: the teacher temperature the student expects (None: any); a
+            recording of another one raises TeacherMismatchError.
     """
 
     def __init__(
@@ -131,25 +134,20 @@ class ReplayClient(Closeable):
         *,
         expect_vocab_size: int | None = None,
         expect_tokenizer_fingerprint: str | None = None,
+        expect_temperature: float | None = None,
     ) -> None:
+        if expect_temperature is not None:
+            expect_temperature = check_temperature(expect_temperature, "expect_temperature")
         self._reader = RecordingReader(path)
         self._info = TeacherInfo.from_message(self._reader.info)
         try:
             self._info.check_schema()
-            problems = []
-            if expect_vocab_size is not None and expect_vocab_size != self._info.vocab_size:
-                problems.append(
-                    f"vocab_size: the teacher has {self._info.vocab_size}, "
-                    f"the student expects {expect_vocab_size}"
-                )
-            fp = self._info.tokenizer_fingerprint
-            if expect_tokenizer_fingerprint is not None and expect_tokenizer_fingerprint != fp:
-                problems.append(
-                    f"tokenizer_fingerprint: the teacher has {fp!r}, "
-                    f"the student expects {expect_tokenizer_fingerprint!r}"
-                )
-            if problems:
-                raise VocabMismatchError(f"recording {path}: " + "; ".join(problems))
+            self._info.check_expected(
+                f"recording {path}",
+                vocab_size=expect_vocab_size,
+                tokenizer_fingerprint=expect_tokenizer_fingerprint,
+                temperature=expect_temperature,
+            )
         except BaseException:
             self._reader.close()
             raise

@@ -23,6 +23,7 @@ from teacher_server.backends.registry import BACKENDS, load_backend
 from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.server import ServerConfig, run_server
+from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, check_temperature
 
 __all__ = ["TOKEN_ENV", "build_parser", "main", "parse_args", "serve"]
 
@@ -31,7 +32,11 @@ TOKEN_ENV = "TOPK_TEACHER_TOKEN"
 
 #: vLLM engine arguments the server sets itself: its value wins (prefix caching has
 #: returned stale prompt log-probs; the engine's max log-probs is --max-top-k).
-_SERVER_SET = {"max_logprobs": "--max-top-k", "enable_prefix_caching": "off"}
+_SERVER_SET = {
+    "max_logprobs": "--max-top-k",
+    "enable_prefix_caching": "off",
+    "logprobs_mode": "raw_logprobs, which --teacher-temperature relies on",
+}
 _HELP_FLAGS = ("-h", "--help")
 
 
@@ -90,6 +95,12 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--chunk-kb", type=int, default=1024, help="ScoreStream payload per message")
     s.add_argument(
         "--served-model-name", help="name announced by GetInfo (default: the model's directory)"
+    )
+    s.add_argument(
+        "--teacher-temperature",
+        type=_temperature_arg,
+        help="serve log_softmax(logits / T) instead of the model's own distribution "
+        "(vllm / transformers; default 1; announced in GetInfo; replay serves the recorded T)",
     )
     s.add_argument("--tls-cert", type=Path, help="certificate (PEM) for gRPC and HTTPS")
     s.add_argument("--tls-key", type=Path, help="private key (PEM) for gRPC and HTTPS")
@@ -159,11 +170,25 @@ def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return sub.choices["serve"]
 
 
+def _temperature_arg(value: str) -> float:
+    try:
+        return check_temperature(value, "teacher_temperature")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _backend_from_args(args: argparse.Namespace) -> Backend:
+    temperature = args.teacher_temperature
     if args.backend == "replay":
         if not args.recording:
             raise SystemExit("teacher-server: --recording is required with --backend replay")
+        if temperature is not None:
+            raise SystemExit(
+                "teacher-server: --teacher-temperature does not apply to --backend replay, "
+                "which serves the temperature the recording was made at"
+            )
         return load_backend(args.backend, path=args.recording, max_top_k=args.max_top_k)
+    temperature = DEFAULT_TEACHER_TEMPERATURE if temperature is None else temperature
     if not args.model:
         raise SystemExit(f"teacher-server: --model is required with --backend {args.backend}")
     if args.backend == "transformers":
@@ -175,6 +200,7 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
             device=args.device,
             served_model_name=args.served_model_name,
             max_model_len=args.max_model_len,
+            temperature=temperature,
         )
     return load_backend(
         args.backend,
@@ -185,6 +211,7 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
         served_model_name=args.served_model_name,
         engine_kwargs=_engine_kwargs(args),
         logprobs_path=args.logprobs_path,
+        temperature=temperature,
     )
 
 

@@ -50,6 +50,7 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
         max_message_bytes=limits.max_message_bytes,
         max_sequence_length=limits.max_sequence_length,
         engine_dtype=info.dtype,
+        teacher_temperature=info.temperature,
     )
 
 

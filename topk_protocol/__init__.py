@@ -37,9 +37,15 @@ from topk_protocol.requests import (
     response_bytes,
     sequence_span,
 )
+from topk_protocol.temperature import (
+    DEFAULT_TEACHER_TEMPERATURE,
+    check_temperature,
+    teacher_temperature,
+)
 
 __all__ = [
     "DEFAULT_DTYPE",
+    "DEFAULT_TEACHER_TEMPERATURE",
     "DTYPE_NAMES",
     "FRAMING_BYTES",
     "SCHEMA_VERSION",
@@ -48,6 +54,7 @@ __all__ = [
     "TeacherInfo",
     "build_request",
     "bytes_per_row",
+    "check_temperature",
     "concat_chunks",
     "decode_floats_into",
     "decode_sequence",
@@ -66,4 +73,5 @@ __all__ = [
     "request_spans",
     "response_bytes",
     "sequence_span",
+    "teacher_temperature",
 ]

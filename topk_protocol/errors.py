@@ -19,6 +19,7 @@ __all__ = [
     "RecordingError",
     "ResourceExhaustedError",
     "TeacherError",
+    "TeacherMismatchError",
     "TeacherUnavailableError",
     "UnauthenticatedError",
     "VocabMismatchError",
@@ -60,7 +61,11 @@ class DeadlineExceededError(TeacherError):
     """A call did not finish within its deadline (``timeout_s``)."""
 
 
-class VocabMismatchError(TeacherError, ValueError):
+class TeacherMismatchError(TeacherError, ValueError):
+    """The teacher is not the one the student expects (e.g. another temperature)."""
+
+
+class VocabMismatchError(TeacherMismatchError):
     """The teacher's vocabulary (size or tokenizer fingerprint) is not the expected one."""
 
 

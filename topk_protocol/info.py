@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.codec import DTYPE_NAMES, SCHEMA_VERSION, dtype_name
-from topk_protocol.errors import TeacherError
+from topk_protocol.errors import TeacherError, TeacherMismatchError, VocabMismatchError
+from topk_protocol.temperature import DEFAULT_TEACHER_TEMPERATURE, teacher_temperature
 
 __all__ = ["TeacherInfo"]
 
@@ -26,6 +27,7 @@ class TeacherInfo:
     max_message_bytes: int
     max_sequence_length: int
     engine_dtype: str = ""  # what the engine computes in; empty for replay
+    teacher_temperature: float = DEFAULT_TEACHER_TEMPERATURE
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -43,6 +45,7 @@ class TeacherInfo:
             max_message_bytes=int(msg.max_message_bytes),
             max_sequence_length=int(msg.max_sequence_length),
             engine_dtype=msg.engine_dtype,
+            teacher_temperature=teacher_temperature(msg),
         )
 
     def check_schema(self) -> None:
@@ -52,3 +55,37 @@ class TeacherInfo:
                 f"schema_version: the teacher speaks {self.schema_version}, this client "
                 f"speaks {SCHEMA_VERSION}"
             )
+
+    def check_expected(
+        self,
+        source: str,
+        *,
+        vocab_size: int | None = None,
+        tokenizer_fingerprint: str | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        """Raise unless the teacher is what the student expects (None: anything goes).
+
+        A vocabulary problem raises :class:`VocabMismatchError`; a temperature problem
+        alone :class:`TeacherMismatchError`. The message names ``source`` and each field.
+        """
+        problems = []
+        if vocab_size is not None and self.vocab_size != vocab_size:
+            problems.append(
+                f"vocab_size: the teacher has {self.vocab_size}, the student expects {vocab_size}"
+            )
+        fp = self.tokenizer_fingerprint
+        if tokenizer_fingerprint is not None and fp != tokenizer_fingerprint:
+            problems.append(
+                f"tokenizer_fingerprint: the teacher has {fp!r}, "
+                f"the student expects {tokenizer_fingerprint!r}"
+            )
+        vocab_problem = bool(problems)
+        if temperature is not None and self.teacher_temperature != temperature:
+            problems.append(
+                f"teacher_temperature: the teacher serves T = {self.teacher_temperature:g}, "
+                f"the student expects T = {temperature:g}"
+            )
+        if problems:
+            error = VocabMismatchError if vocab_problem else TeacherMismatchError
+            raise error(f"{source}: " + "; ".join(problems))

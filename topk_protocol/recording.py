@@ -65,6 +65,7 @@ from topk_protocol import (
     request_dtype,
     request_includes_sampled,
     request_spans,
+    teacher_temperature,
 )
 from topk_protocol._closeable import Closeable
 from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
@@ -205,16 +206,6 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _info_temperature(info: pb.TeacherInfo) -> float:
-    """The teacher's announced temperature (GetInfo), 1.0 when it announces none."""
-    for name in ("teacher_temperature", "temperature"):
-        if name in info.DESCRIPTOR.fields_by_name:
-            value = float(getattr(info, name))
-            if value > 0:
-                return value
-    return 1.0
-
-
 def _shards(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(f"*{SHARD_SUFFIX}") if p.is_file())
 
@@ -311,7 +302,7 @@ class RecordingWriter(Closeable):
             "vocab_size": int(self.info.vocab_size),
             "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
             "schema_version": int(self.info.schema_version),
-            "temperature": _info_temperature(self.info),
+            "temperature": teacher_temperature(self.info),
             "top_k": int(self.top_k),
             "dtype": self.dtype,
             "compression": self.compression,

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from topk_protocol import DEFAULT_TEACHER_TEMPERATURE
+
 __all__ = [
     "Backend",
     "BackendInfo",
@@ -24,7 +26,8 @@ __all__ = [
 class BackendInfo:
     """What the engine is. ``max_sequence_length`` 0 means no limit of its own; ``dtype``
     is the dtype the engine actually computes in (e.g. ``bfloat16`` for a float32
-    checkpoint served with ``--dtype auto`` on CPU), empty when there is no engine."""
+    checkpoint served with ``--dtype auto`` on CPU), empty when there is no engine;
+    ``temperature`` is the teacher temperature ``T`` of every log-prob it serves."""
 
     model_name: str
     vocab_size: int
@@ -33,6 +36,7 @@ class BackendInfo:
     max_sequence_length: int = 0
     name: str = "unknown"
     dtype: str = ""
+    temperature: float = DEFAULT_TEACHER_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ row without them is passed over for another copy that has them), K' <= the recor
 and a dtype the recorded values reproduce exactly. Otherwise the answer is NOT_FOUND
 naming every sequence and what is missing: never NaN or zeros in place of requested data.
 The recorded values go out through the server's own encoding, so answers are
-byte-identical to the teacher's.
+byte-identical to the teacher's. GetInfo announces the recorded teacher's temperature.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.validation import RequestError
-from topk_protocol import dtype_name
+from topk_protocol import dtype_name, teacher_temperature
 from topk_protocol.recording import RecordedSequence, RecordingReader, can_serve_dtype
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class ReplayBackend(Backend):
             max_top_k=self._max_top_k or int(info.max_top_k) or self._reader.top_k,
             max_sequence_length=int(info.max_sequence_length),
             name="replay",
+            temperature=teacher_temperature(info),
         )
 
     @property

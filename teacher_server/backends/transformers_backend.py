@@ -22,18 +22,20 @@ from teacher_server.backends.base import (
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
+from topk_protocol import check_temperature
 
 __all__ = ["TransformersBackend"]
 
 
 class TransformersBackend(Backend):
-    """``AutoModelForCausalLM`` forward pass, float32 log-softmax, top-k.
+    """``AutoModelForCausalLM`` forward pass, float32 ``log_softmax(logits / T)``, top-k.
 
     Args:
         model: model directory.
         max_top_k: largest K served.
         dtype: torch dtype name for the weights (``float32`` by default).
         device: torch device.
+        temperature: teacher temperature ``T``.
     """
 
     def __init__(
@@ -45,7 +47,9 @@ class TransformersBackend(Backend):
         device: str = "cpu",
         served_model_name: str | None = None,
         max_model_len: int | None = None,
+        temperature: float = 1.0,
     ) -> None:
+        self._temperature = check_temperature(temperature, "teacher_temperature")
         self._path = str(model)
         self._max_top_k = max_top_k
         self._dtype = dtype
@@ -76,6 +80,7 @@ class TransformersBackend(Backend):
             max_sequence_length=max(limit - 1, 0) if limit else 0,
             name="transformers",
             dtype=str(self._model.dtype).removeprefix("torch."),
+            temperature=self._temperature,
         )
 
     async def score(
@@ -107,7 +112,8 @@ class TransformersBackend(Backend):
                 raise RuntimeError("transformers backend: the request was cancelled")
             x = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self._device)
             logits = self._model(input_ids=x[None, : max(end, 1)]).logits[0]
-            lp = torch.log_softmax(logits.float(), dim=-1)[start:end].cpu().numpy()
+            tempered = torch.log_softmax(logits.float() / self._temperature, dim=-1)
+            lp = tempered[start:end].cpu().numpy()
         full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), top_k)
         sampled = full.sampled_logprobs
         if end < len(token_ids):

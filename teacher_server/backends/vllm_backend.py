@@ -9,6 +9,10 @@ generated token's log-probs (docs/protocol.md, position alignment).
 Where the installed vLLM allows it, the log-probs skip vLLM's per-entry Python lists and
 reach the payload as arrays (``vllm_arrays``, docs/vllm_logprobs.md); ``flat_logprobs`` is the
 fallback.
+
+A teacher temperature ``T != 1`` scales the logits inside the model on every worker
+(:mod:`teacher_server.backends.vllm_temperature`), so both kinds of rows are
+``log_softmax(z / T)``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import numpy.typing as npt
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
+from teacher_server.backends.vllm_temperature import EXTENSION_QUALNAME, SET_TEMPERATURE_METHOD
 from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
+from topk_protocol import check_temperature
 
 __all__ = ["VLLMBackend", "flat_to_topk"]
 
@@ -87,6 +93,8 @@ class VLLMBackend(Backend):
         engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``tensor_parallel_size``).
         logprobs_path: ``auto``, ``arrays`` or ``flat`` (``vllm_arrays.LOGPROBS_PATHS``);
             after :meth:`start`, :attr:`logprobs_path` is the one in use.
+        temperature: teacher temperature ``T``: every log-prob served is
+            ``log_softmax(z / T)`` of the model's logits ``z``.
     """
 
     def __init__(
@@ -99,12 +107,19 @@ class VLLMBackend(Backend):
         served_model_name: str | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         logprobs_path: str = "auto",
+        temperature: float = 1.0,
     ) -> None:
         if logprobs_path not in vllm_arrays.LOGPROBS_PATHS:
             paths = ", ".join(vllm_arrays.LOGPROBS_PATHS)
             raise ValueError(f"logprobs_path: {logprobs_path!r} is not one of {paths}")
         self._requested_path = logprobs_path
         self.logprobs_path = "flat"
+        self._temperature = check_temperature(temperature, "teacher_temperature")
+        if self._temperature != 1.0 and (engine_kwargs or {}).get("worker_extension_cls"):
+            raise ValueError(
+                "worker_extension_cls: the teacher temperature needs vLLM's worker "
+                "extension slot for its own class; drop the engine argument or serve T = 1"
+            )
         self._model = str(model)
         self._max_top_k = max_top_k
         self._dtype = dtype
@@ -118,6 +133,12 @@ class VLLMBackend(Backend):
         # vLLM builds its engine with blocking calls (imports, config, starting the engine
         # process): in a worker thread, so the event loop keeps answering probes.
         self._engine = await asyncio.to_thread(self._build_engine)
+        if self._temperature != 1.0:
+            try:
+                await self._set_temperature()
+            except BaseException:
+                await self.close()
+                raise
         self.logprobs_path = vllm_arrays.select_path(self._requested_path, self._engine)
         log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
@@ -132,6 +153,7 @@ class VLLMBackend(Backend):
             max_sequence_length=int(cfg.max_model_len) - 1,
             name="vllm",
             dtype=str(cfg.dtype).removeprefix("torch."),
+            temperature=self._temperature,
         )
         log.info("vLLM engine computes in %s (--dtype %s)", self.info.dtype, self._dtype)
 
@@ -146,7 +168,12 @@ class VLLMBackend(Backend):
             "max_logprobs": self._max_top_k,
             # Stale prompt log-probs have been reported with prefix caching (docs/vllm.md).
             "enable_prefix_caching": False,
+            # Log-probs of the logits as the model makes them (the temperature is applied
+            # there), never after sampling processors.
+            "logprobs_mode": "raw_logprobs",
         }
+        if self._temperature != 1.0:
+            kwargs["worker_extension_cls"] = EXTENSION_QUALNAME
         if self._max_model_len:
             kwargs["max_model_len"] = self._max_model_len
         kwargs.update(self._engine_kwargs)
@@ -155,6 +182,20 @@ class VLLMBackend(Backend):
             if kv_bytes is not None:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    async def _set_temperature(self) -> None:
+        """Scale the logits of every worker's model by ``1 / T`` (before any request)."""
+        per_worker = await self._engine.collective_rpc(
+            SET_TEMPERATURE_METHOD, args=(self._temperature,)
+        )
+        if not any(per_worker):
+            raise RuntimeError(
+                "teacher_temperature: the model has no vLLM LogitsProcessor layer to scale, "
+                f"so T = {self._temperature:g} cannot be applied exactly; serve T = 1"
+            )
+        log.info(
+            "teacher temperature %g: logits scale per worker %s", self._temperature, per_worker
+        )
 
     async def close(self) -> None:
         if self._engine is not None:

@@ -31,7 +31,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype")
+    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class TeacherInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_top_k: int
@@ -54,7 +55,8 @@ class TeacherInfo(_message.Message):
     max_message_bytes: int
     max_sequence_length: int
     engine_dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ...) -> None: ...
+    teacher_temperature: float
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
     __slots__ = ("token_ids", "position_start", "position_end")

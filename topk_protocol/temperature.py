@@ -1,0 +1,35 @@
+"""The teacher temperature on the wire: ``TeacherInfo.teacher_temperature``.
+
+A teacher serves ``log_softmax(z / T)`` of its logits ``z``; ``T`` is announced in
+``GetInfo`` (and so stored in recordings). A message without the field comes from a
+teacher or recording older than the field: it served ``T = 1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from topk_protocol._generated import teacher_pb2 as pb
+
+__all__ = ["DEFAULT_TEACHER_TEMPERATURE", "check_temperature", "teacher_temperature"]
+
+#: The temperature of a teacher whose ``TeacherInfo`` does not carry one.
+DEFAULT_TEACHER_TEMPERATURE = 1.0
+
+
+def check_temperature(value: float | str, field: str) -> float:
+    """``value`` as a float when it is a finite number ``> 0``; else ValueError naming ``field``."""
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}: must be a number > 0, got {value!r}") from None
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"{field}: must be a finite number > 0, got {value!r}")
+    return t
+
+
+def teacher_temperature(info: pb.TeacherInfo) -> float:
+    """The temperature a ``TeacherInfo`` announces (1 when the field is unset)."""
+    if info.HasField("teacher_temperature"):
+        return float(info.teacher_temperature)
+    return DEFAULT_TEACHER_TEMPERATURE
