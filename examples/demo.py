@@ -7,7 +7,7 @@
 4. Stop the server with SIGTERM (it drains) and check that it exited cleanly.
 
     python -m examples.demo [--steps N] [--out DIR] [--backend vllm|transformers]
-        [--loss-mode tail|truncated] [--fused | --no-fused]
+        [--loss-mode tail|truncated] [--fused | --no-fused] [--teacher-temperature T]
 
 Flags it does not know go to ``examples/distill.py``: by default the student trains with
 the fused lm_head loss (``--no-fused``: logits + ``topk_kl_loss``) in tail mode.
@@ -27,11 +27,14 @@ from examples.teacher_pretrain import DEFAULT_CACHE_DIR, PretrainConfig, build_d
 __all__ = ["main", "serve_teacher"]
 
 
-def serve_teacher(model: Path, backend: str, log_path: Path) -> TeacherProcess:
-    """``teacher-server serve`` on ``model`` (loopback, free ports), ready."""
+def serve_teacher(
+    model: Path, backend: str, log_path: Path, temperature: float = 1.0
+) -> TeacherProcess:
+    """``teacher-server serve`` on ``model`` (loopback, free ports) at ``temperature``, ready."""
     args = [
         "--backend", backend, "--model", str(model), "--dtype", "float32",
         "--max-top-k", "64", "--max-model-len", "2048",
+        "--teacher-temperature", str(temperature),
     ]  # fmt: skip
     return start_teacher(args, log_path)
 
@@ -51,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("runs/demo"))
     ap.add_argument("--steps", type=int, default=distill.DistillConfig.steps)
+    ap.add_argument(
+        "--teacher-temperature",
+        type=float,
+        default=distill.DistillConfig.teacher_temperature,
+        help="the teacher serves at T and the student's loss matches it",
+    )
     args, rest = ap.parse_known_args(argv)
     t0 = time.perf_counter()
     print(f"[1/4] teacher: {args.teacher_dir} (built once, then cached)", flush=True)
@@ -58,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher_dir = build_default_teacher(args.teacher_dir, config=config)
     print(f"[2/4] starting teacher-server ({args.backend} backend) ...", flush=True)
     log_path = args.out / "teacher-server.log"
-    server = serve_teacher(teacher_dir, args.backend, log_path)
+    server = serve_teacher(teacher_dir, args.backend, log_path, args.teacher_temperature)
     print(f"      ready: gRPC {server.target}, HTTP {server.http} "
           f"({time.perf_counter() - t0:.0f} s so far)", flush=True)  # fmt: skip
     try:
@@ -69,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--teacher-dir", str(teacher_dir),
                 "--out", str(args.out),
                 "--steps", str(args.steps),
+                "--teacher-temperature", str(args.teacher_temperature),
                 *rest,
             ]
         )  # fmt: skip

@@ -16,6 +16,11 @@ teacher's own cross-entropy, prints a table, and writes a PNG of the training cu
     python -m examples.distill --replay runs/recording
     python -m examples.distill --dataset runs/recording    # shuffled DataLoader, many epochs
     python -m examples.distill --teacher 127.0.0.1:50051 --loss-mode truncated --no-fused
+
+With ``--teacher-temperature T`` (the teacher serving at ``T``: ``teacher-server serve
+--teacher-temperature T``) the client refuses a teacher at another temperature, the loss
+tempers the student by the same ``T`` and is scaled by ``T**2``; the held-out metrics
+stay at temperature 1.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class DistillConfig:
     threads: int = 2
     loss_mode: LossMode = "tail"
     fused: bool = True
+    teacher_temperature: float = 1.0
 
 
 @dataclass
@@ -137,7 +143,12 @@ def evaluate(student: Any, teacher: Any, windows: torch.Tensor, batch: int = 8) 
 
 def distill_loss(student: Any, x: torch.Tensor, payload: Any, cfg: DistillConfig) -> Any:
     """The step's loss and stats: fused on the last hidden states, or on the logits."""
-    options: dict[str, Any] = {"mode": cfg.loss_mode, "mask": payload.mask, "overlap": True}
+    options: dict[str, Any] = {
+        "mode": cfg.loss_mode,
+        "mask": payload.mask,
+        "overlap": True,
+        "temperature": cfg.teacher_temperature,
+    }
     if cfg.fused:
         head = causal_lm_hidden_and_head(student, input_ids=x)  # [B, T, H], [V, H]
         result: tuple[torch.Tensor, TopKKLStats] = fused_topk_kl_loss(
@@ -152,13 +163,16 @@ def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:
     if args.replay:
         from student_client.replay import ReplayClient
 
-        return ReplayClient(args.replay, expect_vocab_size=vocab_size)
+        return ReplayClient(
+            args.replay, expect_vocab_size=vocab_size, expect_temperature=args.teacher_temperature
+        )
     from student_client.client import TeacherClient
 
     return TeacherClient(
         args.teacher,
         token=args.token,
         expect_vocab_size=vocab_size,
+        expect_temperature=args.teacher_temperature,
         record_to=args.record,
     )
 
@@ -173,6 +187,11 @@ def _dataset_batches(path: Path, cfg: DistillConfig, vocab_size: int) -> Iterato
     ds = PayloadDataset(path, top_k=cfg.top_k)
     if ds.vocab_size != vocab_size:
         raise SystemExit(f"--dataset: vocab_size {ds.vocab_size}, the student has {vocab_size}")
+    if ds.reader.temperature != cfg.teacher_temperature:
+        raise SystemExit(
+            f"--dataset: teacher_temperature {ds.reader.temperature:g} (recorded), "
+            f"--teacher-temperature is {cfg.teacher_temperature:g}"
+        )
     loader = DataLoader(
         ds,
         batch_size=cfg.batch_size,
@@ -247,7 +266,7 @@ def run_distill(args: argparse.Namespace, cfg: DistillConfig) -> RunResult:
         for step, (x, payload) in enumerate(pairs, start=1):
             loss, stats = distill_loss(student, x, payload, cfg)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * cfg.teacher_temperature**2).backward()  # T**2: the gradient scale of T = 1
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
             opt.step()
             sched.step()
@@ -294,6 +313,11 @@ def format_table(result: RunResult, cfg: DistillConfig) -> str:
         f"teacher top-{cfg.top_k} mass {result.teacher_mass:.2f}), prefetch "
         f"depth {cfg.depth}: {result.seconds:.0f} s, {result.positions_per_s:,.0f} positions/s",
     ]
+    if cfg.teacher_temperature != 1.0:
+        rows.append(
+            f"teacher and student loss at temperature T = {cfg.teacher_temperature:g} "
+            "(loss x T^2); held-out metrics at T = 1"
+        )
     return "\n".join(rows)
 
 
@@ -364,6 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.fused,
         help="fused lm_head loss on the last hidden states (default); --no-fused: logits",
     )
+    ap.add_argument(
+        "--teacher-temperature",
+        type=float,
+        default=d.teacher_temperature,
+        help="temperature the teacher serves at (checked) and the loss tempers the student by",
+    )
     return ap
 
 
@@ -384,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         loss_mode=args.loss_mode,
         fused=args.fused,
+        teacher_temperature=args.teacher_temperature,
     )
     result = run_distill(args, cfg)
     table = format_table(result, cfg)
