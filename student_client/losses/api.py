@@ -56,8 +56,9 @@ def topk_kl_loss(
       lower bound of the full KL, equal to it when K = V. `1-P` is clamped at 0 and `1-Q`
       at `tail_mass_eps` (below it the tail term is constant and gives no gradient).
 
-    The temperature applies to the student only (vLLM does not temper prompt log-probs),
-    and the loss is not multiplied by `T**2`. No gradient flows to the teacher tensors.
+    The temperature applies to the student only (a teacher serving at `T`,
+    `--teacher-temperature`, has tempered its log-probs already), and the loss is not
+    multiplied by `T**2`. No gradient flows to the teacher tensors.
 
     The loss runs row chunk by row chunk (`chunked.py`): peak extra memory is about one
     gradient-sized buffer in the logits' dtype plus one fp32 `[chunk, V_local]` block.
