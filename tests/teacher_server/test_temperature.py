@@ -36,7 +36,17 @@ from teacher_server.servicer import teacher_info_message
 from teacher_server.validation import Limits
 from topk_protocol import decode_sequence, pb, pb_grpc
 
-pytestmark = pytest.mark.vllm
+
+def test_temperature_needs_the_worker_extension_slot(tmp_path: Path) -> None:
+    """vLLM has one worker extension slot; T != 1 refuses an engine argument that takes it."""
+    from teacher_server.backends.vllm_backend import VLLMBackend
+
+    own = {"worker_extension_cls": "my.Extension"}
+    with pytest.raises(ValueError, match=r"^worker_extension_cls: the teacher temperature"):
+        VLLMBackend(tmp_path, temperature=2.0, engine_kwargs=own)
+    VLLMBackend(tmp_path, temperature=1.0, engine_kwargs=own)  # T = 1 leaves it alone
+    with pytest.raises(ValueError, match=r"^teacher_temperature: must be a finite number > 0"):
+        VLLMBackend(tmp_path, temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=[0.5, 2.0], ids=lambda t: f"T={t:g}")
@@ -66,6 +76,7 @@ def _tempered_reference(model: torch.nn.Module, seq: np.ndarray, t: float) -> np
         return torch.log_softmax(logits.float() / t, dim=-1).numpy()
 
 
+@pytest.mark.vllm
 def test_vllm_payload_is_tempered_reference(
     tempered_teacher: tuple[float, ServerProcess],
     stub: pb_grpc.TeacherStub,
@@ -100,6 +111,7 @@ def test_vllm_payload_is_tempered_reference(
     assert np.abs(decode_sequence(resp.sequences[-1]).logprobs[:, 0] - top1_plain).max() > 0.05
 
 
+@pytest.mark.vllm
 def test_transformers_backend_applies_the_same_temperature(
     tempered_teacher: tuple[float, ServerProcess], tiny_model_dir: Path
 ) -> None:
@@ -116,6 +128,7 @@ def test_transformers_backend_applies_the_same_temperature(
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
 
 
+@pytest.mark.vllm
 def test_info_announces_temperature(
     tempered_teacher: tuple[float, ServerProcess], stub: pb_grpc.TeacherStub
 ) -> None:
@@ -126,6 +139,7 @@ def test_info_announces_temperature(
         assert json.loads(r.read())["teacher_temperature"] == t
 
 
+@pytest.mark.vllm
 def test_client_checks_expected_temperature(
     tempered_teacher: tuple[float, ServerProcess], tmp_path: Path
 ) -> None:
