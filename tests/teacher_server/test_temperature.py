@@ -29,7 +29,7 @@ from devtools.tiny_model import TINY_SERVE_ARGS
 from student_client.client import TeacherClient
 from student_client.errors import TeacherMismatchError, VocabMismatchError
 from student_client.replay import ReplayClient
-from teacher_server.backends.base import topk_from_logprobs
+from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprobs
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.servicer import teacher_info_message
@@ -47,6 +47,15 @@ def test_temperature_needs_the_worker_extension_slot(tmp_path: Path) -> None:
     VLLMBackend(tmp_path, temperature=1.0, engine_kwargs=own)  # T = 1 leaves it alone
     with pytest.raises(ValueError, match=r"^teacher_temperature: must be a finite number > 0"):
         VLLMBackend(tmp_path, temperature=0.0)
+
+
+def test_info_always_carries_the_temperature() -> None:
+    """A T = 1 teacher says so explicitly (the field has presence: unset is for teachers
+    that predate it)."""
+    for t in (1.0, 3.0):
+        info = BackendInfo("m", 512, "fp", 64, temperature=t)
+        msg = teacher_info_message(_Info(info), Limits(vocab_size=512))
+        assert msg.HasField("teacher_temperature") and msg.teacher_temperature == t
 
 
 @pytest.fixture(scope="module", params=[0.5, 2.0], ids=lambda t: f"T={t:g}")
@@ -67,6 +76,16 @@ def stub(tempered_teacher: tuple[float, ServerProcess]) -> Iterator[pb_grpc.Teac
     opts = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
     with grpc.insecure_channel(tempered_teacher[1].target, options=opts) as ch:
         yield pb_grpc.TeacherStub(ch)
+
+
+class _Info(Backend):
+    """A backend that only has an info (for ``teacher_info_message``)."""
+
+    def __init__(self, info: BackendInfo) -> None:
+        self.info = info
+
+    async def score(self, *args: object) -> object:  # type: ignore[override]
+        raise NotImplementedError
 
 
 def _tempered_reference(model: torch.nn.Module, seq: np.ndarray, t: float) -> np.ndarray:
