@@ -28,6 +28,7 @@ from test_vllm_server import (
 from devtools.tiny_model import TINY_SERVE_ARGS
 from student_client.client import TeacherClient
 from student_client.errors import TeacherMismatchError, VocabMismatchError
+from student_client.recording import RecordingReader
 from student_client.replay import ReplayClient
 from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprobs
 from teacher_server.backends.replay_backend import ReplayBackend
@@ -177,10 +178,15 @@ def test_client_checks_expected_temperature(
         pytest.raises(VocabMismatchError, match=r"vocab_size.*teacher_temperature"),
     ):
         client.info()
-    rec = tmp_path / "tempered.tkrec"
+    rec = tmp_path / "tempered-recording"
     with TeacherClient(server.target, expect_temperature=t, record_to=rec) as client:
         assert client.info().teacher_temperature == t
         live = client.score([[1, 2, 3, 4]], top_k=4)
+    reader = RecordingReader(rec)
+    try:  # the recording's metadata carries T (from GetInfo)
+        assert reader.temperature == t and reader.metadata["temperature"] == t
+    finally:
+        reader.close()
     with ReplayClient(rec, expect_temperature=t) as replay:
         assert replay.info().teacher_temperature == t
         again = replay.score([[1, 2, 3, 4]], top_k=4)
