@@ -28,7 +28,6 @@ from test_vllm_server import (
 from devtools.tiny_model import TINY_SERVE_ARGS
 from student_client.client import TeacherClient
 from student_client.errors import TeacherMismatchError, VocabMismatchError
-from student_client.recording import RecordingReader
 from student_client.replay import ReplayClient
 from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprobs
 from teacher_server.backends.replay_backend import ReplayBackend
@@ -36,6 +35,7 @@ from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.servicer import teacher_info_message
 from teacher_server.validation import Limits
 from topk_protocol import decode_sequence, pb, pb_grpc
+from topk_protocol.recording import RecordingReader
 
 
 def test_temperature_needs_the_worker_extension_slot(tmp_path: Path) -> None:
