@@ -55,10 +55,10 @@ _LE_U32 = np.dtype("<u4")
 
 
 def dtype_from_name(name: str | int) -> int:
-    """``"float16"`` -> ``LOGPROB_DTYPE_FLOAT16``; enum values pass through (UNSPECIFIED ->
+    """``"float16"`` -> ``LOGPROB_DTYPE_FLOAT16``; enum values pass through (DEFAULT ->
     FLOAT16). Raises ``ValueError`` naming ``dtype`` for anything else."""
     if isinstance(name, int) and not isinstance(name, bool):
-        if name == pb.LOGPROB_DTYPE_UNSPECIFIED:
+        if name == pb.LOGPROB_DTYPE_DEFAULT:
             return pb.LOGPROB_DTYPE_FLOAT16
         if name in _ENUM_TO_NAME:
             return name

@@ -169,7 +169,7 @@ def request_spans(req: pb.ScoreRequest) -> list[Span]:
 
 
 def request_dtype(req: pb.ScoreRequest) -> int:
-    """The request's wire dtype enum (UNSPECIFIED -> :data:`DEFAULT_DTYPE`); raises
+    """The request's wire dtype enum (LOGPROB_DTYPE_DEFAULT -> :data:`DEFAULT_DTYPE`); raises
     ``ValueError`` naming ``dtype`` for a value this schema does not know."""
     return dtype_from_name(int(req.dtype))
 

@@ -142,14 +142,14 @@ def test_sub_ranges(stub) -> None:  # type: ignore[no-untyped-def]
     [
         (pb.LOGPROB_DTYPE_FLOAT16, 1e-2),
         (pb.LOGPROB_DTYPE_BFLOAT16, 6e-2),
-        (pb.LOGPROB_DTYPE_UNSPECIFIED, 1e-2),
+        (pb.LOGPROB_DTYPE_DEFAULT, 1e-2),
     ],
 )
 def test_dtypes(stub, dtype: int, atol: float) -> None:  # type: ignore[no-untyped-def]
     seqs = _sequences(11, [100])
     ref = decode_sequence(stub.Score(_request(seqs, 16)).sequences[0])
     payload = stub.Score(_request(seqs, 16, dtype=dtype)).sequences[0]
-    want = pb.LOGPROB_DTYPE_FLOAT16 if dtype == pb.LOGPROB_DTYPE_UNSPECIFIED else dtype
+    want = pb.LOGPROB_DTYPE_FLOAT16 if dtype == pb.LOGPROB_DTYPE_DEFAULT else dtype
     assert payload.dtype == want
     assert len(payload.logprobs) == 100 * 16 * 2
     got = decode_sequence(payload)

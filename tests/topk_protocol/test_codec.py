@@ -117,7 +117,7 @@ def test_bad_messages_name_the_field() -> None:
         dtype_from_name("float64")
     with pytest.raises(ValueError, match="dtype"):
         dtype_from_name(9)
-    assert dtype_from_name(pb.LOGPROB_DTYPE_UNSPECIFIED) == pb.LOGPROB_DTYPE_FLOAT16
+    assert dtype_from_name(pb.LOGPROB_DTYPE_DEFAULT) == pb.LOGPROB_DTYPE_FLOAT16
 
 
 def test_concat_chunks() -> None:

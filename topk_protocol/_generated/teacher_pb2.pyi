@@ -10,18 +10,18 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class SchemaVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    SCHEMA_VERSION_UNSPECIFIED: _ClassVar[SchemaVersion]
+    SCHEMA_VERSION_UNSET: _ClassVar[SchemaVersion]
     SCHEMA_VERSION_1: _ClassVar[SchemaVersion]
 
 class LogprobDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    LOGPROB_DTYPE_UNSPECIFIED: _ClassVar[LogprobDtype]
+    LOGPROB_DTYPE_DEFAULT: _ClassVar[LogprobDtype]
     LOGPROB_DTYPE_FLOAT32: _ClassVar[LogprobDtype]
     LOGPROB_DTYPE_FLOAT16: _ClassVar[LogprobDtype]
     LOGPROB_DTYPE_BFLOAT16: _ClassVar[LogprobDtype]
-SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
+SCHEMA_VERSION_UNSET: SchemaVersion
 SCHEMA_VERSION_1: SchemaVersion
-LOGPROB_DTYPE_UNSPECIFIED: LogprobDtype
+LOGPROB_DTYPE_DEFAULT: LogprobDtype
 LOGPROB_DTYPE_FLOAT32: LogprobDtype
 LOGPROB_DTYPE_FLOAT16: LogprobDtype
 LOGPROB_DTYPE_BFLOAT16: LogprobDtype
