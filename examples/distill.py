@@ -50,7 +50,7 @@ from student_client.losses import (
     topk_kl_loss,
 )
 
-__all__ = ["DistillConfig", "evaluate", "main", "run_distill", "student_model"]
+__all__ = ["DistillConfig", "evaluate", "heldout_table", "main", "run_distill", "student_model"]
 
 log = logging.getLogger(__name__)
 
@@ -293,12 +293,12 @@ def run_distill(args: argparse.Namespace, cfg: DistillConfig) -> RunResult:
 _LOSS_LABELS = {"tail": "tail-aware", "truncated": "truncated"}
 
 
-def format_table(result: RunResult, cfg: DistillConfig) -> str:
-    """The before/after table (markdown)."""
-    b, a = result.before, result.after
+def heldout_table(before: EvalResult, after: EvalResult, windows: int, length: int) -> list[str]:
+    """Before/after held-out metrics as markdown lines (shared with examples/onpolicy.py)."""
+    b, a = before, after
     drop = 100 * (1 - a.kl_teacher_student / b.kl_teacher_student)
-    rows = [
-        f"held-out: {cfg.eval_windows} windows x {cfg.seq_len} bytes of stdlib files the "
+    return [
+        f"held-out: {windows} windows x {length} bytes of stdlib files the "
         f"teacher never trained on; nats per byte",
         "",
         "| metric | before | after |",
@@ -307,6 +307,13 @@ def format_table(result: RunResult, cfg: DistillConfig) -> str:
         f"| KL(teacher \\|\\| student), full vocabulary | {b.kl_teacher_student:.3f} | "
         f"{a.kl_teacher_student:.3f} ({drop:.0f}% lower) |",
         f"| teacher cross-entropy (reference) | {b.teacher_ce:.3f} | {a.teacher_ce:.3f} |",
+    ]
+
+
+def format_table(result: RunResult, cfg: DistillConfig) -> str:
+    """The before/after table (markdown)."""
+    rows = [
+        *heldout_table(result.before, result.after, cfg.eval_windows, cfg.seq_len),
         "",
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} positions, top-{cfg.top_k} "
         f"{_LOSS_LABELS[cfg.loss_mode]} KL ({'fused lm_head' if cfg.fused else 'on logits'}; "

@@ -23,6 +23,7 @@ import random
 import threading
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import (
     AsyncGenerator,
@@ -41,10 +42,10 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from student_client.alignment import PaddedLayout, align, build_aligned_request
 from student_client.payload import ResponseAssembler, TeacherPayload
 from topk_protocol import (
     TeacherInfo,
-    build_request,
     check_temperature,
     fits_one_message,
     pb,
@@ -63,15 +64,20 @@ __all__ = ["AsyncTeacherClient", "ScoreBatch", "parse_targets"]
 
 T = TypeVar("T")
 _END = object()  # the server closed the stream
+#: URL schemes people paste by habit; a gRPC target is host:port or a gRPC URI (dns:///...).
+_URL_SCHEMES = frozenset({"http", "https", "grpc", "grpcs"})
 
 
 @dataclass(frozen=True)
 class ScoreBatch:
-    """One item of ``stream`` when positions are needed: the batch's ``sequences`` and
-    one ``(start, end)`` per sequence (or None for every position)."""
+    """One item of ``stream`` when positions or a mask are needed: the batch's
+    ``sequences`` (or a ``BatchEncoding`` / dict with ``input_ids``), one ``(start, end)``
+    per sequence (or None for every position), and the batch's ``attention_mask`` (see
+    :meth:`AsyncTeacherClient.score`)."""
 
     sequences: Any
     positions: Sequence[tuple[int, int]] | None = None
+    attention_mask: Any = None
 
 
 def parse_targets(target: str | Sequence[str]) -> list[str]:
@@ -83,7 +89,34 @@ def parse_targets(target: str | Sequence[str]) -> list[str]:
     out = [t.strip() for t in items if isinstance(t, str) and t.strip()]
     if not out or len(out) != len(items):
         raise ValueError(f"target: expected host:port, dns:///name:port or a list, got {target!r}")
+    for t in out:
+        scheme = t.split("://", 1)[0].lower() if "://" in t else ""
+        if scheme in _URL_SCHEMES:
+            raise ValueError(
+                f"target: {t!r} is a URL; gRPC targets take no {scheme}:// prefix: pass "
+                f"{t.split('://', 1)[1].rstrip('/')!r} (TLS is the tls= argument)"
+            )
     return out
+
+
+def clean_token(token: str | None) -> str | None:
+    """The bearer token as sent: surrounding whitespace (e.g. the trailing newline of a
+    token file, which the server strips from its ``--token-file`` too) is removed with a
+    warning; whitespace or control characters inside are a ValueError."""
+    if token is None:
+        return None
+    stripped = token.strip()
+    if not stripped:
+        raise ValueError("token: empty (only whitespace)")
+    if any(c.isspace() or not c.isprintable() for c in stripped):
+        raise ValueError("token: holds whitespace or control characters inside")
+    if stripped != token:
+        warnings.warn(
+            "token: removed surrounding whitespace (e.g. a trailing newline read from a "
+            "token file); the server strips its --token-file the same way",
+            stacklevel=4,
+        )
+    return stripped
 
 
 def _channel(target: str, credentials: Any, max_message_bytes: int, server_name: str | None) -> Any:
@@ -294,6 +327,7 @@ class AsyncTeacherClient:
         if max_message_mb < 1:
             raise ValueError(f"max_message_mb: must be >= 1, got {max_message_mb}")
         self.targets = parse_targets(target)
+        token = clean_token(token)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._credentials = _credentials(tls)
         self._tls_server_name = tls_server_name
@@ -320,6 +354,8 @@ class AsyncTeacherClient:
         self._current = 0
         self._rr = itertools.count()
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        #: Padded layouts of requests built from masked batches, by request id.
+        self._layouts: dict[str, PaddedLayout] = {}
         self._closed = False
 
     # -- targets, info and retries ----------------------------------------------------
@@ -413,18 +449,26 @@ class AsyncTeacherClient:
     def _request(
         self, batch: Any, top_k: int, dtype: str | int, include_sampled: bool
     ) -> pb.ScoreRequest:
-        """A batch of sequences or a :class:`ScoreBatch` -> ScoreRequest with a new id."""
-        sequences, positions = (
-            (batch.sequences, batch.positions) if isinstance(batch, ScoreBatch) else (batch, None)
-        )
-        return build_request(
-            sequences,
+        """A batch of sequences, a ``BatchEncoding`` / dict, or a :class:`ScoreBatch` ->
+        ScoreRequest with a new id (padding cut off; its layout kept for :meth:`decode`)."""
+        item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
+        request, layout = build_aligned_request(
+            item.sequences,
             top_k,
+            attention_mask=item.attention_mask,
+            positions=item.positions,
             dtype=dtype,
-            positions=positions,
             include_sampled=include_sampled,
             request_id=next(self._ids),
         )
+        if layout is not None:
+            self._layouts[request.request_id] = layout
+        return request
+
+    def decode(self, answer: ResponseAssembler, device: torch.device | str) -> TeacherPayload:
+        """A complete answer's tensors on ``device``, placed into its batch's padded
+        ``[B, T]`` layout when the batch came with an attention mask."""
+        return align(answer.payload(device), self._layouts.pop(answer.request.request_id, None))
 
     def _deadline(self, timeout_s: float | None) -> float:
         return self._timeout_s if timeout_s is None else _positive("timeout_s", timeout_s)
@@ -439,21 +483,30 @@ class AsyncTeacherClient:
         include_sampled: bool = True,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
+        attention_mask: Any = None,
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
 
         Args:
-            sequences: ``[B, L]`` tensor/array or a list of 1-D token id sequences.
+            sequences: ``[B, L]`` tensor/array, a list of 1-D token id sequences, or a
+                tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and
+                ``attention_mask``).
             top_k: K.
             dtype: wire dtype of the log-probs (``float16``, ``bfloat16``, ``float32``);
                 the payload holds them widened to float32.
-            positions: None (every position) or ``(start, end)`` per sequence.
+            positions: None (every position) or ``(start, end)`` per sequence (with an
+                attention mask: column ranges of the padded batch).
             include_sampled: also fetch the log-prob of the actual next token.
             device: where the tensors go.
             timeout_s: this call's deadline (default: the client's).
+            attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
+                Padding is not sent; the payload comes back as ``[B, T, K]`` aligned to
+                the padded batch, ``mask`` False on padding (:mod:`student_client.alignment`).
         """
         timeout = self._deadline(timeout_s)
-        request = self._request(ScoreBatch(sequences, positions), top_k, dtype, include_sampled)
+        request = self._request(
+            ScoreBatch(sequences, positions, attention_mask), top_k, dtype, include_sampled
+        )
 
         async def unary(index: int) -> ResponseAssembler:
             await self._fetch_info(index)
@@ -469,11 +522,11 @@ class AsyncTeacherClient:
         if not fits_one_message(response_bytes(request), len(request.sequences), limit):
             gen = self._run_stream(_as_async([request]), 0, timeout)
             try:
-                return (await anext(gen)).payload(device)
+                return self.decode(await anext(gen), device)
             finally:
                 await gen.aclose()
         asm = await self._call(unary, self._current)
-        return asm.payload(device)
+        return self.decode(asm, device)
 
     # -- stream -------------------------------------------------------------------------
     def stream(
@@ -492,7 +545,7 @@ class AsyncTeacherClient:
         async def payloads() -> AsyncIterator[TeacherPayload]:
             try:
                 async for answer in answers:
-                    yield answer.payload(device)
+                    yield self.decode(answer, device)
             finally:
                 await answers.aclose()  # type: ignore[attr-defined]
 
@@ -513,7 +566,8 @@ class AsyncTeacherClient:
         the blocking client in the caller's thread while the loop reads on.
 
         ``batches`` (an iterable or an async iterable) yields batches of sequences (as
-        for :meth:`score`) or :class:`ScoreBatch` items (with positions); it is consumed
+        for :meth:`score`, ``BatchEncoding`` / dicts included) or :class:`ScoreBatch` items
+        (with positions, attention mask); it is consumed
         lazily, at most ``depth`` batches ahead of the payload the caller holds. While the
         caller works on payload ``n``, requests ``n+1 .. n+depth`` are with the teacher
         (``depth=0``: none, every request waits for the caller). A request the teacher

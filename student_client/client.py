@@ -15,13 +15,13 @@ import threading
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from student_client.aio_client import AsyncTeacherClient, ScoreBatch, parse_targets
+from student_client.aio_client import AsyncTeacherClient, ScoreBatch, clean_token, parse_targets
 from student_client.errors import TeacherError
 from student_client.payload import TeacherPayload
 from topk_protocol import TeacherInfo
 from topk_protocol._closeable import Closeable
 
-__all__ = ["ScoreBatch", "TeacherClient", "parse_targets"]
+__all__ = ["ScoreBatch", "TeacherClient", "clean_token", "parse_targets"]
 
 T = TypeVar("T")
 _DONE = object()  # the stream is exhausted
@@ -83,7 +83,7 @@ class TeacherClient(Closeable):
         def iterate() -> Iterator[TeacherPayload]:
             try:  # decoded here, in the caller's thread, while the loop reads on
                 while (answer := self._run(step())) is not _DONE:
-                    yield answer.payload(device)
+                    yield self._aio.decode(answer, device)
             finally:
                 if not self._loop.is_closed():
                     self._run(answers.aclose())  # type: ignore[attr-defined]

@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from student_client.aio_client import ScoreBatch
+from student_client.alignment import align, build_aligned_request
 from student_client.errors import InvalidRequestError, NotRecordedError
 from student_client.payload import ResponseAssembler, TeacherPayload
 from topk_protocol import (
     TeacherInfo,
-    build_request,
     check_temperature,
     dtype_name,
     encode_sequence,
@@ -196,12 +196,18 @@ class ReplayClient(Closeable):
         positions: Sequence[tuple[int, int]] | None = None,
         include_sampled: bool = True,
         device: torch.device | str = "cpu",
+        attention_mask: Any = None,
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``)."""
-        request = build_request(
-            sequences, top_k, dtype=dtype, positions=positions, include_sampled=include_sampled
+        request, layout = build_aligned_request(
+            sequences,
+            top_k,
+            attention_mask=attention_mask,
+            positions=positions,
+            dtype=dtype,
+            include_sampled=include_sampled,
         )
-        return self._answer(request, device)
+        return align(self._answer(request, device), layout)
 
     def stream(
         self,
@@ -218,17 +224,15 @@ class ReplayClient(Closeable):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
         for batch in batches:
-            if isinstance(batch, ScoreBatch):
-                sequences, positions = batch.sequences, batch.positions
-            else:
-                sequences, positions = batch, None
+            item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
             yield self.score(
-                sequences,
+                item.sequences,
                 top_k,
                 dtype=dtype,
-                positions=positions,
+                positions=item.positions,
                 include_sampled=include_sampled,
                 device=device,
+                attention_mask=item.attention_mask,
             )
 
     def close(self) -> None:

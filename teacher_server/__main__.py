@@ -1,5 +1,7 @@
 """``python -m teacher_server`` = ``teacher-server``."""
 
-from teacher_server.cli import main
+import sys
 
-main()
+from teacher_server.entry import main
+
+sys.exit(main())

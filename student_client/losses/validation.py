@@ -193,7 +193,11 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
         )
     ordered = teacher_ids.sort(dim=-1).values
     if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-        raise _fail("teacher_ids", "an id repeats within a position; ids must be distinct")
+        raise _fail(
+            "teacher_ids",
+            "an id repeats within a position; ids must be distinct (the padding rows of a "
+            "ragged or padded batch's payload hold ids 0: pass mask=payload.mask)",
+        )
     if bool(teacher_logprobs.isnan().any()):
         raise _fail("teacher_logprobs", "contains NaN")
     largest = float(teacher_logprobs.max())

@@ -2,7 +2,8 @@
 with a smaller budget) served by a real vLLM-backed ``teacher-server``; a fresh student
 distilled through the client must lower held-out KL(teacher || student) clearly; then the
 same run through a recording gives the same numbers, and training on the recording as a
-shuffled payload dataset (``--dataset``) lowers the KL too.
+shuffled payload dataset (``--dataset``) lowers the KL too. The on-policy example runs
+against the same teacher.
 
 (The session's shared vLLM server runs a *random* model: nothing a small student can
 imitate in a few steps. This test needs a teacher that learned something, so it starts
@@ -98,3 +99,31 @@ def test_distill_reduces_heldout_kl_and_replays(
     ds_result = _result(shuffled)
     assert len(ds_result["train_loss"]) == 24
     assert ds_result["after"]["kl_teacher_student"] < 0.5 * before["kl_teacher_student"]
+
+
+def test_onpolicy_reduces_heldout_kl_with_response_only_traffic(
+    pretrained_teacher: ServerProcess,
+    teacher_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """examples/onpolicy.py, short: the student samples, the teacher scores only the
+    response rows, and held-out KL goes down; the traffic is the response rows' only."""
+    from examples import onpolicy
+
+    args = [
+        "--teacher", pretrained_teacher.target, "--teacher-dir", str(teacher_dir),
+        "--out", str(tmp_path), "--steps", "12", "--batch-size", "8", "--min-prompt", "16",
+        "--max-prompt", "32", "--response", "32", "--eval-windows", "8", "--eval-len", "128",
+    ]  # fmt: skip
+    assert onpolicy.main(args) == 0
+    assert "saved by the sub-range" in capsys.readouterr().out
+    result = _result(tmp_path)
+    before, after = result["before"], result["after"]
+    assert after["kl_teacher_student"] < 0.9 * before["kl_teacher_student"], (before, after)
+    assert len(result["train_loss"]) == 12
+    # 32 response rows per sample are scored; full sequences would be 48-64 rows.
+    assert result["response_rows"] == 12 * 8 * 32
+    assert 48 * 12 * 8 <= result["full_rows"] <= 64 * 12 * 8
+    assert result["payload_bytes"] == result["response_rows"] * 16 * (4 + 2)
+    assert result["payload_bytes"] < 0.7 * result["full_sequence_bytes"]

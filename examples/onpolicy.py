@@ -1,0 +1,280 @@
+"""On-policy distillation: the student writes, the teacher grades only what it wrote.
+
+Each step the student (a fresh, smaller Qwen2) continues byte prompts drawn from the
+training files (``generate``, sampling at temperature 1): prompts of random length are
+left-padded, so the batch is a Hugging Face ``input_ids`` + ``attention_mask`` pair. The
+teacher scores only the response positions (a sub-range given as columns of the padded
+batch: padding and prompt rows are never sent back), the payload comes back aligned to
+the padded batch (:mod:`student_client.alignment`), and the tail-aware top-k KL runs on
+the response positions only. Before and after, the held-out metrics of
+:mod:`examples.distill` (full-vocabulary KL(teacher || student) on held-out files,
+teacher-forced) say what the student learned; the payload bytes received are compared
+with what full-sequence requests would have carried.
+
+    python -m examples.onpolicy [--teacher HOST:PORT] [--steps 100] [--out runs/onpolicy]
+
+Without ``--teacher`` it serves the demo teacher (``--teacher-dir``, built once and
+cached like ``make demo`` does) with the vLLM backend for the run's duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from examples.data import PAD_ID, ByteCorpus, fixed_windows, load_stdlib_corpus
+from examples.distill import DistillConfig, EvalResult, evaluate, heldout_table, student_model
+from examples.teacher_pretrain import DEFAULT_CACHE_DIR
+from student_client.losses import topk_kl_loss
+from topk_protocol import build_request, response_bytes
+
+__all__ = ["OnPolicyConfig", "OnPolicyResult", "main", "run_onpolicy", "sample_prompts"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OnPolicyConfig:
+    """Everything that decides an on-policy run."""
+
+    steps: int = 100
+    batch_size: int = 16
+    min_prompt: int = 32
+    max_prompt: int = 64
+    response: int = 64
+    top_k: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+    eval_windows: int = 32
+    eval_len: int = 256
+    hidden_size: int = 64
+    num_layers: int = 1
+    threads: int = 2
+
+
+@dataclass
+class OnPolicyResult:
+    before: EvalResult
+    after: EvalResult
+    train_loss: list[float] = field(default_factory=list)
+    #: Payload bytes received (response rows only) and what full sequences would carry.
+    payload_bytes: int = 0
+    full_sequence_bytes: int = 0
+    response_rows: int = 0
+    full_rows: int = 0
+    seconds: float = 0.0
+    generate_seconds: float = 0.0
+
+
+def sample_prompts(
+    stream: np.ndarray, rng: np.random.Generator, cfg: OnPolicyConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, max_prompt]`` left-padded byte prompts of random lengths and their mask."""
+    b, t = cfg.batch_size, cfg.max_prompt
+    lengths = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, size=b)
+    starts = rng.integers(0, len(stream) - t, size=b)
+    ids = torch.full((b, t), PAD_ID, dtype=torch.int64)
+    mask = torch.zeros((b, t), dtype=torch.int64)
+    for i, (n, s) in enumerate(zip(lengths.tolist(), starts.tolist(), strict=True)):
+        ids[i, t - n :] = torch.from_numpy(stream[s : s + n].astype(np.int64))
+        mask[i, t - n :] = 1
+    return ids, mask
+
+
+def _position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted from each row's first real token (as ``generate`` does)."""
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def _traffic(
+    sequences: list[torch.Tensor], spans: list[tuple[int, int]], k: int
+) -> tuple[int, int]:
+    """Payload bytes of the response-only request and of the full-sequence request."""
+    part = build_request(sequences, k, positions=spans, include_sampled=False)
+    full = build_request(sequences, k, include_sampled=False)
+    return response_bytes(part), response_bytes(full)
+
+
+def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolicyResult:
+    """Train a fresh student on-policy against ``client``; before/after held-out metrics."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(cfg.threads)
+    corpus: ByteCorpus = load_stdlib_corpus()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    vocab = int(teacher.config.vocab_size)
+    student = student_model(
+        vocab,
+        DistillConfig(
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            seq_len=cfg.max_prompt + cfg.response,
+            seed=cfg.seed,
+        ),
+    )
+    heldout = fixed_windows(corpus.heldout, length=cfg.eval_len, count=cfg.eval_windows)
+    result = OnPolicyResult(before=evaluate(student, teacher, heldout), after=None)  # type: ignore[arg-type]
+    rng = np.random.default_rng(cfg.seed)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
+    prompt_end = cfg.max_prompt  # the first response column of every row
+    # Row t predicts token t+1: the response tokens [P, P+R) are predicted by rows [P-1, P+R-1).
+    columns = [(prompt_end - 1, prompt_end + cfg.response - 1)] * cfg.batch_size
+    t0 = time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        prompts, prompt_mask = sample_prompts(corpus.train, rng, cfg)
+        g0 = time.perf_counter()
+        student.eval()
+        with torch.no_grad():
+            seqs = student.generate(
+                input_ids=prompts,
+                attention_mask=prompt_mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=cfg.response,
+                min_new_tokens=cfg.response,
+                pad_token_id=PAD_ID,
+            )  # [B, P + R]
+        student.train()
+        result.generate_seconds += time.perf_counter() - g0
+        mask = torch.cat([prompt_mask, torch.ones_like(seqs[:, prompt_end:])], dim=1)
+        payload = client.score(
+            seqs, cfg.top_k, attention_mask=mask, positions=columns, include_sampled=False
+        )  # [B, P + R, K], mask True on the response rows only
+        logits = student(
+            input_ids=seqs, attention_mask=mask, position_ids=_position_ids(mask)
+        ).logits
+        loss, _stats = topk_kl_loss(
+            logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        result.train_loss.append(loss.item())
+        real = [row[m.bool()] for row, m in zip(seqs, mask, strict=True)]
+        spans = [(len(r) - cfg.response - 1, len(r) - 1) for r in real]
+        part, full = _traffic(real, spans, cfg.top_k)
+        result.payload_bytes += part
+        result.full_sequence_bytes += full
+        result.response_rows += int(payload.mask.sum())
+        result.full_rows += sum(len(r) for r in real)
+        if step % 10 == 0 or step == cfg.steps:
+            print(
+                f"step {step}/{cfg.steps}: loss {loss.item():.3f}, "
+                f"{time.perf_counter() - t0:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    result.seconds = time.perf_counter() - t0
+    result.after = evaluate(student, teacher, heldout)
+    return result
+
+
+def format_table(result: OnPolicyResult, cfg: OnPolicyConfig) -> str:
+    """The before/after table and the traffic line (markdown)."""
+    saved = 100 * (1 - result.payload_bytes / max(result.full_sequence_bytes, 1))
+    return "\n".join(
+        [
+            *heldout_table(result.before, result.after, cfg.eval_windows, cfg.eval_len),
+            "",
+            f"{cfg.steps} steps x {cfg.batch_size} samples: prompts of {cfg.min_prompt}-"
+            f"{cfg.max_prompt} bytes, {cfg.response} sampled response bytes, top-{cfg.top_k} "
+            f"tail-aware KL on the response positions only; {result.seconds:.0f} s "
+            f"({result.generate_seconds:.0f} s generating)",
+            f"teacher traffic: {result.payload_bytes:,} payload bytes for "
+            f"{result.response_rows:,} response rows; full-sequence requests would carry "
+            f"{result.full_sequence_bytes:,} bytes for {result.full_rows:,} rows "
+            f"({saved:.0f}% saved by the sub-range)",
+        ]
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.onpolicy", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--teacher", help="teacher target (host:port); default: serve --teacher-dir here"
+    )
+    ap.add_argument(
+        "--token",
+        default=os.environ.get("TOPK_TEACHER_TOKEN"),
+        help="bearer token of the teacher (default: $TOPK_TEACHER_TOKEN)",
+    )
+    ap.add_argument(
+        "--teacher-dir",
+        type=Path,
+        default=DEFAULT_CACHE_DIR,
+        help="the teacher's weights (served when --teacher is not given; read locally "
+        "for the full-vocabulary evaluation)",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=["vllm", "transformers"],
+        default="vllm",
+        help="engine of the teacher served here (without --teacher)",
+    )
+    ap.add_argument("--out", type=Path, default=Path("runs/onpolicy"))
+    d = OnPolicyConfig()
+    for name in (
+        "steps", "batch_size", "min_prompt", "max_prompt", "response", "top_k", "seed",
+        "eval_windows", "eval_len",
+    ):  # fmt: skip
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    ap.add_argument("--lr", type=float, default=d.lr)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    fields = [f.name for f in dataclasses.fields(OnPolicyConfig) if hasattr(args, f.name)]
+    cfg = OnPolicyConfig(**{name: getattr(args, name) for name in fields})
+    if not 1 <= cfg.min_prompt <= cfg.max_prompt or cfg.response < 1:
+        raise SystemExit(
+            "--min-prompt/--max-prompt/--response: need 1 <= min <= max, response >= 1"
+        )
+    from student_client.client import TeacherClient
+
+    server = None
+    teacher_dir = args.teacher_dir
+    target = args.teacher
+    if target is None:
+        from examples.demo import serve_teacher
+        from examples.teacher_pretrain import PretrainConfig, build_default_teacher
+
+        teacher_dir = build_default_teacher(
+            teacher_dir, config=PretrainConfig(train_seconds=0, max_steps=300)
+        )
+        server = serve_teacher(teacher_dir, args.backend, args.out / "teacher-server.log")
+        target = server.target
+    try:
+        with TeacherClient(target, token=args.token) as client:
+            result = run_onpolicy(client, teacher_dir, cfg)
+    finally:
+        if server is not None:
+            server.stop(timeout_s=120)
+    print(format_table(result, cfg))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(
+        json.dumps({"config": asdict(cfg), "result": asdict(result)}, indent=2) + "\n"
+    )
+    return 0 if math.isfinite(result.after.kl_teacher_student) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

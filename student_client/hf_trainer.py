@@ -1,0 +1,348 @@
+"""``transformers.Trainer`` integration: distil a Hugging Face student against a teacher.
+
+- :func:`distillation_loss` is the reusable piece: student forward on a batch, the
+  tail-aware (or truncated) top-k KL against the payload aligned to the batch, optionally
+  blended with the model's own cross-entropy, ``alpha * CE + (1 - alpha) * KD``. Use it
+  in any loop (or another trainer's ``compute_loss``).
+- :class:`TopKDistillationTrainer` is a ``Trainer`` whose ``compute_loss`` calls it. The
+  payloads come from a teacher target (``"host:port"``, each process opens its own
+  client), a client object (``TeacherClient``, ``ReplayClient``), or the batches
+  themselves (a :class:`~student_client.dataset.PayloadDataset` with
+  :func:`payload_dataset_collator`, or any collator that gives ``teacher_ids`` /
+  ``teacher_logprobs`` / ``teacher_mask``). Payloads are prefetched: the hook is
+  ``Trainer.get_batch_samples``, which pulls the micro-batches of each optimizer step
+  from the (per-rank, already sharded) epoch iterator; the trainer wraps that iterator
+  once per epoch in a client stream that keeps ``prefetch_depth`` batches with the
+  teacher, so every rank fetches the payloads of exactly its own batches, in order,
+  across gradient accumulation steps.
+- Loss statistics (``kd_loss``, ``kd_teacher_mass``, ``kd_overlap``, ...) are averaged
+  over the micro-batches since the last log and go through ``Trainer.log``: they land in
+  ``trainer.state.log_history`` and every ``report_to`` integration.
+
+Needs the ``hf`` extra (``pip install 'topk-distill[hf]'``: transformers + accelerate).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:
+    from transformers import Trainer
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "student_client.hf_trainer needs transformers and accelerate: "
+        "pip install 'topk-distill[hf]'"
+    ) from e
+
+from student_client.alignment import PaddedLayout, place_rows
+from student_client.client import ScoreBatch
+from student_client.losses import topk_kl_loss
+from student_client.losses.types import LossMode, TopKKLStats
+from student_client.payload import TeacherPayload
+
+__all__ = [
+    "PAYLOAD_KEYS",
+    "DistillationConfig",
+    "TopKDistillationTrainer",
+    "distillation_loss",
+    "payload_columns",
+    "payload_dataset_collator",
+]
+
+#: Batch keys that carry the teacher's payload (aligned to ``input_ids``): ``[B, T, K]``
+#: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask.
+PAYLOAD_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_mask")
+
+
+@dataclass(frozen=True)
+class DistillationConfig:
+    """How the distillation loss is computed.
+
+    Attributes:
+        top_k: K requested from the teacher.
+        mode: ``"tail"`` (K+1 categories, a lower bound of the full KL) or ``"truncated"``.
+        alpha: weight of the model's cross-entropy on ``labels``: the loss is
+            ``alpha * CE + (1 - alpha) * KD``; 0 (the default) is pure distillation.
+        temperature: student temperature of the KD term.
+        chunk_size: rows per loss chunk (None: automatic).
+        dtype: wire dtype of the teacher's log-probs.
+        prefetch_depth: batches kept with the teacher ahead of the one training.
+    """
+
+    top_k: int = 16
+    mode: LossMode = "tail"
+    alpha: float = 0.0
+    temperature: float = 1.0
+    chunk_size: int | None = None
+    dtype: str = "float16"
+    prefetch_depth: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha: must lie in [0, 1], got {self.alpha}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k: must be >= 1, got {self.top_k}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth: must be >= 0, got {self.prefetch_depth}")
+
+
+def payload_columns(payload: TeacherPayload) -> dict[str, torch.Tensor]:
+    """A payload aligned to a batch as the batch columns :data:`PAYLOAD_KEYS`."""
+    return {
+        "teacher_ids": payload.ids,
+        "teacher_logprobs": payload.logprobs,
+        "teacher_mask": payload.mask,
+    }
+
+
+def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[str, Any]]:
+    """A ``data_collator`` for a :class:`~student_client.dataset.PayloadDataset`: its
+    batches as Trainer inputs (``input_ids``, ``attention_mask`` and
+    :data:`PAYLOAD_KEYS`, the payload placed at its positions of the ``[B, L]`` batch, so
+    sub-range recordings line up with the full logits). Train with ``teacher=None``."""
+    from student_client.dataset import collate_payloads
+
+    def collate(items: Sequence[Any]) -> dict[str, Any]:
+        batch = collate_payloads(items, pad_id=pad_id)
+        b, length = batch.token_ids.shape
+        payload = place_rows(batch.payload, PaddedLayout.dense(b, length))
+        return {
+            "input_ids": batch.token_ids,
+            "attention_mask": batch.attention_mask.long(),
+            **payload_columns(payload),
+        }
+
+    return collate
+
+
+def distillation_loss(
+    model: torch.nn.Module,
+    inputs: Mapping[str, Any],
+    config: DistillationConfig,
+) -> tuple[torch.Tensor, dict[str, float], Any]:
+    """Student forward + distillation loss of one batch.
+
+    Args:
+        model: a causal LM (``model(**inputs).logits`` is ``[B, T, V]``).
+        inputs: the batch: the model's inputs (``input_ids``, ``attention_mask``, ...,
+            ``labels`` when ``config.alpha > 0``) plus :data:`PAYLOAD_KEYS` (the payload
+            aligned to ``input_ids``: row ``t`` is the teacher's distribution over the
+            token after ``input_ids[:, t]``, as ``logits[:, t]``).
+        config: see :class:`DistillationConfig`.
+
+    Returns:
+        ``(loss, metrics, outputs)``: the scalar loss (mean over the batch's counted
+        positions), plain-number metrics (``kd_*`` from :class:`TopKKLStats`, ``ce_loss``
+        when blended), and the model's outputs.
+    """
+    missing = [k for k in PAYLOAD_KEYS[:2] if k not in inputs]
+    if missing:
+        raise ValueError(
+            f"inputs: missing {missing}; the batch needs the teacher payload (use "
+            f"TopKDistillationTrainer with a teacher, or a payload dataset)"
+        )
+    model_inputs = {k: v for k, v in inputs.items() if k not in PAYLOAD_KEYS}
+    if config.alpha == 0.0:
+        model_inputs.pop("labels", None)
+    elif "labels" not in model_inputs:
+        raise ValueError(f"inputs: alpha = {config.alpha} > 0 needs 'labels' for the CE term")
+    outputs = model(**model_inputs)
+    mask = inputs.get("teacher_mask")
+    # The fused linear + loss path (hidden states and the LM head's weight instead of
+    # logits) plugs in here once the loss package has it.
+    kd, stats = topk_kl_loss(
+        outputs.logits,
+        inputs["teacher_ids"],
+        inputs["teacher_logprobs"],
+        mode=config.mode,
+        mask=mask,
+        chunk_size=config.chunk_size,
+        temperature=config.temperature,
+    )
+    metrics = _stats_metrics(stats)
+    if config.alpha == 0.0:
+        return kd, metrics, outputs
+    ce = outputs.loss
+    metrics["ce_loss"] = float(ce.detach())
+    return config.alpha * ce + (1.0 - config.alpha) * kd, metrics, outputs
+
+
+def _stats_metrics(stats: TopKKLStats) -> dict[str, float]:
+    return {f"kd_{name}": value for name, value in stats.as_dict().items()}
+
+
+class _Prefetcher:
+    """Wraps one epoch iterator: yields its batches with their payload columns added,
+    keeping ``depth`` batches with the teacher ahead of the one handed out."""
+
+    def __init__(
+        self, epoch_iterator: Iterator[Any], client: Any, config: DistillationConfig
+    ) -> None:
+        self._pending: deque[Mapping[str, Any]] = deque()
+        self._source = epoch_iterator
+        self._payloads = client.stream(
+            self._to_teacher(),
+            config.top_k,
+            depth=config.prefetch_depth,
+            dtype=config.dtype,
+            include_sampled=False,
+        )
+
+    def _to_teacher(self) -> Iterator[ScoreBatch]:
+        for batch in self._source:
+            self._pending.append(batch)
+            yield ScoreBatch(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        payload: TeacherPayload = next(self._payloads)
+        batch = self._pending.popleft()
+        device = batch["input_ids"].device
+        return {**batch, **payload_columns(payload.to(device))}
+
+    def close(self) -> None:
+        close = getattr(self._payloads, "close", None)
+        if close is not None:
+            close()
+
+
+class TopKDistillationTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains the student on a teacher's top-k payloads.
+
+    Args:
+        teacher: where payloads come from: a target (``"host:port"``, ``"dns:///..."``
+            or a list; this process opens its own ``TeacherClient``), a client object
+            with ``stream`` (``TeacherClient``, ``ReplayClient``), or None when the
+            batches already carry :data:`PAYLOAD_KEYS` (a payload dataset).
+        distill: :class:`DistillationConfig` (K, mode, alpha, prefetch depth, ...).
+        teacher_kwargs: extra ``TeacherClient`` arguments when ``teacher`` is a target
+            (``token``, ``tls``, ``expect_vocab_size``, ...).
+        *args, **kwargs: ``transformers.Trainer``'s (model, args, train_dataset,
+            data_collator, ...).
+
+    Batches need ``input_ids`` (and ``attention_mask`` for padded batches: padding is
+    never sent to the teacher). Training batches are prefetched; a batch that arrives
+    without its payload (evaluation) is scored on the spot. The KD loss is a per-batch
+    mean over the counted positions; the Trainer divides it by the gradient accumulation
+    steps as usual.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        teacher: str | Sequence[str] | Any = None,
+        distill: DistillationConfig | None = None,
+        teacher_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.distill = distill or DistillationConfig()
+        self._owns_client = isinstance(teacher, str) or (
+            isinstance(teacher, Sequence) and all(isinstance(t, str) for t in teacher)
+        )
+        if self._owns_client:
+            from student_client.client import TeacherClient
+
+            self.teacher_client: Any = TeacherClient(teacher, **(teacher_kwargs or {}))
+        else:
+            if teacher is not None and not hasattr(teacher, "stream"):
+                raise TypeError(
+                    f"teacher: expected a target string, a client with stream(), or None; "
+                    f"got {type(teacher).__name__}"
+                )
+            self.teacher_client = teacher
+        # The loss is a per-micro-batch mean: the Trainer scales it for accumulation.
+        self.loss_is_scaled_for_ga = False
+        self._prefetchers: dict[int, _Prefetcher] = {}
+        self._kd_metrics: dict[str, list[float]] = defaultdict(list)
+
+    # -- data: payload columns survive column removal; payloads prefetched per epoch ---
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        assert self._signature_columns is not None
+        self._signature_columns += [k for k in PAYLOAD_KEYS if k not in self._signature_columns]
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[Any], Any]:
+        if self.teacher_client is not None:
+            key = id(epoch_iterator)
+            if key not in self._prefetchers:
+                for old in self._prefetchers.values():
+                    old.close()
+                # Keep the iterator alive with its wrapper so that its id stays unique.
+                self._prefetchers = {
+                    key: _Prefetcher(epoch_iterator, self.teacher_client, self.distill)
+                }
+            epoch_iterator = self._prefetchers[key]
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    # -- loss and logging ---------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        if PAYLOAD_KEYS[0] not in inputs and self.teacher_client is not None:
+            # Not prefetched (evaluation, prediction): fetch this batch's payload now.
+            cfg = self.distill
+            payload = self.teacher_client.score(
+                inputs["input_ids"],
+                cfg.top_k,
+                dtype=cfg.dtype,
+                include_sampled=False,
+                attention_mask=inputs.get("attention_mask"),
+            )
+            inputs = {**inputs, **payload_columns(payload.to(inputs["input_ids"].device))}
+        loss, metrics, outputs = distillation_loss(model, inputs, self.distill)
+        if model.training:
+            for name, value in metrics.items():
+                self._kd_metrics[name].append(value)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Evaluation: the distillation loss of the batch (``eval_loss``); no logits are
+        gathered (the batches carry no labels to compare them with)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the distillation statistics (means since the last log) to ``logs``."""
+        if "loss" in logs and self._kd_metrics:
+            for name, values in self._kd_metrics.items():
+                logs[name] = sum(values) / len(values)
+            self._kd_metrics.clear()
+        super().log(logs, start_time)
+
+    def close(self) -> None:
+        """Stop prefetching; close the client when this trainer opened it."""
+        for pre in self._prefetchers.values():
+            pre.close()
+        self._prefetchers.clear()
+        if self._owns_client and self.teacher_client is not None:
+            self.teacher_client.close()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            for pre in self._prefetchers.values():
+                pre.close()
+            self._prefetchers.clear()
