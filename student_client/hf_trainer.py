@@ -41,7 +41,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from student_client.alignment import PaddedLayout, place_rows
 from student_client.client import ScoreBatch
-from student_client.losses import topk_kl_loss
+from student_client.losses import causal_lm_hidden_and_head, fused_topk_kl_loss, topk_kl_loss
 from student_client.losses.types import LossMode, TopKKLStats
 from student_client.payload import TeacherPayload
 
@@ -72,6 +72,9 @@ class DistillationConfig:
         chunk_size: rows per loss chunk (None: automatic).
         dtype: wire dtype of the teacher's log-probs.
         prefetch_depth: batches kept with the teacher ahead of the one training.
+        fused: compute the KD term from the last hidden states and the LM head with
+            ``fused_topk_kl_loss`` (no ``[B, T, V]`` logits); pure distillation only
+            (``alpha`` 0), for models :func:`causal_lm_hidden_and_head` accepts.
     """
 
     top_k: int = 16
@@ -81,8 +84,11 @@ class DistillationConfig:
     chunk_size: int | None = None
     dtype: str = "float16"
     prefetch_depth: int = 4
+    fused: bool = False
 
     def __post_init__(self) -> None:
+        if self.fused and self.alpha != 0.0:
+            raise ValueError("fused: needs alpha = 0 (the CE term needs the logits)")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha: must lie in [0, 1], got {self.alpha}")
         if self.top_k < 1:
@@ -151,10 +157,22 @@ def distillation_loss(
         model_inputs.pop("labels", None)
     elif "labels" not in model_inputs:
         raise ValueError(f"inputs: alpha = {config.alpha} > 0 needs 'labels' for the CE term")
-    outputs = model(**model_inputs)
     mask = inputs.get("teacher_mask")
-    # The fused linear + loss path (hidden states and the LM head's weight instead of
-    # logits) plugs in here once the loss package has it.
+    if config.fused:
+        head = causal_lm_hidden_and_head(model, **model_inputs)
+        kd, stats = fused_topk_kl_loss(
+            head.hidden,
+            head.weight,
+            inputs["teacher_ids"],
+            inputs["teacher_logprobs"],
+            bias=head.bias,
+            mode=config.mode,
+            mask=mask,
+            chunk_size=config.chunk_size,
+            temperature=config.temperature,
+        )
+        return kd, _stats_metrics(stats), head
+    outputs = model(**model_inputs)
     kd, stats = topk_kl_loss(
         outputs.logits,
         inputs["teacher_ids"],

@@ -204,3 +204,26 @@ def test_payload_dataset_trains_without_a_client(
     ds_losses = _logged(trainer, "kd_loss")
     assert len(ds_losses) == 3
     np.testing.assert_allclose(ds_losses, _logged(live, "kd_loss")[:3], rtol=0, atol=1e-5)
+
+
+def test_fused_trainer_matches_the_logits_path(
+    vllm_teacher: ServerProcess, student: Any, tokenizer: Any, tmp_path: Path
+) -> None:
+    """``DistillationConfig(fused=True)`` (hidden states + lm_head, no logits) trains the
+    same steps as the logits path."""
+    tokenizer.padding_side = "right"
+    losses = []
+    with TeacherClient(vllm_teacher.target) as client:
+        for fused in (False, True):
+            trainer = TopKDistillationTrainer(
+                model=copy.deepcopy(student),
+                args=_trainer_args(tmp_path / f"fused-{fused}", 1, steps=4),
+                train_dataset=_examples(4 * BATCH),
+                data_collator=lambda feats: tokenizer.pad(feats, return_tensors="pt"),
+                teacher=client,
+                distill=DistillationConfig(top_k=K, fused=fused),
+            )
+            trainer.train()
+            losses.append(_logged(trainer, "kd_loss"))
+    assert len(losses[1]) == 4
+    np.testing.assert_allclose(losses[1], losses[0], rtol=0, atol=1e-5)
