@@ -34,7 +34,7 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -100,22 +100,17 @@ def parse_targets(target: str | Sequence[str]) -> list[str]:
 
 
 def clean_token(token: str | None) -> str | None:
-    """The bearer token as sent: surrounding whitespace (e.g. the trailing newline of a
-    token file, which the server strips from its ``--token-file`` too) is removed with a
-    warning; whitespace or control characters inside are a ValueError."""
+    """The bearer token as sent: surrounding whitespace (e.g. a token file's trailing
+    newline; the server strips its ``--token-file`` too) is removed with a warning."""
     if token is None:
         return None
     stripped = token.strip()
     if not stripped:
         raise ValueError("token: empty (only whitespace)")
-    if any(c.isspace() or not c.isprintable() for c in stripped):
+    if len(stripped.split()) > 1 or not stripped.isprintable():
         raise ValueError("token: holds whitespace or control characters inside")
     if stripped != token:
-        warnings.warn(
-            "token: removed surrounding whitespace (e.g. a trailing newline read from a "
-            "token file); the server strips its --token-file the same way",
-            stacklevel=4,
-        )
+        warnings.warn("token: removed surrounding whitespace (a newline?)", stacklevel=4)
     return stripped
 
 
@@ -153,14 +148,12 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+@dataclass(slots=True)
 class _Pending:
     """A request of a stream that has been sent and not yet handed to the caller."""
 
-    __slots__ = ("assembler", "sent_at")
-
-    def __init__(self, request: pb.ScoreRequest) -> None:
-        self.assembler = ResponseAssembler(request)
-        self.sent_at = time.monotonic()
+    assembler: ResponseAssembler
+    sent_at: float = field(default_factory=time.monotonic)
 
     @property
     def request(self) -> pb.ScoreRequest:
@@ -193,13 +186,14 @@ class _StreamWindow:
     def add(self, request: pb.ScoreRequest) -> _Pending:
         if request.request_id in self._pending:
             raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
-        pending = _Pending(request)
+        pending = _Pending(ResponseAssembler(request))
         self._pending[request.request_id] = pending
         return pending
 
     def add_failed(self, error: TeacherError) -> None:
         """A batch refused before sending: it fails when the caller reaches it."""
-        pending = _Pending(pb.ScoreRequest(request_id=f"!local-{next(self._local)}"))
+        request = pb.ScoreRequest(request_id=f"!local-{next(self._local)}")
+        pending = _Pending(ResponseAssembler(request))
         pending.assembler.error = error
         pending.assembler.complete = True
         self._pending[pending.request.request_id] = pending
@@ -334,13 +328,13 @@ class AsyncTeacherClient:
         self._max_message_bytes = int(max_message_mb) * 1024 * 1024
         self._tries = int(retries) + 1
         self._backoff = (float(backoff_s), float(max_backoff_s))
-        self._expect = (
-            expect_vocab_size,
-            expect_tokenizer_fingerprint,
-            None
+        self._expect: dict[str, Any] = {  # TeacherInfo.check_expected's keywords
+            "vocab_size": expect_vocab_size,
+            "tokenizer_fingerprint": expect_tokenizer_fingerprint,
+            "temperature": None
             if expect_temperature is None
             else check_temperature(expect_temperature, "expect_temperature"),
-        )
+        }
         self._record = (
             None if record_to is None else Path(record_to),
             record_compression,
@@ -374,25 +368,14 @@ class AsyncTeacherClient:
                 self._stubs.append(pb_grpc.TeacherStub(ch))
         return self._stubs[index]
 
-    def _check_info(self, info: TeacherInfo, target: str) -> None:
-        """Raise unless the teacher speaks our schema and is the expected one (vocabulary,
-        temperature)."""
-        info.check_schema()
-        vocab, fingerprint, temperature = self._expect
-        info.check_expected(
-            f"teacher {target}",
-            vocab_size=vocab,
-            tokenizer_fingerprint=fingerprint,
-            temperature=temperature,
-        )
-
     async def _fetch_info(self, index: int) -> TeacherInfo:
         if index not in self._infos:
             msg = await self._stub(index).GetInfo(
                 pb.GetInfoRequest(), timeout=self._timeout_s, metadata=self._metadata
             )
             info = TeacherInfo.from_message(msg)
-            self._check_info(info, self.targets[index])
+            info.check_schema()  # our schema, and the teacher the student expects
+            info.check_expected(f"teacher {self.targets[index]}", **self._expect)
             self._infos[index] = (info, msg)
         return self._infos[index][0]
 

@@ -13,7 +13,8 @@ on them (ids repeated within a position) instead of training on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,22 +82,12 @@ class TeacherPayload:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TeacherPayload:
         """The same payload with every tensor on ``device``."""
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        return TeacherPayload(
-            ids=move(self.ids),
-            logprobs=move(self.logprobs),
-            sampled_logprobs=None if self.sampled_logprobs is None else move(self.sampled_logprobs),
-            mask=move(self.mask),
-            position_start=move(self.position_start),
-            lengths=move(self.lengths),
-            top_k=self.top_k,
-            dtype=self.dtype,
-            request_id=self.request_id,
-            teacher_seconds=self.teacher_seconds,
-        )
+        moved: dict[str, Any] = {
+            f.name: value.to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -119,19 +110,16 @@ class ResponseAssembler:
         self.top_k = int(request.top_k)
         self.dtype = request_dtype(request)
         self.include_sampled = request_includes_sampled(request)
-        self.complete = False
-        self.error: TeacherError | None = None
         self.teacher_seconds = 0.0
-        self._chunks: list[list[pb.SequencePayload]] = [[] for _ in self.spans]
-        self._rows = [0] * len(self.spans)
         self._size = itemsize(self.dtype)
+        self.reset()
 
     def reset(self) -> None:
         """Forget partial chunks (the request is being sent again)."""
-        self._chunks = [[] for _ in self.spans]
+        self._chunks: list[list[pb.SequencePayload]] = [[] for _ in self.spans]
         self._rows = [0] * len(self.spans)
         self.complete = False
-        self.error = None
+        self.error: TeacherError | None = None
 
     def add(self, msg: pb.ScoreResponse) -> None:
         """Take one response message of this request. Raises :class:`TeacherError` when it
