@@ -30,6 +30,7 @@ import torch
 from student_client.errors import InvalidRequestError
 from student_client.payload import TeacherPayload
 from topk_protocol import Span, build_request, pb
+from topk_protocol.requests import check_span
 
 __all__ = [
     "PaddedLayout",
@@ -159,18 +160,7 @@ def _unpadded_positions(
         )
     out: list[Span] = []
     for row, offset, n in zip(layout.rows.tolist(), layout.offsets.tolist(), lengths, strict=True):
-        pair = positions[row]
-        try:
-            start, end = (int(v) for v in pair)
-        except (TypeError, ValueError):
-            raise InvalidRequestError(
-                f"positions[{row}]: expected a (start, end) pair of ints, got {pair!r}"
-            ) from None
-        if not 0 <= start <= end <= layout.total_len:
-            raise InvalidRequestError(
-                f"positions[{row}]: [{start}, {end}) is not a column range of the padded "
-                f"batch [0, {layout.total_len}]"
-            )
+        start, end = check_span(positions[row], row, layout.total_len, "the padded batch's columns")
         lo = min(max(start - offset, 0), n)
         out.append((lo, max(lo, min(end - offset, n))))
     return out

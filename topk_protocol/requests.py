@@ -26,6 +26,7 @@ __all__ = [
     "Span",
     "build_request",
     "bytes_per_row",
+    "check_span",
     "fits_one_message",
     "normalize_sequences",
     "request_dtype",
@@ -101,21 +102,26 @@ def _check_positions(positions: Any, lengths: Sequence[int]) -> list[Span]:
         raise InvalidRequestError(
             f"positions: {len(spans)} (start, end) pairs for {len(lengths)} sequences"
         )
-    out: list[Span] = []
-    for i, (pair, n) in enumerate(zip(spans, lengths, strict=True)):
-        try:
-            start, end = (int(v) for v in pair)
-        except (TypeError, ValueError):
-            raise InvalidRequestError(
-                f"positions[{i}]: expected a (start, end) pair of ints, got {pair!r}"
-            ) from None
-        if not 0 <= start <= end <= n:
-            raise InvalidRequestError(
-                f"positions[{i}]: [{start}, {end}) is not a range inside the sequence's "
-                f"{n} positions [0, {n}]"
-            )
-        out.append((start, end))
-    return out
+    return [
+        check_span(pair, i, n, f"the sequence's {n} positions")
+        for i, (pair, n) in enumerate(zip(spans, lengths, strict=True))
+    ]
+
+
+def check_span(pair: Any, index: int, limit: int, inside: str) -> Span:
+    """``positions[index]`` as a ``(start, end)`` pair of ints, ``0 <= start <= end <=
+    limit``; ``inside`` names what the range must lie in (for the error message)."""
+    try:
+        start, end = (int(v) for v in pair)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            f"positions[{index}]: expected a (start, end) pair of ints, got {pair!r}"
+        ) from None
+    if not 0 <= start <= end <= limit:
+        raise InvalidRequestError(
+            f"positions[{index}]: [{start}, {end}) is not a range inside {inside} [0, {limit}]"
+        )
+    return start, end
 
 
 def build_request(
