@@ -8,8 +8,9 @@ Same tiny model, same engine settings (float32, prefix caching off), same sequen
    round, round-robin, ``--engine-reps`` rounds:
 
    * engine forward only: ``max_tokens=1``, no log-probs (the limit);
-   * the array log-prob path and vLLM's ``flat_logprobs`` path, for each K, to payload
-     arrays (the two paths' payloads are checked to be identical).
+   * for each K, to payload arrays: vLLM's ``flat_logprobs`` path with vLLM's own top-k in
+     the engine (vLLM's way), the array path with vLLM's top-k, and the array path with
+     this project's CPU top-k kernel (the default); all payloads are checked equal.
 
    Reported (medians over rounds; ratios and differences paired with the same round's
    forward only, which a shared, loaded machine needs): scored positions/s, the ratio to
@@ -82,11 +83,34 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+#: Engine variants per K: (front-end log-prob path, top-k inside the engine); the first is
+#: vLLM's own way, the last this server's default.
+VARIANTS = [("flat", "vllm"), ("arrays", "vllm"), ("arrays", "kernel")]
+LABELS = {
+    ("flat", "vllm"): "vLLM flat_logprobs path, vLLM's top-k",
+    ("arrays", "vllm"): "array path, vLLM's top-k",
+    ("arrays", "kernel"): "array path, CPU top-k kernel (default)",
+}
+
+
+def _variant(path: str, topk: str, k: int) -> str:
+    return f"{path}+{topk} K={k}"
+
+
+def _same_except_ties(a: np.ndarray, b: np.ndarray, lps: np.ndarray) -> None:
+    """Ids equal wherever a log-prob differs from both neighbours (tie order is free)."""
+    gaps = np.diff(lps, axis=1) != 0
+    sep = np.ones_like(a, dtype=bool)
+    sep[:, 1:] &= gaps
+    sep[:, :-1] &= gaps
+    np.testing.assert_array_equal(a[sep], b[sep])
+
+
 async def _engine_variants(
     backend: VLLMBackend, seqs: list[np.ndarray], ks: list[int], reps: int
 ) -> dict[str, list[tuple[float, float]]]:
     """``{variant: [(wall s, CPU s of this process) per round]}``; variants are
-    ``forward`` and ``{path} K={k}``, run once each per round, round-robin."""
+    ``forward`` and :data:`VARIANTS` for each K, run once each per round, round-robin."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -100,35 +124,38 @@ async def _engine_variants(
         ):
             pass
 
-    async def run(name: str) -> None:
-        if name == "forward":
-            await asyncio.gather(*(forward(s) for s in seqs))
-            return
-        path, k = name.split(" K=")
-        backend.logprobs_path = path
-        got = await asyncio.gather(*(backend.score(s, int(k), 0, len(s)) for s in seqs))
-        payloads[name] = got
-
-    names = ["forward"] + [f"{p} K={k}" for k in ks for p in ("arrays", "flat")]
+    names = ["forward"] + [_variant(p, t, k) for k in ks for p, t in VARIANTS]
     payloads: dict[str, list] = {}
     rounds: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for rep in range(reps + 1):  # the first round warms up
         for name in names:
+            if name != "forward":
+                (path, topk), k = name.split(" K=")[0].split("+"), int(name.split(" K=")[1])
+                backend.logprobs_path = path
+                answers = await backend.route_engine_topk(topk == "kernel")
+                assert set(answers) == {topk}, answers
             t0, c0 = time.perf_counter(), time.process_time()
-            await run(name)
+            if name == "forward":
+                await asyncio.gather(*(forward(s) for s in seqs))
+            else:
+                got = await asyncio.gather(*(backend.score(s, k, 0, len(s)) for s in seqs))
+                payloads[name] = got
             if rep:
                 rounds[name].append((time.perf_counter() - t0, time.process_time() - c0))
     for k in ks:
-        for a, f in zip(payloads[f"arrays K={k}"], payloads[f"flat K={k}"], strict=True):
+        flat, arrays, kernel = (payloads[_variant(p, t, k)] for p, t in VARIANTS)
+        for f, a, n in zip(flat, arrays, kernel, strict=True):
+            # The two front-end paths: identical. The two top-ks: identical log-probs.
+            for x in (a, n):
+                np.testing.assert_array_equal(x.logprobs, f.logprobs)
+                np.testing.assert_array_equal(x.sampled_logprobs, f.sampled_logprobs)
             np.testing.assert_array_equal(a.ids, f.ids)
-            np.testing.assert_array_equal(a.logprobs, f.logprobs)
-            np.testing.assert_array_equal(a.sampled_logprobs, f.sampled_logprobs)
+            _same_except_ties(n.ids, f.ids, f.logprobs)
     return rounds
 
 
 def bench_engine(model: str, seqs: list[np.ndarray], ks: list[int], reps: int) -> dict:
-    """Forward only vs both log-prob paths on ONE in-process engine (the server's
-    settings)."""
+    """Forward only vs every variant on ONE in-process engine (the server's settings)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     backend = VLLMBackend(
         model,
@@ -137,6 +164,7 @@ def bench_engine(model: str, seqs: list[np.ndarray], ks: list[int], reps: int) -
         max_model_len=4096,
         engine_kwargs={"max_num_batched_tokens": 16384},
         logprobs_path="arrays",
+        engine_topk="kernel",
     )
 
     async def main() -> dict:
@@ -159,19 +187,22 @@ def print_engine_table(rounds: dict, ks: list[int], positions: int) -> None:
     )
     print("|---|---|---:|---:|---:|---:|")
     print(f"| - | forward only (limit) | {positions / med(t for t, _ in fwd):,.0f} | 1 | - | - |")
-    label = {"arrays": "array log-prob path", "flat": "vLLM flat_logprobs path"}
     for k in ks:
-        for path in ("flat", "arrays"):
-            pairs = list(zip(rounds[f"{path} K={k}"], fwd, strict=True))
+        for path, topk in VARIANTS:
+            name = _variant(path, topk, k)
+            pairs = list(zip(rounds[name], fwd, strict=True))
             ratios = [tf / t for (t, _), (tf, _) in pairs]
             cost = med(t - tf for (t, _), (tf, _) in pairs) / positions * 1e6
             cpu = med(c - c_fwd for (_, c), (_, c_fwd) in pairs) / positions * 1e6
-            speed = positions / med(t for t, _ in rounds[f"{path} K={k}"])
+            speed = positions / med(t for t, _ in rounds[name])
             print(
-                f"| {k} | {label[path]} | {speed:,.0f} | {med(ratios):.2f}x "
+                f"| {k} | {LABELS[path, topk]} | {speed:,.0f} | {med(ratios):.2f}x "
                 f"| {cost:.2f} | {cpu:.2f} |"
             )
-    print(f"({len(fwd)} rounds; array and flat payloads identical: ids, log-probs, sampled)")
+    print(
+        f"({len(fwd)} rounds; payloads: the two log-prob paths identical, the two top-ks "
+        "identical log-probs and ids (up to the order of exactly equal log-probs))"
+    )
 
 
 def bench_grpc(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, log: Path) -> dict:

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, load_backend
 from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
+from teacher_server.backends.vllm_worker import ENGINE_TOPK_CHOICES
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.server import ServerConfig, run_server
 from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, check_temperature
@@ -124,6 +125,14 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
         help="vLLM log-prob path: arrays (no Python object per entry), flat (vLLM's "
         "flat_logprobs lists), auto (arrays where the installed vLLM checks out, else flat)",
     )
+    s.add_argument(
+        "--engine-topk",
+        choices=ENGINE_TOPK_CHOICES,
+        default="auto",
+        help="top-K inside a CPU vLLM engine: kernel (this project's, bit-identical "
+        "log-probs, several times faster), vllm (vLLM's torch.topk), auto (kernel where "
+        "it checks out; vLLM's on GPUs)",
+    )
     s.add_argument("--log-level", default=os.environ.get("TOPK_LOG_LEVEL", "INFO"))
     if vllm is None:
         # Without vLLM's flags, the two engine flags the transformers backend reads.
@@ -211,6 +220,7 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
         served_model_name=args.served_model_name,
         engine_kwargs=_engine_kwargs(args),
         logprobs_path=args.logprobs_path,
+        engine_topk=args.engine_topk,
         temperature=temperature,
     )
 

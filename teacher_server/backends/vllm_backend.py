@@ -10,9 +10,10 @@ Where the installed vLLM allows it, the log-probs skip vLLM's per-entry Python l
 reach the payload as arrays (``vllm_arrays``, docs/vllm_logprobs.md); ``flat_logprobs`` is the
 fallback.
 
-A teacher temperature ``T != 1`` scales the logits inside the model on every worker
-(:mod:`teacher_server.backends.vllm_temperature`), so both kinds of rows are
-``log_softmax(z / T)``.
+Inside the engine (:mod:`teacher_server.backends.vllm_worker`): a teacher temperature
+``T != 1`` scales the logits inside the model on every worker, so both kinds of rows are
+``log_softmax(z / T)``; on a CPU engine the rows' top-K comes from this project's kernel
+(:mod:`teacher_server.backends.cpu_topk`) in place of vLLM's ``torch.topk``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ import numpy.typing as npt
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
-from teacher_server.backends.vllm_temperature import EXTENSION_QUALNAME, SET_TEMPERATURE_METHOD
+from teacher_server.backends.vllm_worker import (
+    ENGINE_TOPK_CHOICES,
+    ENGINE_TOPK_METHOD,
+    EXTENSION_QUALNAME,
+    KERNEL,
+    SET_TEMPERATURE_METHOD,
+    VLLM_TOPK,
+)
 from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
 from topk_protocol import check_temperature
 
@@ -95,6 +103,9 @@ class VLLMBackend(Backend):
             after :meth:`start`, :attr:`logprobs_path` is the one in use.
         temperature: teacher temperature ``T``: every log-prob served is
             ``log_softmax(z / T)`` of the model's logits ``z``.
+        engine_topk: ``auto``, ``kernel`` or ``vllm`` (``vllm_worker.ENGINE_TOPK_CHOICES``):
+            the top-K inside a CPU engine; after :meth:`start`, :attr:`engine_topk` is the
+            one in use (``kernel`` or ``vllm``).
     """
 
     def __init__(
@@ -108,17 +119,25 @@ class VLLMBackend(Backend):
         engine_kwargs: dict[str, Any] | None = None,
         logprobs_path: str = "auto",
         temperature: float = 1.0,
+        engine_topk: str = "auto",
     ) -> None:
         if logprobs_path not in vllm_arrays.LOGPROBS_PATHS:
             paths = ", ".join(vllm_arrays.LOGPROBS_PATHS)
             raise ValueError(f"logprobs_path: {logprobs_path!r} is not one of {paths}")
+        if engine_topk not in ENGINE_TOPK_CHOICES:
+            choices = ", ".join(ENGINE_TOPK_CHOICES)
+            raise ValueError(f"engine_topk: {engine_topk!r} is not one of {choices}")
         self._requested_path = logprobs_path
         self.logprobs_path = "flat"
+        self._requested_topk = engine_topk
+        self.engine_topk = VLLM_TOPK
         self._temperature = check_temperature(temperature, "teacher_temperature")
-        if self._temperature != 1.0 and (engine_kwargs or {}).get("worker_extension_cls"):
+        self._own_extension = not (engine_kwargs or {}).get("worker_extension_cls")
+        if not self._own_extension and (self._temperature != 1.0 or engine_topk == KERNEL):
             raise ValueError(
-                "worker_extension_cls: the teacher temperature needs vLLM's worker "
-                "extension slot for its own class; drop the engine argument or serve T = 1"
+                "worker_extension_cls: the teacher temperature and engine_topk kernel need "
+                "vLLM's worker extension slot for this project's class; drop the engine "
+                "argument, or serve T = 1 with engine_topk auto or vllm"
             )
         self._model = str(model)
         self._max_top_k = max_top_k
@@ -139,6 +158,12 @@ class VLLMBackend(Backend):
             except BaseException:
                 await self.close()
                 raise
+        try:
+            self.engine_topk = await self._route_engine_topk()
+        except BaseException:
+            await self.close()
+            raise
+        log.info("engine top-k: %s", self.engine_topk)
         self.logprobs_path = vllm_arrays.select_path(self._requested_path, self._engine)
         log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
@@ -172,7 +197,7 @@ class VLLMBackend(Backend):
             # there), never after sampling processors.
             "logprobs_mode": "raw_logprobs",
         }
-        if self._temperature != 1.0:
+        if self._own_extension:
             kwargs["worker_extension_cls"] = EXTENSION_QUALNAME
         if self._max_model_len:
             kwargs["max_model_len"] = self._max_model_len
@@ -196,6 +221,31 @@ class VLLMBackend(Backend):
         log.info(
             "teacher temperature %g: logits scale per worker %s", self._temperature, per_worker
         )
+
+    async def route_engine_topk(self, use_kernel: bool) -> list[str]:
+        """Route every worker's log-prob top-k to the CPU kernel (``use_kernel``) or to
+        vLLM's own; returns each worker's answer (``kernel``, ``vllm`` or
+        ``unavailable: <why>``). Takes effect for the engine steps that follow."""
+        answers = await self._engine.collective_rpc(ENGINE_TOPK_METHOD, args=(use_kernel,))
+        return [str(a) for a in answers]
+
+    async def _route_engine_topk(self) -> str:
+        """The start-up choice: the kernel on every worker where it checks out, else
+        vLLM's everywhere (``auto`` warns once when a CPU worker could not use it)."""
+        if self._requested_topk == VLLM_TOPK or not self._own_extension:
+            return VLLM_TOPK
+        answers = await self.route_engine_topk(True)
+        if all(a == KERNEL for a in answers):
+            return KERNEL
+        await self.route_engine_topk(False)
+        why = "; ".join(sorted({a for a in answers if a != KERNEL}))
+        if self._requested_topk == KERNEL:
+            raise RuntimeError(f"engine_topk kernel: the CPU top-k kernel cannot be used: {why}")
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
+        return VLLM_TOPK
 
     async def close(self) -> None:
         if self._engine is not None:
