@@ -102,8 +102,8 @@ def _set_threads() -> None:
         numba.set_num_threads(want)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True, boundscheck=False)  # type: ignore[misc]
-def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):  # type: ignore[no-untyped-def]
+@numba.njit(parallel=True, cache=True, nogil=True, boundscheck=False)
+def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):
     """The kernel (see the module docstring): writes ``out_ids``, ``out_vals``, ``ranks``
     and returns whether every value was finite (rows that are not are left unfinished)."""
     n, v = lp.shape
@@ -119,14 +119,14 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):  # type: ignore[no-untyped
             row = lp[i]
             t = tgt[i]
             tv = row[t]
-            rank = 0
-            nonfinite = 0
+            rank = np.int32(0)
+            nonfinite = np.int32(0)
             hi = row[0]
             lo = row[0]
             for j in range(v):
                 x = row[j]
                 rank += np.int32(x >= tv)
-                nonfinite += np.int32(not (x - x == 0))  # inf - inf and NaN are NaN
+                nonfinite += np.int32(x - x != 0)  # inf - inf and NaN - NaN are NaN
                 hi = max(hi, x)
                 lo = min(lo, x)
             if nonfinite:
@@ -142,10 +142,10 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):  # type: ignore[no-untyped
                 for m in range(NUM_THRESHOLDS):
                     x = lo + step * (m + 1)
                     th[m] = x
-                    c = 0
+                    cm = np.int32(0)
                     for j in range(v):
-                        c += np.int32(row[j] >= x)
-                    cnt[m] = c
+                        cm += np.int32(row[j] >= x)
+                    cnt[m] = cm
                 new_lo, new_c, new_hi = lo, c_lo, hi
                 for m in range(NUM_THRESHOLDS):
                     if cnt[m] >= k:
@@ -156,7 +156,7 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):  # type: ignore[no-untyped
                 if new_lo == lo and new_hi == hi:
                     break  # no float left between them: ties at the threshold
                 lo, c_lo, hi = new_lo, new_c, new_hi
-            c = 0
+            c = np.int64(0)
             for j in range(v):
                 x = row[j]
                 cand_v[c] = x
@@ -165,13 +165,13 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):  # type: ignore[no-untyped
             # Key: the float's bits made order-preserving as a signed int, then the id
             # reversed so that a lower id ranks first among equal values.
             for a in range(c):
-                bits = np.int64(np.float32(cand_v[a]).view(np.int32))
-                if bits < 0:
+                bits = np.int64(np.float32(cand_v[a] + np.float32(0.0)).view(np.int32))
+                if bits < 0:  # (adding +0.0 above turned -0.0 into +0.0: they tie)
                     bits = bits ^ 0x7FFFFFFF
                 cand_key[a] = (bits << 32) + (0xFFFFFFFF - np.int64(cand_i[a]))
             for a in range(c):
                 key = cand_key[a]
-                r = 0
+                r = np.int32(0)
                 for q in range(c):
                     r += np.int32(cand_key[q] > key)
                 if r < k:

@@ -49,9 +49,11 @@ __all__ = [
     "sampling_overrides",
     "select_path",
     "topk_payload",
+    "version_problem",
 ]
 
-#: vLLM versions (major.minor) the hook was written for; any other version falls back.
+#: vLLM versions (major.minor) the hooks (this one and ``vllm_worker``'s engine top-k) were
+#: written for; under ``auto`` any other version falls back.
 WRITTEN_FOR = ("0.32",)
 
 #: ``--logprobs-path`` choices: ``auto`` (arrays where the hook checks out, else flat),
@@ -323,7 +325,8 @@ def _entries(arrays: LogprobArrays, k: int) -> list[tuple[list[int], list[float]
     ]
 
 
-def _version_problem() -> str | None:
+def version_problem() -> str | None:
+    """Why the installed vLLM is not one this project's hooks were written for, or None."""
     version = _vllm_version()
     if ".".join(version.split(".")[:2]) not in WRITTEN_FOR:
         return f"vLLM {version} is not a version it was written for ({', '.join(WRITTEN_FOR)})"
@@ -337,7 +340,7 @@ def hook_problem(engine: Any = None, *, check_version: bool = True) -> str | Non
         version = _vllm_version()
     except ImportError as exc:
         return f"vLLM cannot be imported ({exc})"
-    if check_version and (problem := _version_problem()) is not None:
+    if check_version and (problem := version_problem()) is not None:
         return problem
     if engine is not None:
         op = getattr(engine, "output_processor", None)
@@ -372,7 +375,7 @@ def select_path(requested: str, engine: Any) -> str:
             problem,
         )
         return "flat"
-    if requested == "arrays" and (untested := _version_problem()) is not None:
+    if requested == "arrays" and (untested := version_problem()) is not None:
         log.warning("array log-prob path forced on an untested vLLM: %s", untested)
     attach(engine.output_processor)
     return "arrays"

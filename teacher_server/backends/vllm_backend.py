@@ -232,7 +232,16 @@ class VLLMBackend(Backend):
     async def _route_engine_topk(self) -> str:
         """The start-up choice: the kernel on every worker where it checks out, else
         vLLM's everywhere (``auto`` warns once when a CPU worker could not use it)."""
-        if self._requested_topk == VLLM_TOPK or not self._own_extension:
+        from vllm.platforms import current_platform
+
+        auto, on_cpu = self._requested_topk == "auto", current_platform.is_cpu()
+        if self._requested_topk == VLLM_TOPK or (auto and not on_cpu):
+            return VLLM_TOPK
+        if not self._own_extension:
+            log.info("engine top-k: vLLM's (worker_extension_cls is set by the caller)")
+            return VLLM_TOPK
+        if auto and (why := vllm_arrays.version_problem()):
+            log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
             return VLLM_TOPK
         answers = await self.route_engine_topk(True)
         if all(a == KERNEL for a in answers):
@@ -241,10 +250,7 @@ class VLLMBackend(Backend):
         why = "; ".join(sorted({a for a in answers if a != KERNEL}))
         if self._requested_topk == KERNEL:
             raise RuntimeError(f"engine_topk kernel: the CPU top-k kernel cannot be used: {why}")
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
+        log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
         return VLLM_TOPK
 
     async def close(self) -> None:

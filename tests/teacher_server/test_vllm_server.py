@@ -281,19 +281,23 @@ def test_expired_deadline_aborts_engine_work(vllm_teacher, stub) -> None:  # typ
     assert stub.Score(_request(_sequences(22, [10]), 4), timeout=60).final
 
 
-# -- the log-prob paths: the array path (session server) vs the flat_logprobs fallback ------
+# -- the log-prob paths: the array path and the CPU top-k kernel (session server) vs the
+# -- fallbacks, vLLM's flat_logprobs path and vLLM's own top-k (fallback server) -----------
 
 
-def test_session_server_uses_the_array_path(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
+def test_session_server_uses_the_array_path_and_the_kernel(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
     log = vllm_teacher.log()
     assert "log-prob path: arrays" in log
     assert "array log-prob path not used" not in log
+    assert "engine top-k: kernel" in log
+    assert "CPU top-k kernel not used" not in log
 
 
 @pytest.fixture(scope="module")
 def fallback_teacher(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
     """A second vLLM server that believes vLLM is another version (a simulated mismatch),
-    so it falls back to vLLM's flat_logprobs path. The one extra engine of this suite."""
+    so it falls back to vLLM's flat_logprobs path and to vLLM's own top-k in the engine:
+    vLLM's way end to end. The one extra engine of this suite."""
     from teacher_server.backends.vllm_arrays import SIMULATE_VERSION_ENV
 
     server = start_server(
@@ -318,6 +322,14 @@ def test_fallback_warns_once_and_uses_the_flat_path(fallback_teacher: ServerProc
     assert len(warnings) == 1, warnings
     assert "WARNING" in warnings[0] and "vLLM 0.0.7 is not a version" in warnings[0]
     assert "log-prob path: flat" in log
+
+
+def test_fallback_warns_once_and_uses_vllms_top_k(fallback_teacher: ServerProcess) -> None:
+    log = fallback_teacher.log()
+    warnings = [ln for ln in log.splitlines() if "CPU top-k kernel not used" in ln]
+    assert len(warnings) == 1, warnings
+    assert "WARNING" in warnings[0] and "vLLM 0.0.7 is not a version" in warnings[0]
+    assert "engine top-k: vllm" in log
 
 
 #: Two engines' float32 log-probs of the same sequence: they may batch and chunk the
@@ -346,7 +358,8 @@ def test_fallback_matches_array_path_and_reference(
     stub, fallback_stub, reference_backend, k: int
 ) -> None:  # type: ignore[no-untyped-def]
     """Ragged sequences, sub-ranges, K = 1 / 8 / 64, float32: the fallback server (flat
-    path) and the session server (array path) agree, and both match transformers."""
+    path, vLLM's top-k) and the session server (array path, CPU top-k kernel) agree, and
+    both match transformers."""
     seqs = _sequences(100 + k, [1, 2, 47, 300, 1000, 1000])
     ranges: list[tuple[int, int] | None] = [None, (1, 2), None, (10, 250), (999, 1000), (0, 1)]
     req = _request(seqs, k, ranges=ranges)
