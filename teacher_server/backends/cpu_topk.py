@@ -102,6 +102,27 @@ def _set_threads() -> None:
         numba.set_num_threads(want)
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def _shrink(row, in_row, cand_v, cand_i, c, lo):  # type: ignore[no-untyped-def]
+    """Keep the pool's entries ``>= lo`` (in id order) in ``cand_v`` / ``cand_i``; the pool
+    is the whole ``row`` if ``in_row``, else ``cand_v`` / ``cand_i [:c]``. Returns its size."""
+    w = np.int64(0)
+    if in_row:
+        for j in range(row.shape[0]):
+            x = row[j]
+            cand_v[w] = x
+            cand_i[w] = j
+            w += np.int64(x >= lo)
+    else:
+        for j in range(c):
+            x = cand_v[j]
+            d = cand_i[j]
+            cand_v[w] = x
+            cand_i[w] = d
+            w += np.int64(x >= lo)
+    return w
+
+
 @numba.njit(parallel=True, cache=True, nogil=True, boundscheck=False)
 def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):
     """The kernel (see the module docstring): writes ``out_ids``, ``out_vals``, ``ranks``
@@ -115,36 +136,55 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):
         cand_key = np.empty(v, np.int64)
         th = np.empty(NUM_THRESHOLDS, np.float32)
         cnt = np.empty(NUM_THRESHOLDS, np.int32)
+        minmax = np.empty(2, np.int32)
+        minmax_f = minmax.view(np.float32)
         for i in range(b * n // blocks, (b + 1) * n // blocks):
             row = lp[i]
             t = tgt[i]
             tv = row[t]
             rank = np.int32(0)
             nonfinite = np.int32(0)
-            hi = row[0]
-            lo = row[0]
             for j in range(v):
                 x = row[j]
                 rank += np.int32(x >= tv)
                 nonfinite += np.int32(x - x != 0)  # inf - inf and NaN - NaN are NaN
-                hi = max(hi, x)
-                lo = min(lo, x)
+            # min and max as integers (float min / max reductions do not vectorize): the
+            # order-preserving int32 of a float's bits, and back (the map is its own inverse).
+            bits = row.view(np.int32)
+            k_hi = np.int32(-2147483648)
+            k_lo = np.int32(2147483647)
+            for j in range(v):
+                b_ = bits[j]
+                key_ = b_ ^ ((b_ >> 31) & np.int32(0x7FFFFFFF))
+                k_hi = max(k_hi, key_)
+                k_lo = min(k_lo, key_)
+            minmax[0] = k_lo ^ ((k_lo >> 31) & np.int32(0x7FFFFFFF))
+            minmax[1] = k_hi ^ ((k_hi >> 31) & np.int32(0x7FFFFFFF))
+            lo = minmax_f[0]
+            hi = minmax_f[1]
             if nonfinite:
                 bad[b] += 1
                 continue
             ranks[i] = rank
             out_vals[i, 0] = tv
             out_ids[i, 0] = t
-            # count(row >= lo) >= k always; stop at <= k + SLACK candidates.
+            # count(row >= lo) >= k always; stop at <= k + SLACK candidates. The pool
+            # (cand_v / cand_i [:c]) holds the entries >= lo once the first pass shrank it.
             c_lo = v
+            c = np.int64(0)
+            in_row = True
             while c_lo > k + SLACK:
                 step = (hi - lo) / (NUM_THRESHOLDS + 1)
                 for m in range(NUM_THRESHOLDS):
                     x = lo + step * (m + 1)
                     th[m] = x
                     cm = np.int32(0)
-                    for j in range(v):
-                        cm += np.int32(row[j] >= x)
+                    if in_row:
+                        for j in range(v):
+                            cm += np.int32(row[j] >= x)
+                    else:
+                        for j in range(c):
+                            cm += np.int32(cand_v[j] >= x)
                     cnt[m] = cm
                 new_lo, new_c, new_hi = lo, c_lo, hi
                 for m in range(NUM_THRESHOLDS):
@@ -156,12 +196,10 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):
                 if new_lo == lo and new_hi == hi:
                     break  # no float left between them: ties at the threshold
                 lo, c_lo, hi = new_lo, new_c, new_hi
-            c = np.int64(0)
-            for j in range(v):
-                x = row[j]
-                cand_v[c] = x
-                cand_i[c] = j
-                c += np.int64(x >= lo)
+                c = _shrink(row, in_row, cand_v, cand_i, c, lo)
+                in_row = False
+            if in_row:
+                c = _shrink(row, in_row, cand_v, cand_i, c, lo)
             # Key: the float's bits made order-preserving as a signed int, then the id
             # reversed so that a lower id ranks first among equal values.
             for a in range(c):
