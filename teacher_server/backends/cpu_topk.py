@@ -103,7 +103,7 @@ def _set_threads() -> None:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
-def _shrink(row, in_row, cand_v, cand_i, c, lo):  # type: ignore[no-untyped-def]
+def _shrink(row, in_row, cand_v, cand_i, c, lo):
     """Keep the pool's entries ``>= lo`` (in id order) in ``cand_v`` / ``cand_i``; the pool
     is the whole ``row`` if ``in_row``, else ``cand_v`` / ``cand_i [:c]``. Returns its size."""
     w = np.int64(0)
