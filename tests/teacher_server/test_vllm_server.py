@@ -316,20 +316,22 @@ def fallback_stub(fallback_teacher: ServerProcess) -> Iterator[pb_grpc.TeacherSt
         yield pb_grpc.TeacherStub(ch)
 
 
-def test_fallback_warns_once_and_uses_the_flat_path(fallback_teacher: ServerProcess) -> None:
+@pytest.mark.parametrize(
+    ("warning", "in_use"),
+    [
+        ("array log-prob path not used", "log-prob path: flat"),
+        ("CPU top-k kernel not used", "engine top-k: vllm"),
+    ],
+)
+def test_fallback_warns_once_and_uses_vllms_way(
+    fallback_teacher: ServerProcess, warning: str, in_use: str
+) -> None:
+    """Each hook falls back on its own, with one warning that says why."""
     log = fallback_teacher.log()
-    warnings = [ln for ln in log.splitlines() if "array log-prob path not used" in ln]
+    warnings = [ln for ln in log.splitlines() if warning in ln]
     assert len(warnings) == 1, warnings
     assert "WARNING" in warnings[0] and "vLLM 0.0.7 is not a version" in warnings[0]
-    assert "log-prob path: flat" in log
-
-
-def test_fallback_warns_once_and_uses_vllms_top_k(fallback_teacher: ServerProcess) -> None:
-    log = fallback_teacher.log()
-    warnings = [ln for ln in log.splitlines() if "CPU top-k kernel not used" in ln]
-    assert len(warnings) == 1, warnings
-    assert "WARNING" in warnings[0] and "vLLM 0.0.7 is not a version" in warnings[0]
-    assert "engine top-k: vllm" in log
+    assert in_use in log
 
 
 #: Two engines' float32 log-probs of the same sequence: they may batch and chunk the
