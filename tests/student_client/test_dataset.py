@@ -57,8 +57,20 @@ def test_collated_batches_equal_the_replayed_payloads(recording: Path, k: int, d
 
 
 def test_dataloader_shuffles_with_two_workers(recording: Path) -> None:
+    """Spawned workers (the dataset pickles by path): a worker forked from this pytest
+    process (which has run gRPC servers and clients) once spun forever, cause not pinned
+    down. ``timeout`` turns a stuck worker into a failure."""
     ds = PayloadDataset(recording)
-    loader = DataLoader(ds, batch_size=5, shuffle=True, num_workers=2, collate_fn=collate_payloads)
+    loader = DataLoader(
+        ds,
+        batch_size=5,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=collate_payloads,
+        multiprocessing_context="spawn",
+        persistent_workers=True,
+        timeout=120,
+    )
     for _epoch in range(2):
         seen = []
         for batch in loader:
