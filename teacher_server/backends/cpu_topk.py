@@ -3,11 +3,14 @@
 vLLM's engine computes the log-probs it returns as one ``[rows, V]`` float32 tensor per
 request and then calls ``torch.topk`` on it. On a CPU that top-k is the largest part of
 the log-prob cost: a partial sort per row whose branches the processor cannot predict
-(about 5.6 us per row at K = 64, V = 512, one thread, more than the tiny model's forward
+(vLLM's ``gather_logprobs`` takes 2.6 us per row at K = 64, V = 512, one thread, best of
+10: ``benchmarks/bench_cpu_topk.py``; about a third of the tiny test model's forward
 pass). :func:`topk_with_target` returns what vLLM's ``gather_logprobs`` returns, from a
 numba kernel that does the same job with counting passes that vectorize:
 
-1. one pass: the row's min and max, and the target's rank (``count(row >= row[t])``);
+1. two passes: the target's rank (``count(row >= row[t])``) and a finiteness check, then
+   the row's min and max (as order-preserving integers: float min / max reductions do
+   not vectorize);
 2. counting passes: ``NUM_THRESHOLDS`` thresholds spread over ``[lo, hi)``, counted in
    one vectorized loop each; ``lo`` moves up to the highest threshold that still keeps
    ``>= K`` entries, ``hi`` down to the next one, until at most ``K + SLACK`` entries are
