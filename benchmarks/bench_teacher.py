@@ -124,22 +124,24 @@ async def _engine_variants(
         ):
             pass
 
-    names = ["forward"] + [_variant(p, t, k) for k in ks for p, t in VARIANTS]
+    # (name, front-end path, engine top-k, K); forward only has no path, top-k or K.
+    plan = [("forward", "", "", 0)] + [
+        (_variant(p, t, k), p, t, k) for k in ks for p, t in VARIANTS
+    ]
     payloads: dict[str, list] = {}
-    rounds: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    rounds: dict[str, list[tuple[float, float]]] = {name: [] for name, *_ in plan}
     for rep in range(reps + 1):  # the first round warms up
-        for name in names:
-            if name != "forward":
-                (path, topk), k = name.split(" K=")[0].split("+"), int(name.split(" K=")[1])
+        for name, path, topk, k in plan:
+            if path:
                 backend.logprobs_path = path
                 answers = await backend.route_engine_topk(topk == "kernel")
                 assert set(answers) == {topk}, answers
             t0, c0 = time.perf_counter(), time.process_time()
-            if name == "forward":
-                await asyncio.gather(*(forward(s) for s in seqs))
-            else:
+            if path:
                 got = await asyncio.gather(*(backend.score(s, k, 0, len(s)) for s in seqs))
                 payloads[name] = got
+            else:
+                await asyncio.gather(*(forward(s) for s in seqs))
             if rep:
                 rounds[name].append((time.perf_counter() - t0, time.process_time() - c0))
     for k in ks:
