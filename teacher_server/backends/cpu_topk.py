@@ -4,8 +4,9 @@ vLLM's engine computes the log-probs it returns as one ``[rows, V]`` float32 ten
 request and then calls ``torch.topk`` on it. On a CPU that top-k is the largest part of
 the log-prob cost: a partial sort per row whose branches the processor cannot predict
 (vLLM's ``gather_logprobs`` takes 2.6 us per row at K = 64, V = 512, one thread, best of
-10: ``benchmarks/bench_cpu_topk.py``; about a third of the tiny test model's forward
-pass). :func:`topk_with_target` returns what vLLM's ``gather_logprobs`` returns, from a
+10, in ``benchmarks/bench_cpu_topk.py``, and 5.6 per position inside vLLM's worker in
+``benchmarks/profile_engine.py``: over half of the tiny test model's forward pass).
+:func:`topk_with_target` returns what vLLM's ``gather_logprobs`` returns, from a
 numba kernel that does the same job with counting passes that vectorize:
 
 1. two passes: the target's rank (``count(row >= row[t])``) and a finiteness check, then

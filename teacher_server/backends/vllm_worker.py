@@ -15,7 +15,8 @@ must not add a sampling temperature of its own (the backend samples greedily).
 **Engine top-k** (written for vLLM 0.32's V1 model runner, which its CPU build uses). The
 worker's ``Sampler.gather_logprobs(logprobs [N, V], K, token_ids [N])`` picks each row's
 top-K and the actual token's log-prob and rank, for prompt rows and sampled rows; it is a
-``torch.topk`` that costs a third of this CPU's forward pass of the tiny test model.
+``torch.topk`` that costs over half of this CPU's forward pass of the tiny test model
+(``benchmarks/profile_engine.py``).
 :func:`route_gather_logprobs` replaces it, on one ``Sampler`` instance, by
 :func:`teacher_server.backends.cpu_topk.topk_with_target` wherever that serves the input
 (CPU float32 rows, K <= V / 4, finite values) and by vLLM's own otherwise. The values are
