@@ -15,6 +15,12 @@ def test_help_shows_defaults_and_vllm_engine_flags() -> None:
     for flag in ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--max-num-seqs"):
         assert flag in text  # vLLM's own parser
     assert "--engine-args" not in text
+    for flag in ("--logprobs-path", "--engine-topk"):
+        assert flag in text
+    args = cli.parse_args(["serve", "--model", "m", "--engine-topk", "kernel"])
+    assert (args.logprobs_path, args.engine_topk) == ("auto", "kernel")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["serve", "--model", "m", "--engine-topk", "fast"])
 
 
 def test_vllm_flags_pass_through(caplog: pytest.LogCaptureFixture) -> None:

@@ -85,3 +85,16 @@ def test_a_failed_self_check_keeps_vllms_top_k(monkeypatch: pytest.MonkeyPatch, 
 
 def test_a_sampler_without_the_hook_point() -> None:
     assert route_gather_logprobs(object(), True).startswith("unavailable: ")
+
+
+def test_backend_refuses_bad_engine_topk_settings() -> None:
+    from teacher_server.backends.vllm_backend import VLLMBackend
+
+    with pytest.raises(ValueError, match="engine_topk: 'fast' is not one of auto, kernel, vllm"):
+        VLLMBackend("unused", engine_topk="fast")
+    with pytest.raises(ValueError, match="worker_extension_cls: the teacher temperature and"):
+        VLLMBackend(
+            "unused", engine_topk="kernel", engine_kwargs={"worker_extension_cls": "my.Ext"}
+        )
+    # With the caller's extension, T = 1 and auto are fine (vLLM's top-k is used).
+    VLLMBackend("unused", engine_kwargs={"worker_extension_cls": "my.Ext"})
