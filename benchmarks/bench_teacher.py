@@ -47,7 +47,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -93,6 +95,41 @@ LABELS = {
 }
 
 
+def workload(batch: int, seq_len: int) -> list[np.ndarray]:
+    """The benchmark's sequences: ``batch`` x ``seq_len`` random byte-token ids, seed 0."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, seq_len).astype(np.int32) for _ in range(batch)]
+
+
+def engine_backend(model: str, max_top_k: int, **engine_kwargs: Any) -> VLLMBackend:
+    """An in-process backend with the engine settings every run here uses (the servers'
+    below get the same flags): float32, 4096 tokens, a 16384-token step, prefix caching
+    off (the backend's default), the array path; ``engine_kwargs`` add vLLM arguments."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return VLLMBackend(
+        model,
+        max_top_k=max_top_k,
+        dtype="float32",
+        max_model_len=4096,
+        engine_kwargs={"max_num_batched_tokens": 16384, **engine_kwargs},
+        logprobs_path="arrays",
+    )
+
+
+async def forward_only(engine: Any, seqs: list[np.ndarray], ids: Iterator[int]) -> None:
+    """The limit: every sequence through ``engine`` with ``max_tokens=1`` and no log-probs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    async def one(seq: np.ndarray) -> None:
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        prompt = TokensPrompt(prompt_token_ids=seq.tolist())
+        async for _ in engine.generate(prompt, params, request_id=f"fwd-{next(ids)}"):
+            pass
+
+    await asyncio.gather(*(one(s) for s in seqs))
+
+
 def _variant(path: str, topk: str, k: int) -> str:
     return f"{path}+{topk} K={k}"
 
@@ -111,19 +148,7 @@ async def _engine_variants(
 ) -> dict[str, list[tuple[float, float]]]:
     """``{variant: [(wall s, CPU s of this process) per round]}``; variants are
     ``forward`` and :data:`VARIANTS` for each K, run once each per round, round-robin."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    engine = backend._engine
     ids = iter(range(1 << 62))
-
-    async def forward(seq: np.ndarray) -> None:
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        async for _ in engine.generate(
-            TokensPrompt(prompt_token_ids=seq.tolist()), params, request_id=f"fwd-{next(ids)}"
-        ):
-            pass
-
     # (name, front-end path, engine top-k, K); forward only has no path, top-k or K.
     plan = [("forward", "", "", 0)] + [
         (_variant(p, t, k), p, t, k) for k in ks for p, t in VARIANTS
@@ -141,7 +166,7 @@ async def _engine_variants(
                 got = await asyncio.gather(*(backend.score(s, k, 0, len(s)) for s in seqs))
                 payloads[name] = got
             else:
-                await asyncio.gather(*(forward(s) for s in seqs))
+                await forward_only(backend._engine, seqs, ids)
             if rep:
                 rounds[name].append((time.perf_counter() - t0, time.process_time() - c0))
     for k in ks:
@@ -158,16 +183,7 @@ async def _engine_variants(
 
 def bench_engine(model: str, seqs: list[np.ndarray], ks: list[int], reps: int) -> dict:
     """Forward only vs every variant on ONE in-process engine (the server's settings)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    backend = VLLMBackend(
-        model,
-        max_top_k=max(ks),
-        dtype="float32",
-        max_model_len=4096,
-        engine_kwargs={"max_num_batched_tokens": 16384},
-        logprobs_path="arrays",
-        engine_topk="kernel",
-    )
+    backend = engine_backend(model, max(ks))
 
     async def main() -> dict:
         await backend.start()
@@ -305,8 +321,7 @@ def main() -> None:
         from devtools.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(tmp / "model"))
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, 256, args.seq_len).astype(np.int32) for _ in range(args.batch)]
+    seqs = workload(args.batch, args.seq_len)
     positions = args.batch * args.seq_len
     print(
         f"# {args.batch} x {args.seq_len} tokens, reps={args.reps}, "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import os
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.bench_teacher import engine_backend, forward_only, workload
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.vllm_backend import VLLMBackend
 from teacher_server.backends.vllm_worker import TeacherWorkerExtension
@@ -90,18 +90,9 @@ class ProfilingWorkerExtension(TeacherWorkerExtension):
 
 
 async def _profile(backend: VLLMBackend, seqs: list[np.ndarray], k: int, rounds: int) -> dict:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     engine = backend._engine
     await engine.collective_rpc("profile_install")
     ids = iter(range(1 << 62))
-
-    async def forward(seq: np.ndarray) -> None:
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        prompt = TokensPrompt(prompt_token_ids=seq.tolist())
-        async for _ in engine.generate(prompt, params, request_id=f"fwd-{next(ids)}"):
-            pass
 
     variants = ["forward only", "vLLM's top-k", "CPU top-k kernel"]
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
@@ -114,7 +105,7 @@ async def _profile(backend: VLLMBackend, seqs: list[np.ndarray], k: int, rounds:
             _totals.clear()
             t0 = time.perf_counter()
             if variant == "forward only":
-                await asyncio.gather(*(forward(s) for s in seqs))
+                await forward_only(engine, seqs, ids)
             else:
                 await asyncio.gather(*(backend.score(s, k, 0, len(s)) for s in seqs))
             row = {"wall": time.perf_counter() - t0, **_totals}
@@ -137,22 +128,10 @@ def main() -> None:
         from devtools.tiny_model import write_tiny_model
 
         model = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="profile-engine-")) / "m"))
-    rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, 256, args.seq_len).astype(np.int32) for _ in range(args.batch)]
+    seqs = workload(args.batch, args.seq_len)
     positions = args.batch * args.seq_len
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    # The same engine settings as benchmarks.bench_teacher.
-    backend = VLLMBackend(
-        model,
-        max_top_k=args.k,
-        dtype="float32",
-        max_model_len=4096,
-        engine_kwargs={
-            "max_num_batched_tokens": 16384,
-            "worker_extension_cls": f"{__name__}.{ProfilingWorkerExtension.__qualname__}",
-        },
-        logprobs_path="arrays",
-    )
+    extension = f"{__name__}.{ProfilingWorkerExtension.__qualname__}"
+    backend = engine_backend(model, args.k, worker_extension_cls=extension)
     payload_build = vllm_arrays.topk_payload
     vllm_arrays.topk_payload = _timed(payload_build, FRONT_END)
 
