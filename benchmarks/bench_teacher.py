@@ -95,6 +95,13 @@ LABELS = {
 }
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """``--model``, ``--batch``, ``--seq-len``: the workload flags of the engine scripts."""
+    ap.add_argument("--model", help="model directory (default: a fresh tiny random Qwen2)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+
+
 def workload(batch: int, seq_len: int) -> list[np.ndarray]:
     """The benchmark's sequences: ``batch`` x ``seq_len`` random byte-token ids, seed 0."""
     rng = np.random.default_rng(0)
@@ -307,9 +314,7 @@ def bench_openai(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="model directory (default: a fresh tiny random Qwen2)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    add_workload_args(ap)
     ap.add_argument("--k", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--engine-reps", type=int, default=7, help="reps of the engine part")

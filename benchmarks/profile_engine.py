@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_teacher import engine_backend, forward_only, workload
+from benchmarks.bench_teacher import add_workload_args, engine_backend, forward_only, workload
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.vllm_backend import VLLMBackend
 from teacher_server.backends.vllm_worker import TeacherWorkerExtension
@@ -117,9 +117,7 @@ async def _profile(backend: VLLMBackend, seqs: list[np.ndarray], k: int, rounds:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="model directory (default: a fresh tiny random Qwen2)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    add_workload_args(ap)
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
