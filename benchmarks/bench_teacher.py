@@ -56,7 +56,8 @@ import numpy as np
 
 from devtools.launch import free_port, start_teacher
 from teacher_server.backends.vllm_backend import VLLMBackend
-from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions, decode_sequence, encode_token_ids, pb, pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +171,9 @@ async def _engine_variants(
                 assert set(answers) == {topk}, answers
             t0, c0 = time.perf_counter(), time.process_time()
             if path:
-                got = await asyncio.gather(*(backend.score(s, k, 0, len(s)) for s in seqs))
+                got = await asyncio.gather(
+                    *(backend.score(ParsedSequence(s, 0, len(s)), RequestOptions(k)) for s in seqs)
+                )
                 payloads[name] = got
             else:
                 await forward_only(backend._engine, seqs, ids)

@@ -30,6 +30,8 @@ from benchmarks.bench_teacher import add_workload_args, engine_backend, forward_
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.vllm_backend import VLLMBackend
 from teacher_server.backends.vllm_worker import TeacherWorkerExtension
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions
 
 #: What is timed in the worker: (owner attribute path from the worker, method name, label).
 WORKER_TIMERS = [
@@ -107,7 +109,9 @@ async def _profile(backend: VLLMBackend, seqs: list[np.ndarray], k: int, rounds:
             if variant == "forward only":
                 await forward_only(engine, seqs, ids)
             else:
-                await asyncio.gather(*(backend.score(s, k, 0, len(s)) for s in seqs))
+                await asyncio.gather(
+                    *(backend.score(ParsedSequence(s, 0, len(s)), RequestOptions(k)) for s in seqs)
+                )
             row = {"wall": time.perf_counter() - t0, **_totals}
             row.update((await engine.collective_rpc("profile_take"))[0])
             if rep:

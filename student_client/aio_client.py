@@ -45,6 +45,8 @@ import torch
 from student_client.alignment import PaddedLayout, align, build_aligned_request
 from student_client.payload import ResponseAssembler, TeacherPayload
 from topk_protocol import (
+    DEFAULT_MAX_MESSAGE_MB,
+    RequestOptions,
     TeacherInfo,
     check_temperature,
     fits_one_message,
@@ -52,18 +54,16 @@ from topk_protocol import (
     pb_grpc,
     response_bytes,
 )
-from topk_protocol.errors import (
-    DeadlineExceededError,
-    TeacherError,
-    TeacherUnavailableError,
-    error_from_rpc,
-)
+from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
 from topk_protocol.recording import RecordingWriter
+from topk_protocol.status import error_from_rpc
 
 __all__ = ["AsyncTeacherClient", "ScoreBatch", "parse_targets"]
 
 T = TypeVar("T")
 _END = object()  # the server closed the stream
+#: A request to send and the padded layout its answer goes back into (None: unpadded).
+_Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None]
 #: URL schemes people paste by habit; a gRPC target is host:port or a gRPC URI (dns:///...).
 _URL_SCHEMES = frozenset({"http", "https", "grpc", "grpcs"})
 
@@ -183,16 +183,16 @@ class _StreamWindow:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, request: pb.ScoreRequest) -> _Pending:
+    def add(self, request: pb.ScoreRequest, layout: PaddedLayout | None = None) -> _Pending:
         if request.request_id in self._pending:
             raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
-        pending = _Pending(ResponseAssembler(request))
+        pending = _Pending(ResponseAssembler(request, layout))
         self._pending[request.request_id] = pending
         return pending
 
     def add_failed(self, error: TeacherError) -> None:
         """A batch refused before sending: it fails when the caller reaches it."""
-        request = pb.ScoreRequest(request_id=f"!local-{next(self._local)}")
+        request = pb.ScoreRequest(request_id=f"!local-{next(self._local)}", top_k=1)
         pending = _Pending(ResponseAssembler(request))
         pending.assembler.error = error
         pending.assembler.complete = True
@@ -304,7 +304,7 @@ class AsyncTeacherClient:
         tls: bool | bytes | str | Path | None = None,
         tls_server_name: str | None = None,
         timeout_s: float = 120.0,
-        max_message_mb: int = 64,
+        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
         retries: int = 4,
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
@@ -348,8 +348,6 @@ class AsyncTeacherClient:
         self._current = 0
         self._rr = itertools.count()
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
-        #: Padded layouts of requests built from masked batches, by request id.
-        self._layouts: dict[str, PaddedLayout] = {}
         self._closed = False
 
     # -- targets, info and retries ----------------------------------------------------
@@ -429,29 +427,23 @@ class AsyncTeacherClient:
         self._recorder.write(asm.request, asm.merged_response())
 
     # -- score --------------------------------------------------------------------------
-    def _request(
-        self, batch: Any, top_k: int, dtype: str | int, include_sampled: bool
-    ) -> pb.ScoreRequest:
+    def _request(self, batch: Any, options: RequestOptions) -> _Outgoing:
         """A batch of sequences, a ``BatchEncoding`` / dict, or a :class:`ScoreBatch` ->
-        ScoreRequest with a new id (padding cut off; its layout kept for :meth:`decode`)."""
+        ScoreRequest with a new id (padding cut off) and the layout :meth:`decode` places
+        its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
-        request, layout = build_aligned_request(
+        return build_aligned_request(
             item.sequences,
-            top_k,
+            options,
             attention_mask=item.attention_mask,
             positions=item.positions,
-            dtype=dtype,
-            include_sampled=include_sampled,
             request_id=next(self._ids),
         )
-        if layout is not None:
-            self._layouts[request.request_id] = layout
-        return request
 
     def decode(self, answer: ResponseAssembler, device: torch.device | str) -> TeacherPayload:
         """A complete answer's tensors on ``device``, placed into its batch's padded
         ``[B, T]`` layout when the batch came with an attention mask."""
-        return align(answer.payload(device), self._layouts.pop(answer.request.request_id, None))
+        return align(answer.payload(device), answer.layout)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return self._timeout_s if timeout_s is None else _positive("timeout_s", timeout_s)
@@ -459,14 +451,13 @@ class AsyncTeacherClient:
     async def score(
         self,
         sequences: Any,
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
-        dtype: str = "float16",
         positions: Sequence[tuple[int, int]] | None = None,
-        include_sampled: bool = True,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        **options: Any,
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
 
@@ -474,12 +465,14 @@ class AsyncTeacherClient:
             sequences: ``[B, L]`` tensor/array, a list of 1-D token id sequences, or a
                 tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and
                 ``attention_mask``).
-            top_k: K.
-            dtype: wire dtype of the log-probs (``float16``, ``bfloat16``, ``float32``);
-                the payload holds them widened to float32.
+            top_k: K, or the whole :class:`~topk_protocol.RequestOptions`.
+            options: the other request options by keyword (``RequestOptions.of``):
+                ``dtype``, the wire dtype of the log-probs (``float16`` by default,
+                ``bfloat16``, ``float32``; the payload holds them widened to float32),
+                and ``include_sampled`` (default True: also fetch the log-prob of the
+                actual next token).
             positions: None (every position) or ``(start, end)`` per sequence (with an
                 attention mask: column ranges of the padded batch).
-            include_sampled: also fetch the log-prob of the actual next token.
             device: where the tensors go.
             timeout_s: this call's deadline (default: the client's).
             attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
@@ -487,13 +480,12 @@ class AsyncTeacherClient:
                 the padded batch, ``mask`` False on padding (:mod:`student_client.alignment`).
         """
         timeout = self._deadline(timeout_s)
-        request = self._request(
-            ScoreBatch(sequences, positions, attention_mask), top_k, dtype, include_sampled
-        )
+        opts = RequestOptions.of(top_k, **options)
+        request, layout = self._request(ScoreBatch(sequences, positions, attention_mask), opts)
 
         async def unary(index: int) -> ResponseAssembler:
             await self._fetch_info(index)
-            asm = ResponseAssembler(request)
+            asm = ResponseAssembler(request, layout)
             asm.add(
                 await self._stub(index).Score(request, timeout=timeout, metadata=self._metadata)
             )
@@ -503,7 +495,7 @@ class AsyncTeacherClient:
         info = await self._call(self._fetch_info, next(self._rr) % len(self.targets))
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
         if not fits_one_message(response_bytes(request), len(request.sequences), limit):
-            gen = self._run_stream(_as_async([request]), 0, timeout)
+            gen = self._run_stream(_as_async([(request, layout)]), 0, timeout)
             try:
                 return self.decode(await anext(gen), device)
             finally:
@@ -515,14 +507,14 @@ class AsyncTeacherClient:
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
         device: torch.device | str = "cpu",
         **options: Any,
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
-        ``device``; ``options`` (``depth``, ``dtype``, ``include_sampled``, ``timeout_s``)
-        as :meth:`stream_answers`."""
+        ``device``; ``options`` (``depth``, ``timeout_s`` and the request options such as
+        ``dtype``, ``include_sampled``) as :meth:`stream_answers`."""
         answers = self.stream_answers(batches, top_k, **options)
 
         async def payloads() -> AsyncIterator[TeacherPayload]:
@@ -537,12 +529,11 @@ class AsyncTeacherClient:
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
         depth: int = 4,
-        dtype: str = "float16",
-        include_sampled: bool = True,
         timeout_s: float | None = None,
+        **options: Any,
     ) -> AsyncIterator[ResponseAssembler]:
         """The complete answers to ``batches``, in input order, undecoded (each one's
         ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,
@@ -555,17 +546,19 @@ class AsyncTeacherClient:
         caller works on payload ``n``, requests ``n+1 .. n+depth`` are with the teacher
         (``depth=0``: none, every request waits for the caller). A request the teacher
         refused raises its typed exception when the caller reaches that batch, which
-        ends the iteration. ``dtype``, ``include_sampled``, ``timeout_s``: as
-        :meth:`score` (``timeout_s`` counts per request, from when it is sent).
+        ends the iteration. ``top_k`` and the request ``options`` (``dtype``,
+        ``include_sampled``, ...), ``timeout_s``: as :meth:`score` (``timeout_s`` counts
+        per request, from when it is sent).
         """
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
         timeout = self._deadline(timeout_s)
+        opts = RequestOptions.of(top_k, **options)
 
-        async def requests() -> AsyncIterator[pb.ScoreRequest | TeacherError]:
+        async def requests() -> AsyncIterator[_Outgoing | TeacherError]:
             async for batch in _as_async(batches):
                 try:
-                    yield self._request(batch, top_k, dtype, include_sampled)
+                    yield self._request(batch, opts)
                 except TeacherError as e:  # raised when the caller reaches this batch
                     yield e
 
@@ -573,7 +566,7 @@ class AsyncTeacherClient:
 
     async def _run_stream(
         self,
-        requests: AsyncIterator[pb.ScoreRequest | TeacherError],
+        requests: AsyncIterator[_Outgoing | TeacherError],
         depth: int,
         timeout_s: float,
     ) -> AsyncGenerator[ResponseAssembler, None]:
@@ -591,8 +584,8 @@ class AsyncTeacherClient:
                 if isinstance(request, TeacherError):
                     window.add_failed(request)
                 elif request is not None:
-                    window.add(request)
-                    await conn.send(request)
+                    window.add(*request)
+                    await conn.send(request[0])
 
         try:
             while True:

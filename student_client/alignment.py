@@ -29,7 +29,7 @@ import torch
 
 from student_client.errors import InvalidRequestError
 from student_client.payload import TeacherPayload
-from topk_protocol import Span, build_request, pb
+from topk_protocol import RequestOptions, Span, build_request, pb
 from topk_protocol.requests import check_span
 
 __all__ = [
@@ -173,7 +173,7 @@ def prepare_inputs(
 ) -> PreparedInputs:
     """Normalize one batch as the clients accept it.
 
-    ``sequences`` is what :func:`student_client.payload.build_request` takes, or a
+    ``sequences`` is what :func:`topk_protocol.build_request` takes, or a
     tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and ``attention_mask``).
     With an attention mask, the padding is cut off (:func:`unpad`) and ``positions`` are
     column ranges of the padded batch; without one, everything passes through unchanged.
@@ -254,24 +254,23 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
 
 def build_aligned_request(
     sequences: Any,
-    top_k: int,
+    top_k: int | RequestOptions,
     *,
     attention_mask: Any = None,
     positions: Sequence[tuple[int, int]] | None = None,
-    dtype: str | int = "float16",
-    include_sampled: bool = True,
     request_id: str = "",
+    **options: Any,
 ) -> tuple[pb.ScoreRequest, PaddedLayout | None]:
-    """:func:`prepare_inputs` + :func:`~student_client.payload.build_request`: the request
-    for one batch (padding cut off) and the layout to :func:`align` its answer with."""
+    """:func:`prepare_inputs` + :func:`topk_protocol.build_request`: the request for one
+    batch (padding cut off; ``top_k`` and ``options`` as :meth:`RequestOptions.of`) and
+    the layout to :func:`align` its answer with."""
     inputs = prepare_inputs(sequences, attention_mask, positions)
     request = build_request(
         inputs.sequences,
         top_k,
-        dtype=dtype,
         positions=inputs.positions,
-        include_sampled=include_sampled,
         request_id=request_id,
+        **options,
     )
     return request, inputs.layout
 

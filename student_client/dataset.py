@@ -31,8 +31,9 @@ from torch.utils.data import Dataset
 
 from student_client.errors import NotRecordedError
 from student_client.payload import TeacherPayload
-from topk_protocol import dtype_from_name, dtype_name
-from topk_protocol.recording import RecordingReader, can_serve_dtype, cast_like_teacher
+from topk_protocol import RequestOptions
+from topk_protocol.recording import RecordingReader, cast_like_teacher
+from topk_protocol.replay import check_options
 
 __all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
 
@@ -90,15 +91,15 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
         self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
         self._reader = RecordingReader(self.path)
         r = self._reader
-        self.top_k = r.top_k if top_k is None else int(top_k)
-        self.dtype = r.dtype if dtype is None else dtype_name(dtype_from_name(dtype))
-        self.include_sampled = include_sampled
-        if not 1 <= self.top_k <= r.top_k:
-            raise NotRecordedError(f"top_k: {self.top_k} is outside [1, {r.top_k}] (recorded K)")
-        if not can_serve_dtype(r.dtype, self.dtype):
-            raise NotRecordedError(
-                f"dtype: {self.dtype} cannot be served exactly from {r.dtype} log-probs"
+        try:
+            opts = RequestOptions(
+                r.top_k if top_k is None else top_k, dtype or r.dtype, include_sampled
             )
+            check_options(r, opts, f"recording {self.path}")
+        except BaseException:
+            r.close()
+            raise
+        self.top_k, self.dtype, self.include_sampled = opts.top_k, opts.dtype, include_sampled
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "options": self._options}

@@ -3,7 +3,8 @@
 :class:`ResponseAssembler` collects the answer to one request (one ``Score`` message or
 the row chunks of ``ScoreStream``), checks it against the request, and decodes it into a
 padded :class:`TeacherPayload` with one vectorized copy per chunk (no per-element loop).
-Requests are built by :func:`topk_protocol.build_request`.
+Requests are built by :func:`topk_protocol.build_request` (through
+:func:`student_client.alignment.build_aligned_request`).
 
 Padding of ragged batches: rows past a sequence's end have ``ids`` 0, ``logprobs`` 0,
 ``sampled_logprobs`` 0 and ``mask`` False. The values are finite (nothing turns into NaN
@@ -14,22 +15,25 @@ on them (ids repeated within a position) instead of training on them.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from topk_protocol import (
+    RequestOptions,
     decode_floats_into,
     dtype_from_name,
     dtype_name,
     itemsize,
     pb,
-    request_dtype,
-    request_includes_sampled,
     request_spans,
 )
-from topk_protocol.errors import TeacherError, error_from_code
+from topk_protocol.errors import TeacherError
+from topk_protocol.status import error_from_code
+
+if TYPE_CHECKING:
+    from student_client.alignment import PaddedLayout
 
 __all__ = ["ResponseAssembler", "TeacherPayload"]
 
@@ -102,14 +106,18 @@ class ResponseAssembler:
     stream's row chunks in arrival order). Once :attr:`complete`, :meth:`payload` builds
     the tensors and :meth:`merged_response` the equivalent single message (chunks joined),
     which is what recordings store. An ``error`` answer sets :attr:`error` instead.
+    ``layout`` is where the batch's rows sit when it came padded (see
+    :func:`student_client.alignment.align`), kept with the answer it belongs to.
     """
 
-    def __init__(self, request: pb.ScoreRequest) -> None:
+    def __init__(self, request: pb.ScoreRequest, layout: PaddedLayout | None = None) -> None:
         self.request = request
+        self.layout = layout
         self.spans = request_spans(request)
-        self.top_k = int(request.top_k)
-        self.dtype = request_dtype(request)
-        self.include_sampled = request_includes_sampled(request)
+        options = RequestOptions.from_proto(request)
+        self.top_k = options.top_k
+        self.dtype = options.wire_dtype
+        self.include_sampled = options.include_sampled
         self.teacher_seconds = 0.0
         self._size = itemsize(self.dtype)
         self.reset()
@@ -125,7 +133,7 @@ class ResponseAssembler:
         """Take one response message of this request. Raises :class:`TeacherError` when it
         contradicts the request (wrong K, dtype, positions, byte lengths)."""
         if msg.HasField("error"):
-            self.error = error_from_code(msg.error.code, msg.error.message)
+            self.error = error_from_code(msg.error.code, msg.error.message, msg.error.reason)
             self.complete = True
             return
         for chunk in msg.sequences:

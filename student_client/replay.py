@@ -20,99 +20,48 @@ import torch
 
 from student_client.aio_client import ScoreBatch
 from student_client.alignment import align, build_aligned_request
-from student_client.errors import InvalidRequestError, NotRecordedError
 from student_client.payload import ResponseAssembler, TeacherPayload
 from topk_protocol import (
+    RequestOptions,
     TeacherInfo,
     check_temperature,
-    dtype_name,
     encode_sequence,
     pb,
-    request_dtype,
-    request_includes_sampled,
     request_spans,
 )
 from topk_protocol._closeable import Closeable
-from topk_protocol.recording import RecordingReader, can_serve_dtype
+from topk_protocol.recording import RecordingReader
+from topk_protocol.replay import find_rows, recorded_arrays
+from topk_protocol.requests import check_token_ids, check_top_k
 
-__all__ = ["ReplayClient", "describe_request", "replay_response"]
-
-
-def describe_request(request: pb.ScoreRequest, max_tokens: int = 8) -> str:
-    """A short human description of a request: sizes, first tokens, K, dtype, positions."""
-    lengths = [len(s.token_ids) // 4 for s in request.sequences]
-    first = (
-        np.frombuffer(request.sequences[0].token_ids, dtype="<i4")[:max_tokens].tolist()
-        if request.sequences
-        else []
-    )
-    more = ", ..." if lengths and lengths[0] > max_tokens else ""
-    return (
-        f"{len(lengths)} sequences (lengths {lengths}; sequences[0] starts "
-        f"[{', '.join(map(str, first))}{more}]), top_k {request.top_k}, "
-        f"dtype {dtype_name(request_dtype(request))}, "
-        f"include_sampled {request_includes_sampled(request)}, "
-        f"positions {request_spans(request)}"
-    )
-
-
-def _describe_sequence(i: int, token_ids: bytes, max_tokens: int = 8) -> str:
-    ids = np.frombuffer(token_ids, dtype="<i4")
-    more = ", ..." if len(ids) > max_tokens else ""
-    first = ", ".join(map(str, ids[:max_tokens].tolist()))
-    return f"sequences[{i}] ({len(ids)} tokens starting [{first}{more}])"
+__all__ = ["ReplayClient", "replay_response"]
 
 
 def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.ScoreResponse:
     """The answer the teacher would have sent to ``request``, from recorded rows.
 
     Raises :class:`NotRecordedError` naming every sequence that cannot be answered
-    exactly and why (not recorded, positions, sampled log-probs, K, dtype).
+    exactly and why (the rules of :mod:`topk_protocol.replay`).
     """
-    k = int(request.top_k)
-    dtype = dtype_name(request_dtype(request))
-    sampled = request_includes_sampled(request)
-    where = f"recording {reader.path}"
-    if k > reader.top_k:
-        raise NotRecordedError(f"{where}: top_k {k} is more than the recorded K {reader.top_k}")
-    if not can_serve_dtype(reader.dtype, dtype):
-        raise NotRecordedError(
-            f"{where}: dtype {dtype}: the recording holds {reader.dtype} log-probs, which "
-            f"do not give the teacher's {dtype} values exactly (only a float32 recording "
-            "serves every dtype)"
-        )
+    options = RequestOptions.from_proto(request)
+    spans = request_spans(request)
+    keys = [
+        (seq.token_ids, start, end)
+        for seq, (start, end) in zip(request.sequences, spans, strict=True)
+    ]
+    rows = find_rows(reader, keys, options, f"recording {reader.path}")
     out = pb.ScoreResponse(request_id=request.request_id, final=True)
-    problems: list[str] = []
-    for i, (seq, (start, end)) in enumerate(
-        zip(request.sequences, request_spans(request), strict=True)
-    ):
-        if start == end:  # the teacher answers an empty range without its engine
-            ids = np.zeros((0, k), np.int32)
-            lps = np.zeros((0, k), np.float32)
-            sp: np.ndarray | None = np.zeros(0, np.float32)
-        else:
-            row = reader.find(seq.token_ids, start, end, sampled)
-            if isinstance(row, str):
-                problems.append(f"{_describe_sequence(i, seq.token_ids)}: {row}")
-                continue
-            rows = slice(start - row.start, end - row.start)
-            ids = row.ids[rows, :k]
-            lps = row.logprobs[rows, :k].astype(np.float32)
-            sp = None if row.sampled_logprobs is None else row.sampled_logprobs[rows]
+    for i, (row, (start, end)) in enumerate(zip(rows, spans, strict=True)):
+        ids, lps, sampled = recorded_arrays(row, start, end, options)
         out.sequences.append(
             encode_sequence(
                 ids,
                 lps,
-                sp if sampled else None,
-                dtype=dtype,
+                sampled,
+                dtype=options.wire_dtype,
                 position_start=start,
                 sequence_index=i,
             )
-        )
-    if problems:
-        raise NotRecordedError(
-            f"{where}: not recorded at top_k {k}, dtype {dtype}, include_sampled {sampled}: "
-            + "; ".join(problems)
         )
     return out
 
@@ -165,21 +114,13 @@ class ReplayClient(Closeable):
         return self._info
 
     def _check(self, request: pb.ScoreRequest) -> None:
-        """The checks of the live teacher that do not need the engine."""
+        """The checks of the live teacher that do not need the engine (the same
+        functions and messages: :mod:`topk_protocol.requests`)."""
         info = self._info
-        if info.max_top_k and not 1 <= request.top_k <= info.max_top_k:
-            raise InvalidRequestError(
-                f"top_k: {request.top_k} is outside [1, {info.max_top_k}] (max_top_k)"
-            )
+        if info.max_top_k:
+            check_top_k(int(request.top_k), info.max_top_k)
         for i, seq in enumerate(request.sequences):
-            ids = np.frombuffer(seq.token_ids, dtype="<i4")
-            bad = (ids < 0) | (ids >= info.vocab_size)
-            if bad.any():
-                j = int(np.flatnonzero(bad)[0])
-                raise InvalidRequestError(
-                    f"sequences[{i}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
-                    f"[0, {info.vocab_size})"
-                )
+            check_token_ids(i, np.frombuffer(seq.token_ids, dtype="<i4"), info.vocab_size)
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
         self._check(request)
@@ -190,47 +131,39 @@ class ReplayClient(Closeable):
     def score(
         self,
         sequences: Any,
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
-        dtype: str = "float16",
         positions: Sequence[tuple[int, int]] | None = None,
-        include_sampled: bool = True,
         device: torch.device | str = "cpu",
         attention_mask: Any = None,
+        **options: Any,
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``)."""
         request, layout = build_aligned_request(
-            sequences,
-            top_k,
-            attention_mask=attention_mask,
-            positions=positions,
-            dtype=dtype,
-            include_sampled=include_sampled,
+            sequences, top_k, attention_mask=attention_mask, positions=positions, **options
         )
         return align(self._answer(request, device), layout)
 
     def stream(
         self,
         batches: Iterable[Any],
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
         depth: int = 4,
-        dtype: str = "float16",
-        include_sampled: bool = True,
         device: torch.device | str = "cpu",
+        **options: Any,
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order, read lazily (``depth`` is
         accepted for interface parity; there is nothing to prefetch)."""
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+        opts = RequestOptions.of(top_k, **options)
         for batch in batches:
             item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
             yield self.score(
                 item.sequences,
-                top_k,
-                dtype=dtype,
+                opts,
                 positions=item.positions,
-                include_sampled=include_sampled,
                 device=device,
                 attention_mask=item.attention_mask,
             )

@@ -6,26 +6,26 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from teacher_server.backends.base import ScoredSequence
-from topk_protocol import bytes_per_row, encode_sequence, pb
+from topk_protocol import RequestOptions, encode_sequence, pb
 
 __all__ = ["encode_scored", "iter_stream_responses"]
 
 
 def encode_scored(
     scored: ScoredSequence,
+    options: RequestOptions,
     *,
-    dtype: int,
-    include_sampled: bool,
     sequence_index: int,
     rows: slice = slice(None),
 ) -> pb.SequencePayload:
-    """Encode rows ``rows`` of one scored sequence (``[S, K]`` arrays) as a payload."""
+    """Encode rows ``rows`` of one scored sequence (``[S, K]`` arrays) as a payload, in
+    ``options``' dtype, with the sampled log-probs when ``options`` asks for them."""
     start = rows.start or 0
     return encode_sequence(
         scored.ids[rows],
         scored.logprobs[rows],
-        scored.sampled_logprobs[rows] if include_sampled else None,
-        dtype=dtype,
+        scored.sampled_logprobs[rows] if options.include_sampled else None,
+        dtype=options.wire_dtype,
         position_start=scored.position_start + start,
         sequence_index=sequence_index,
     )
@@ -34,18 +34,15 @@ def encode_scored(
 def iter_stream_responses(
     request_id: str,
     scored: Sequence[ScoredSequence],
+    options: RequestOptions,
     *,
-    top_k: int,
-    dtype: int,
-    include_sampled: bool,
     chunk_bytes: int,
     teacher_seconds: float = 0.0,
 ) -> Iterator[pb.ScoreResponse]:
     """Pack all sequences' rows, in order, into messages of at most ``chunk_bytes`` of
     payload arrays (at least one row each). Sequences with no rows still get an empty
     piece, so the client sees every sequence. The last message has ``final`` set."""
-    per_row = bytes_per_row(top_k, dtype, include_sampled)
-    budget_rows = max(1, chunk_bytes // per_row)
+    budget_rows = max(1, chunk_bytes // options.bytes_per_row())
     msg = pb.ScoreResponse(request_id=request_id)
     room = budget_rows
     for index, seq in enumerate(scored):
@@ -55,13 +52,7 @@ def iter_stream_responses(
             take = min(n - done, room)
             if take > 0 or n == 0:
                 msg.sequences.append(
-                    encode_scored(
-                        seq,
-                        dtype=dtype,
-                        include_sampled=include_sampled,
-                        sequence_index=index,
-                        rows=slice(done, done + take),
-                    )
+                    encode_scored(seq, options, sequence_index=index, rows=slice(done, done + take))
                 )
             done += take
             room -= take

@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,9 +20,9 @@ from grpc_reflection.v1alpha import reflection
 from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
+from teacher_server.config import ServerConfig
 from teacher_server.http_app import build_http_app
 from teacher_server.lifecycle import (
-    DEFAULT_DRAIN_TIMEOUT_S,
     ENGINE_SHUTDOWN_S,
     SHUTDOWN_MARGIN_S,
     Lifecycle,
@@ -52,27 +51,6 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Where and how to serve. ``max_top_k`` etc. become the :class:`Limits`."""
-
-    host: str = "0.0.0.0"
-    port: int = 50051
-    http_host: str | None = None  # None: same as host
-    http_port: int = 8000  # < 0 disables HTTP
-    max_top_k: int = 64
-    max_tokens_per_request: int = 262_144
-    max_inflight_requests: int = 64
-    max_queued_requests: int = 1024
-    max_message_mb: int = 64
-    chunk_kb: int = 1024
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    token: str | None = None
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    warmup: bool = True
-
-
 class TeacherServer:
     """One teacher process. ``await start()`` opens both ports at once and loads the engine
     in the background; ``await wait_ready()``; ``await stop()`` drains within
@@ -82,13 +60,7 @@ class TeacherServer:
         self._backend = backend
         self._config = config
         self._metrics = TeacherMetrics()
-        self._limits = Limits(
-            vocab_size=0,
-            max_top_k=config.max_top_k,
-            max_tokens_per_request=config.max_tokens_per_request,
-            max_message_bytes=config.max_message_mb * 1024 * 1024,
-            chunk_bytes=config.chunk_kb * 1024,
-        )
+        self._limits = Limits.from_config(config)
         self.lifecycle = Lifecycle()
         self._admission = AdmissionQueue(
             config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
@@ -233,9 +205,7 @@ class TeacherServer:
 
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
-            res = self._health.set(service, status)
-            if asyncio.iscoroutine(res):
-                await res
+            await self._health.set(service, status)
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the engine is warmed up; raise if it failed to load."""
@@ -280,11 +250,6 @@ class TeacherServer:
         except TimeoutError:
             log.warning("the engine did not close within %.1f s", ENGINE_SHUTDOWN_S + 1)
         log.info("stopped")
-
-    async def wait_for_termination(self) -> None:
-        if self._grpc is None:
-            raise RuntimeError("TeacherServer.wait_for_termination: call start() first")
-        await self._grpc.wait_for_termination()
 
 
 def _tls_files(cfg: ServerConfig) -> tuple[Path, Path] | None:

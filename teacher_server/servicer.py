@@ -1,7 +1,10 @@
 """The ``topk_distill.v1.Teacher`` gRPC servicer: validation, admission, scoring, packing.
 
-State lives in private fields; errors go out as ``context.abort`` with a precise status
-(unary) or as an ``Error`` in the response for that request (stream, which goes on).
+State lives in private fields. Validation, admission and the backends raise the
+protocol's typed errors (:mod:`topk_protocol.errors`); this module alone turns them into
+gRPC statuses (:func:`topk_protocol.status.status_of`): ``context.abort`` with the code
+(unary; the error's reason in the trailing metadata) or an ``Error`` in the response for
+that request (stream, which goes on).
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.payloads import encode_scored, iter_stream_responses
 from teacher_server.rpc_handlers import Undecodable
-from teacher_server.validation import (
-    Limits,
-    ParsedRequest,
-    ParsedSequence,
-    RequestError,
-    parse_request,
-)
+from teacher_server.validation import Limits, ParsedRequest, ParsedSequence, parse_request
 from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, fits_one_message, pb, pb_grpc
+from topk_protocol.errors import (
+    InvalidRequestError,
+    ResourceExhaustedError,
+    TeacherError,
+    TeacherUnavailableError,
+)
+from topk_protocol.status import REASON_KEY, status_of
 
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
@@ -85,15 +89,15 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     async def _admit(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
         """Validate, then wait for a slot; the caller must :meth:`_release` it."""
         if isinstance(request, Undecodable):
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            raise InvalidRequestError(request.message)
         refusal = self._lifecycle.refusal()
         if refusal is not None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal)
+            raise TeacherUnavailableError(refusal)
         parsed = parse_request(request, self._limits)
         try:
             await self._admission.acquire()
         except AdmissionRefused as e:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, e.message) from None
+            raise TeacherUnavailableError(e.message) from None
         return parsed
 
     def _release(self) -> None:
@@ -102,7 +106,8 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     async def _score(self, parsed: ParsedRequest) -> list[ScoredSequence]:
         """Score every sequence concurrently (the engine batches them)."""
         self._backend.check_request(parsed)
-        k = parsed.top_k
+        options = parsed.options
+        k = options.top_k
 
         async def one(seq: ParsedSequence) -> ScoredSequence:
             if seq.start == seq.end:  # nothing asked: no engine call
@@ -112,13 +117,35 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                     np.zeros(0, np.float32),
                     seq.start,
                 )
-            return await self._backend.score(seq.token_ids, k, seq.start, seq.end)
+            return await self._backend.score(seq, options)
 
         return list(await asyncio.gather(*(one(s) for s in parsed.sequences)))
 
     def _count(self, method: str, code: grpc.StatusCode, t0: float) -> None:
         self._metrics.requests.labels(method, code.name).inc()
         self._metrics.latency.labels(method).observe(time.perf_counter() - t0)
+
+    async def _abort(
+        self, method: str, error: TeacherError, t0: float, context: grpc.aio.ServicerContext
+    ) -> None:
+        """End a unary call with ``error``'s status (its reason in the trailers): raises
+        (``context.abort`` does)."""
+        code, reason = status_of(error)
+        self._count(method, code, t0)
+        trailers = ((REASON_KEY, reason),) if reason else ()
+        await context.abort(code, error.message, trailing_metadata=trailers)
+
+    def _error_response(
+        self, method: str, request_id: str, error: TeacherError, t0: float
+    ) -> pb.ScoreResponse:
+        """The stream's answer to one failed request (the stream goes on)."""
+        code, reason = status_of(error)
+        self._count(method, code, t0)
+        return pb.ScoreResponse(
+            request_id=request_id,
+            final=True,
+            error=pb.Error(code=code.value[0], message=error.message, reason=reason),
+        )
 
     def _count_payload(self, parsed: ParsedRequest) -> None:
         self._metrics.positions.inc(parsed.num_positions)
@@ -141,35 +168,26 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         t0 = time.perf_counter()
         try:
             parsed = await self._admit(request)
-        except RequestError as e:
-            self._count("Score", e.code, t0)
-            await context.abort(e.code, e.message)
+        except TeacherError as e:
+            await self._abort("Score", e, t0, context)
         try:
             size = parsed.response_bytes()
             if not fits_one_message(size, len(parsed.sequences), self._limits.max_message_bytes):
-                raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise ResourceExhaustedError(
                     f"response: {size} payload bytes (+ framing) would exceed max_message_bytes "
-                    f"{self._limits.max_message_bytes}; use ScoreStream or fewer positions",
+                    f"{self._limits.max_message_bytes}; use ScoreStream or fewer positions"
                 )
             scored = await self._score(parsed)
             resp = pb.ScoreResponse(
                 request_id=parsed.request_id,
                 sequences=[
-                    encode_scored(
-                        s,
-                        dtype=parsed.dtype,
-                        include_sampled=parsed.include_sampled,
-                        sequence_index=i,
-                    )
-                    for i, s in enumerate(scored)
+                    encode_scored(s, parsed.options, sequence_index=i) for i, s in enumerate(scored)
                 ],
                 final=True,
                 teacher_seconds=time.perf_counter() - t0,
             )
-        except RequestError as e:
-            self._count("Score", e.code, t0)
-            await context.abort(e.code, e.message)
+        except TeacherError as e:
+            await self._abort("Score", e, t0, context)
         except asyncio.CancelledError:
             self._count("Score", grpc.StatusCode.CANCELLED, t0)
             raise
@@ -190,38 +208,30 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         t0 = time.perf_counter()
         try:
             parsed = await self._admit(request)
-        except RequestError as e:
-            self._count("ScoreStream", e.code, t0)
-            await out.put(_error_response(request.request_id, e.code, e.message))
+        except TeacherError as e:
+            await out.put(self._error_response("ScoreStream", request.request_id, e, t0))
             return
         try:
             scored = await self._score(parsed)
             responses: Iterator[pb.ScoreResponse] = iter_stream_responses(
                 parsed.request_id,
                 scored,
-                top_k=parsed.top_k,
-                dtype=parsed.dtype,
-                include_sampled=parsed.include_sampled,
+                parsed.options,
                 chunk_bytes=min(self._limits.chunk_bytes, self._limits.max_message_bytes // 2),
                 teacher_seconds=time.perf_counter() - t0,
             )
             for msg in responses:
                 await out.put(msg)
-        except RequestError as e:  # refused by the backend (e.g. replay: not recorded)
-            self._count("ScoreStream", e.code, t0)
-            await out.put(_error_response(parsed.request_id, e.code, e.message))
+        except TeacherError as e:  # refused by the backend (e.g. replay: not recorded)
+            await out.put(self._error_response("ScoreStream", parsed.request_id, e, t0))
             return
         except asyncio.CancelledError:
             self._count("ScoreStream", grpc.StatusCode.CANCELLED, t0)
             raise
         except Exception as e:
             log.exception("ScoreStream request failed")
-            self._count("ScoreStream", grpc.StatusCode.INTERNAL, t0)
-            await out.put(
-                _error_response(
-                    parsed.request_id, grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}"
-                )
-            )
+            failed = TeacherError(f"teacher: scoring failed: {e}")
+            await out.put(self._error_response("ScoreStream", parsed.request_id, failed, t0))
             return
         finally:
             self._release()
@@ -266,11 +276,3 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
-
-
-def _error_response(request_id: str, code: grpc.StatusCode, message: str) -> pb.ScoreResponse:
-    return pb.ScoreResponse(
-        request_id=request_id,
-        final=True,
-        error=pb.Error(code=code.value[0], message=message),
-    )

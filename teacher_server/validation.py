@@ -1,48 +1,48 @@
-"""Request validation: every rule names the field and the limit, and maps to a gRPC status.
+"""Request validation: every rule names the field and the limit.
 
-Pure functions over the wire message; the servicer turns :class:`RequestError` into
-``context.abort`` (unary) or an ``Error`` response (stream).
+Pure functions over the wire message. A refused request raises one of the protocol's
+typed errors (:class:`~topk_protocol.errors.InvalidRequestError`,
+:class:`~topk_protocol.errors.ResourceExhaustedError`); the servicer alone turns them
+into gRPC status codes (:func:`topk_protocol.status.status_of`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 
-from topk_protocol import (
-    DTYPE_NAMES,
-    bytes_per_row,
-    pb,
-    request_dtype,
-    request_includes_sampled,
-    sequence_span,
-)
+from teacher_server.config import MIB, ServerConfig
+from topk_protocol import RequestOptions, pb, sequence_span
+from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
+from topk_protocol.requests import check_token_ids, check_top_k
 
-__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "RequestError", "parse_request"]
-
-
-class RequestError(Exception):
-    """A request the server refuses: ``code`` is the gRPC status, ``message`` says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Server-side limits (all configurable from the CLI)."""
+    """Server-side limits: the :class:`ServerConfig` ones (defaults included) and what the
+    loaded engine says (vocabulary size, longest sequence; 0: no limit)."""
 
     vocab_size: int
-    max_top_k: int = 64
-    max_tokens_per_request: int = 262_144
-    max_sequence_length: int = 0  # 0: no limit
-    max_message_bytes: int = 64 * 1024 * 1024
-    chunk_bytes: int = 1024 * 1024  # target size of one ScoreStream response message
+    max_top_k: int = ServerConfig.max_top_k
+    max_tokens_per_request: int = ServerConfig.max_tokens_per_request
+    max_sequence_length: int = 0
+    max_message_bytes: int = ServerConfig.max_message_mb * MIB
+    chunk_bytes: int = ServerConfig.chunk_kb * 1024  # target size of one ScoreStream message
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, vocab_size: int = 0) -> Limits:
+        """The limits ``config`` sets (``vocab_size`` 0: not known before the engine)."""
+        return cls(
+            vocab_size=vocab_size,
+            max_top_k=config.max_top_k,
+            max_tokens_per_request=config.max_tokens_per_request,
+            max_message_bytes=config.max_message_bytes,
+            chunk_bytes=config.chunk_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ class ParsedSequence:
 
 @dataclass(frozen=True)
 class ParsedRequest:
+    """A validated request: its sequences and the options every backend is handed."""
+
     request_id: str
     sequences: list[ParsedSequence]
-    top_k: int
-    dtype: int
-    include_sampled: bool
+    options: RequestOptions
 
     @property
     def num_positions(self) -> int:
@@ -68,65 +68,47 @@ class ParsedRequest:
 
     def response_bytes(self) -> int:
         """Bytes of the payload arrays this request will produce."""
-        return self.num_positions * bytes_per_row(self.top_k, self.dtype, self.include_sampled)
-
-
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return self.num_positions * self.options.bytes_per_row()
 
 
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
-    """Validate ``req`` against ``limits``; raise :class:`RequestError` on the first problem."""
+    """Validate ``req`` against ``limits``; raise the typed error of the first problem."""
     if not req.sequences:
-        raise _invalid("sequences: empty; a request needs at least 1 sequence")
-    if not 1 <= req.top_k <= limits.max_top_k:
-        raise _invalid(f"top_k: {req.top_k} is outside [1, {limits.max_top_k}] (max_top_k)")
-    try:
-        dtype = request_dtype(req)
-    except ValueError:
-        raise _invalid(
-            f"dtype: unknown log-prob dtype {req.dtype}; supported: "
-            + ", ".join(f"{v} ({k})" for k, v in DTYPE_NAMES.items())
-        ) from None
+        raise InvalidRequestError("sequences: empty; a request needs at least 1 sequence")
+    check_top_k(int(req.top_k), limits.max_top_k)
+    options = RequestOptions.from_proto(req)
     total = 0
     for i, seq in enumerate(req.sequences):
         n_bytes = len(seq.token_ids)
         if n_bytes % 4:
-            raise _invalid(
+            raise InvalidRequestError(
                 f"sequences[{i}].token_ids: {n_bytes} bytes is not a multiple of 4 (int32)"
             )
         total += n_bytes // 4
     if total > limits.max_tokens_per_request:
-        raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        raise ResourceExhaustedError(
             f"sequences: {total} tokens in total exceeds max_tokens_per_request "
-            f"{limits.max_tokens_per_request}; split the batch",
+            f"{limits.max_tokens_per_request}; split the batch"
         )
     parsed: list[ParsedSequence] = []
     for i, seq in enumerate(req.sequences):
         ids = np.frombuffer(seq.token_ids, dtype="<i4")
         n = len(ids)
         if n == 0:
-            raise _invalid(f"sequences[{i}].token_ids: empty; a sequence needs at least 1 token")
+            raise InvalidRequestError(
+                f"sequences[{i}].token_ids: empty; a sequence needs at least 1 token"
+            )
         if limits.max_sequence_length and n > limits.max_sequence_length:
-            raise _invalid(
+            raise InvalidRequestError(
                 f"sequences[{i}].token_ids: length {n} exceeds max_sequence_length "
                 f"{limits.max_sequence_length}"
             )
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= limits.vocab_size:
-            j = int(np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))[0])
-            raise _invalid(
-                f"sequences[{i}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
-                f"[0, {limits.vocab_size})"
-            )
+        check_token_ids(i, ids, limits.vocab_size)
         start, end = sequence_span(seq)
         if not 0 <= start <= end <= n:
-            raise _invalid(
+            raise InvalidRequestError(
                 f"sequences[{i}].position_start/position_end: [{start}, {end}) is not a range "
                 f"inside the sequence's {n} positions [0, {n}]"
             )
         parsed.append(ParsedSequence(ids, start, end))
-    return ParsedRequest(
-        req.request_id, parsed, int(req.top_k), dtype, request_includes_sampled(req)
-    )
+    return ParsedRequest(req.request_id, parsed, options)

@@ -12,7 +12,7 @@ import torch
 from student_client.payload import ResponseAssembler, TeacherPayload
 from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import iter_stream_responses
-from topk_protocol import build_request, pb, request_includes_sampled, request_spans
+from topk_protocol import RequestOptions, build_request, pb, request_spans
 
 __all__ = ["INFO", "K", "assert_bit_equal", "live_payload", "teacher_answer"]
 
@@ -54,9 +54,7 @@ def live_payload(
     for msg in iter_stream_responses(
         "live",
         scored,
-        top_k=k,
-        dtype=req.dtype,
-        include_sampled=request_includes_sampled(req),
+        RequestOptions.from_proto(req),
         chunk_bytes=300,
     ):
         asm.add(msg)

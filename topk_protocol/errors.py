@@ -1,16 +1,20 @@
-"""Typed exceptions of the protocol, and the gRPC status -> exception mapping.
+"""Typed exceptions of the protocol: the one error hierarchy of both sides.
 
-Every exception is a :class:`TeacherError`; the ones caused by the caller's input are
-also ``ValueError``. Each carries the gRPC status code (``code``) when one is involved
-and the server's message unchanged, so that the field and the limit it names reach the
-caller.
+Every exception is a :class:`TeacherError` (``TeacherError(message, code=None)``); the
+ones caused by the caller's input are also ``ValueError``. The server's code (validation,
+backends) raises them with no transport in sight; only the gRPC servicer turns them into
+status codes, and the client turns status codes back into them, with the server's
+message unchanged so that the field and the limit it names reach the caller. The table
+between the two is :mod:`topk_protocol.status` (the one module here that knows gRPC).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-import grpc
+if TYPE_CHECKING:
+    import grpc
 
 __all__ = [
     "DeadlineExceededError",
@@ -23,16 +27,18 @@ __all__ = [
     "TeacherUnavailableError",
     "UnauthenticatedError",
     "VocabMismatchError",
-    "error_from_code",
-    "error_from_rpc",
 ]
 
 
 class TeacherError(Exception):
-    """Base of every error raised by the student client.
+    """Base of every error of the protocol, raised on either side.
 
-    ``code`` is the gRPC status code involved (``None`` for client-side errors).
+    ``code`` is the gRPC status code the error arrived with (``None`` when it did not
+    come over the wire). ``reason`` names the error kind where the status code alone
+    does not (sent along with it; empty for most kinds).
     """
+
+    reason: ClassVar[str] = ""
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
@@ -72,6 +78,8 @@ class VocabMismatchError(TeacherMismatchError):
 class NotRecordedError(TeacherError):
     """Replay: the request (or one of its sequences) is not in the recording."""
 
+    reason: ClassVar[str] = "not_recorded"
+
 
 class RecordingError(TeacherError):
     """A recording file is truncated, corrupted or not a recording.
@@ -85,32 +93,3 @@ class RecordingError(TeacherError):
         super().__init__(f"{where}: {message}")
         self.path = Path(path)
         self.offset = offset
-
-
-_BY_CODE: dict[grpc.StatusCode, type[TeacherError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
-    grpc.StatusCode.PERMISSION_DENIED: UnauthenticatedError,
-    grpc.StatusCode.UNAVAILABLE: TeacherUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.NOT_FOUND: NotRecordedError,
-}
-_CODE_BY_VALUE: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def error_from_code(code: grpc.StatusCode | int, message: str) -> TeacherError:
-    """The typed exception for a gRPC status (enum or its integer value) and message."""
-    if not isinstance(code, grpc.StatusCode):
-        code = _CODE_BY_VALUE.get(int(code), grpc.StatusCode.UNKNOWN)
-    cls = _BY_CODE.get(code, TeacherError)
-    text = message if cls is not TeacherError else f"teacher error {code.name}: {message}"
-    return cls(text, code)
-
-
-def error_from_rpc(err: grpc.RpcError) -> TeacherError:
-    """The typed exception for a failed gRPC call."""
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    return error_from_code(code, details or code.name)

@@ -58,12 +58,11 @@ import pyarrow as pa
 from google.protobuf import json_format
 
 from topk_protocol import (
+    RequestOptions,
     decode_sequence,
     dtype_from_name,
     dtype_name,
     pb,
-    request_dtype,
-    request_includes_sampled,
     request_spans,
     teacher_temperature,
 )
@@ -262,6 +261,8 @@ class RecordingWriter(Closeable):
         self.rows_written = 0
         self.top_k: int | None = top_k
         self.dtype: str | None = dtype
+        #: The recorded request options (``RequestOptions.recorded``); None: not fixed yet.
+        self.options: dict[str, Any] | None = None
         self.path.mkdir(parents=True, exist_ok=True)
         if (self.path / METADATA_FILE).exists():
             self._resume()
@@ -287,7 +288,7 @@ class RecordingWriter(Closeable):
                     problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
             if problems:
                 raise RecordingError(self.path, None, "cannot append: " + "; ".join(problems))
-            self.top_k, self.dtype = r.top_k, r.dtype
+            self.top_k, self.dtype, self.options = r.top_k, r.dtype, r.options
             for key, copies in r.copies().items():
                 self._copies[key] = [(c.start, c.end, c.has_sampled) for c in copies]
 
@@ -305,6 +306,7 @@ class RecordingWriter(Closeable):
             "temperature": teacher_temperature(self.info),
             "top_k": int(self.top_k),
             "dtype": self.dtype,
+            "options": self.options or RequestOptions.recorded_defaults(),
             "compression": self.compression,
             "extra": self._extra,
         }
@@ -385,12 +387,31 @@ class RecordingWriter(Closeable):
             self._copies.setdefault(key, []).append((start, end, sp is not None))
         return True
 
-    def write(self, request: pb.ScoreRequest, response: pb.ScoreResponse) -> int:
+    def _fix_options(self, recorded: dict[str, Any]) -> None:
+        """The first request fixes the recorded options; a later one must ask the same."""
+        with self._lock:
+            if self.options is None:
+                self.options = recorded
+                if (self.path / METADATA_FILE).exists():
+                    self._write_metadata()
+            elif recorded != self.options:
+                raise RecordingError(
+                    self.path, None, f"options: recorded {self.options}, this request {recorded}"
+                )
+
+    def write(
+        self,
+        request: pb.ScoreRequest,
+        response: pb.ScoreResponse,
+        options: RequestOptions | None = None,
+    ) -> int:
         """Record every sequence of an answered request (``response`` complete, e.g.
-        :meth:`~student_client.payload.ResponseAssembler.merged_response`). Returns the
-        number of rows written (covered sequences are skipped)."""
-        dtype = dtype_name(request_dtype(request))
-        sampled = request_includes_sampled(request)
+        :meth:`~student_client.payload.ResponseAssembler.merged_response`; ``options``
+        default: the request's). Returns the number of rows written (covered sequences
+        are skipped)."""
+        options = RequestOptions.from_proto(request) if options is None else options
+        self._fix_options(options.recorded())
+        dtype, sampled = options.dtype, options.include_sampled
         spans = request_spans(request)
         by_index = {int(p.sequence_index): p for p in response.sequences}
         n = 0
@@ -534,6 +555,12 @@ class RecordingReader(Closeable):
         self.top_k = int(self.metadata["top_k"])
         self.dtype = str(self.metadata["dtype"])
         self.temperature = float(self.metadata.get("temperature", 1.0))
+        #: The request options the recording was made at (``RequestOptions.recorded``;
+        #: an option newer than the recording takes its default).
+        self.options: dict[str, Any] = {
+            **RequestOptions.recorded_defaults(),
+            **self.metadata.get("options", {}),
+        }
         self.skipped: list[str] = []
         self._maps: list[pa.MemoryMappedFile] = []
         self._chunks: list[_Chunk] = []

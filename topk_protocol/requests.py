@@ -1,15 +1,20 @@
-"""Requests: building and normalizing a ``ScoreRequest``, its defaults, and its sizes.
+"""Requests: the request options, building and normalizing a ``ScoreRequest``, its sizes.
 
-Both sides read a request through these functions, so a default (dtype, positions,
-include-sampled) or a size rule (bytes per row, the one-message rule) is written once:
-the client builds requests and decides between ``Score`` and ``ScoreStream`` with them,
-the server validates requests and sizes its answers with them, recordings key on them.
-Rules in ``docs/protocol.md``.
+:class:`RequestOptions` is what a request asks the teacher to compute for each of its
+sequences (K, the wire dtype, whether the sampled log-probs come along): one frozen value
+that the client builds, :func:`build_request` writes into the message, the server reads
+back (:meth:`RequestOptions.from_proto`) and hands to the backend, and recordings and
+replay compare against what they hold. A default (dtype, positions, include-sampled) or a
+size rule (bytes per row, the one-message rule) is written once here: the client decides
+between ``Score`` and ``ScoreStream`` with them, the server validates requests and sizes
+its answers with them. Rules in ``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -17,20 +22,23 @@ import numpy.typing as npt
 import torch
 
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.codec import dtype_from_name, encode_token_ids, itemsize
+from topk_protocol.codec import DTYPE_NAMES, dtype_from_name, dtype_name, encode_token_ids, itemsize
 from topk_protocol.errors import InvalidRequestError
 
 __all__ = [
     "DEFAULT_DTYPE",
+    "DEFAULT_MAX_MESSAGE_MB",
     "FRAMING_BYTES",
+    "RECORDED",
+    "RequestOptions",
     "Span",
     "build_request",
     "bytes_per_row",
     "check_span",
+    "check_token_ids",
+    "check_top_k",
     "fits_one_message",
     "normalize_sequences",
-    "request_dtype",
-    "request_includes_sampled",
     "request_spans",
     "response_bytes",
     "sequence_span",
@@ -42,9 +50,126 @@ Span = tuple[int, int]
 #: Wire dtype of the log-probs when a request leaves it unset.
 DEFAULT_DTYPE = pb.LOGPROB_DTYPE_FLOAT16
 
+#: Default gRPC message-size limit, in MiB, of the server (``--max-message-mb``) and of
+#: the client (``max_message_mb``): one value, so that both sides agree out of the box.
+DEFAULT_MAX_MESSAGE_MB = 64
+
 #: Room left for protobuf framing, per payload and per message, when deciding whether an
 #: answer fits in one message (the arrays dominate; tags and varints take a few bytes).
 FRAMING_BYTES = 64
+
+
+#: ``field(metadata=RECORDED)``: a request option a recording must have been made at to
+#: answer it (see :meth:`RequestOptions.recorded`).
+RECORDED: Mapping[str, str] = MappingProxyType({"replay": "recorded"})
+
+
+def _is_recorded(f: Any) -> bool:
+    return f.metadata.get("replay") == RECORDED["replay"]
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What the teacher computes for every sequence of one request: everything a
+    ``ScoreRequest`` asks for besides the tokens, their positions and the request id.
+
+    Attributes:
+        top_k: K, the number of (id, log-prob) pairs per position (``>= 1``; the server
+            also holds it to its ``max_top_k``).
+        dtype: wire dtype of the log-probs: ``"float16"`` (the default), ``"bfloat16"``
+            or ``"float32"`` (an enum value is accepted and stored as its name).
+        include_sampled: whether the answer carries the log-prob of the token that
+            actually follows each position.
+
+    Adding an option means a field of ``ScoreRequest`` in ``teacher.proto``, a field
+    here (with its lines in :meth:`to_proto` / :meth:`from_proto`), and the backends that
+    act on it; the clients take it by keyword and pass it through. A field whose
+    ``metadata`` is :data:`RECORDED` is one a recording is made at: the recorder stores
+    its value and replay answers only requests asking for that value
+    (:mod:`topk_protocol.replay`); ``top_k``, ``dtype`` and ``include_sampled`` have
+    replay rules of their own.
+    """
+
+    top_k: int
+    dtype: str = dtype_name(DEFAULT_DTYPE)
+    include_sampled: bool = True
+
+    def __post_init__(self) -> None:
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise InvalidRequestError(f"top_k: expected an int >= 1, got {k!r}")
+        try:
+            name = dtype_name(dtype_from_name(self.dtype))
+        except (ValueError, KeyError) as e:
+            raise InvalidRequestError(str(e)) from None
+        if not isinstance(self.include_sampled, bool | np.bool_):
+            raise InvalidRequestError(
+                f"include_sampled: expected a bool, got {self.include_sampled!r}"
+            )
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "dtype", name)
+        object.__setattr__(self, "include_sampled", bool(self.include_sampled))
+
+    @classmethod
+    def of(cls, top_k: int | RequestOptions, **options: Any) -> RequestOptions:
+        """The options of a call written ``(top_k, dtype=..., include_sampled=...)`` or
+        ``(RequestOptions(...), <overrides>)``; an unknown keyword raises ``TypeError``
+        naming the options there are."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"{', '.join(unknown)}: not a request option; the options are "
+                f"{', '.join(sorted(known))}"
+            )
+        if isinstance(top_k, RequestOptions):
+            return replace(top_k, **options) if options else top_k
+        return cls(top_k, **options)
+
+    @property
+    def wire_dtype(self) -> int:
+        """The ``LogprobDtype`` enum value of :attr:`dtype`."""
+        return DTYPE_NAMES[self.dtype]
+
+    def bytes_per_row(self) -> int:
+        """Payload bytes of one position (see :func:`bytes_per_row`)."""
+        return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled)
+
+    def recorded(self) -> dict[str, Any]:
+        """The values of the :data:`RECORDED` options (what a recording is made at)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if _is_recorded(f)}
+
+    @classmethod
+    def recorded_defaults(cls) -> dict[str, Any]:
+        """The :data:`RECORDED` options' defaults: what a recording made before an option
+        existed was made at."""
+        return {f.name: f.default for f in fields(cls) if _is_recorded(f)}
+
+    def to_proto(self, request: pb.ScoreRequest) -> pb.ScoreRequest:
+        """Write these options into ``request`` (defaults left unset); returns it."""
+        request.top_k = self.top_k
+        request.dtype = self.wire_dtype  # type: ignore[assignment]
+        if not self.include_sampled:
+            request.include_sampled_logprobs = False
+        return request
+
+    @classmethod
+    def from_proto(cls, request: pb.ScoreRequest) -> RequestOptions:
+        """The options of a received request: unset fields take their defaults. Raises
+        :class:`InvalidRequestError` naming the field (``top_k`` 0, an unknown dtype)."""
+        try:
+            dtype = dtype_from_name(int(request.dtype))
+        except ValueError:
+            raise InvalidRequestError(
+                f"dtype: unknown log-prob dtype {request.dtype}; supported: "
+                + ", ".join(f"{v} ({k})" for k, v in DTYPE_NAMES.items())
+            ) from None
+        sampled = (
+            bool(request.include_sampled_logprobs)
+            if request.HasField("include_sampled_logprobs")
+            else True
+        )
+        return cls(int(request.top_k), dtype_name(dtype), sampled)
 
 
 def _as_1d_array(seq: Any, i: int) -> npt.NDArray[Any]:
@@ -126,29 +251,23 @@ def check_span(pair: Any, index: int, limit: int, inside: str) -> Span:
 
 def build_request(
     sequences: Any,
-    top_k: int,
+    top_k: int | RequestOptions,
     *,
-    dtype: str | int = "float16",
     positions: Sequence[tuple[int, int]] | None = None,
-    include_sampled: bool = True,
     request_id: str = "",
+    **options: Any,
 ) -> pb.ScoreRequest:
     """Build a ``ScoreRequest`` for a batch (see :func:`normalize_sequences`).
 
+    ``top_k`` is K or a whole :class:`RequestOptions`; ``options`` are its other fields
+    by keyword (``dtype``, ``include_sampled``; see :meth:`RequestOptions.of`).
     ``positions``: ``None`` (every position) or one ``(start, end)`` per sequence.
     Client-side checks raise :class:`InvalidRequestError` naming the field; the server
     checks the rest (vocabulary, limits).
     """
-    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 1:
-        raise InvalidRequestError(f"top_k: expected an int >= 1, got {top_k!r}")
-    try:
-        enum = dtype_from_name(dtype)
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from None
+    opts = RequestOptions.of(top_k, **options)
     token_bytes = normalize_sequences(sequences)
-    req = pb.ScoreRequest(request_id=request_id, top_k=int(top_k), dtype=enum)  # type: ignore[arg-type]
-    if not include_sampled:
-        req.include_sampled_logprobs = False
+    req = opts.to_proto(pb.ScoreRequest(request_id=request_id))
     spans = (
         _check_positions(positions, [len(b) // 4 for b in token_bytes])
         if positions is not None
@@ -159,6 +278,28 @@ def build_request(
         if spans is not None:
             seq.position_start, seq.position_end = spans[i]
     return req
+
+
+# -- the request against the teacher ------------------------------------------------------
+def check_top_k(top_k: int, max_top_k: int) -> None:
+    """Raise :class:`InvalidRequestError` unless ``1 <= top_k <= max_top_k`` (the
+    teacher's ``TeacherInfo.max_top_k``)."""
+    if not 1 <= top_k <= max_top_k:
+        raise InvalidRequestError(f"top_k: {top_k} is outside [1, {max_top_k}] (max_top_k)")
+
+
+def check_token_ids(index: int, ids: npt.NDArray[np.int32], vocab_size: int) -> None:
+    """Raise :class:`InvalidRequestError` naming the first id of ``sequences[index]``
+    (``ids`` ``[L]``) outside the teacher's vocabulary ``[0, vocab_size)``."""
+    if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < vocab_size:
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidRequestError(
+            f"sequences[{index}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
+            f"[0, {vocab_size})"
+        )
 
 
 def sequence_span(seq: pb.SequenceRequest) -> Span:
@@ -174,17 +315,6 @@ def request_spans(req: pb.ScoreRequest) -> list[Span]:
     return [sequence_span(seq) for seq in req.sequences]
 
 
-def request_dtype(req: pb.ScoreRequest) -> int:
-    """The request's wire dtype enum (LOGPROB_DTYPE_DEFAULT -> :data:`DEFAULT_DTYPE`); raises
-    ``ValueError`` naming ``dtype`` for a value this schema does not know."""
-    return dtype_from_name(int(req.dtype))
-
-
-def request_includes_sampled(req: pb.ScoreRequest) -> bool:
-    """Whether the answer carries the sampled log-probs (unset: yes)."""
-    return bool(req.include_sampled_logprobs) if req.HasField("include_sampled_logprobs") else True
-
-
 # -- sizes ---------------------------------------------------------------------------------
 def bytes_per_row(top_k: int, dtype: int, include_sampled: bool) -> int:
     """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)."""
@@ -194,7 +324,7 @@ def bytes_per_row(top_k: int, dtype: int, include_sampled: bool) -> int:
 
 def response_bytes(req: pb.ScoreRequest) -> int:
     """Bytes of the payload arrays the answer to ``req`` carries."""
-    per_row = bytes_per_row(int(req.top_k), request_dtype(req), request_includes_sampled(req))
+    per_row = RequestOptions.from_proto(req).bytes_per_row()
     return per_row * sum(end - start for start, end in request_spans(req))
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import abc
+import argparse
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from topk_protocol import DEFAULT_TEACHER_TEMPERATURE
+from teacher_server.flags import add_flags, from_args
+from teacher_server.validation import ParsedRequest, ParsedSequence
+from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions
 
 __all__ = [
     "Backend",
@@ -60,29 +63,63 @@ class Backend(abc.ABC):
 
     Concurrency is the backend's business: the servicer calls :meth:`score` from many
     coroutines at once (vLLM batches them; the transformers backend serialises them).
+    A backend knows nothing of gRPC: it raises the protocol's typed errors
+    (:mod:`topk_protocol.errors`), which the servicer maps to status codes.
     """
 
     info: BackendInfo
+
+    #: The backend's own command-line flags: a dataclass whose field docstrings are the
+    #: help text (:mod:`teacher_server.flags`), read by :meth:`from_flags`.
+    Flags: ClassVar[type[Any]]
+
+    #: ``flag dest -> why``: flags of other backends this one refuses, and the reason the
+    #: CLI gives (``{}``: the generic message).
+    flag_notes: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def cli_parents(cls) -> list[argparse.ArgumentParser]:
+        """Parsers whose flags the ``serve`` parser inherits (an engine's own)."""
+        return []
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add this backend's flags to the ``serve`` parser."""
+        add_flags(parser, cls.Flags, f"{cls.__name__} flags")
+
+    @classmethod
+    def from_cli_args(
+        cls, args: argparse.Namespace, *, max_top_k: int, reserved: frozenset[str]
+    ) -> Backend:
+        """The backend the parsed ``args`` describe. ``max_top_k`` is the server's;
+        ``reserved`` names the parser's flags that are not this backend's (the server's
+        own), which a backend passing flags through to its engine must skip."""
+        return cls.from_flags(from_args(cls.Flags, args), max_top_k=max_top_k)
+
+    @classmethod
+    def from_flags(cls, flags: Any, *, max_top_k: int) -> Backend:
+        """The backend for its :attr:`Flags` value (and the server's ``max_top_k``)."""
+        raise NotImplementedError(f"{cls.__name__}: no command-line construction")
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load the engine (may take long)."""
 
     async def warmup(self) -> None:
         """Run a first request so that the first real one is fast."""
-        await self.score(np.arange(8, dtype=np.int32) % self.info.vocab_size, 1, 0, 8)
+        tokens = np.arange(8, dtype=np.int32) % self.info.vocab_size
+        await self.score(ParsedSequence(tokens, 0, len(tokens)), RequestOptions(top_k=1))
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine."""
 
-    def check_request(self, parsed: Any) -> None:  # noqa: B027 - optional hook
-        """Refuse a whole request (raise ``RequestError``) before any sequence is scored;
-        ``parsed`` is a ``teacher_server.validation.ParsedRequest``. Default: accept."""
+    def check_request(self, parsed: ParsedRequest) -> None:  # noqa: B027 - optional hook
+        """Refuse a whole request (raise a typed error of :mod:`topk_protocol.errors`)
+        before any sequence is scored. Default: accept."""
 
     @abc.abstractmethod
-    async def score(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
-    ) -> ScoredSequence:
-        """Score positions ``[start, end)`` of ``token_ids`` (``[L]``, validated) at ``top_k``."""
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+        """Score positions ``[sequence.start, sequence.end)`` of ``sequence.token_ids``
+        (``[L]``, validated) as ``options`` asks (``options.top_k`` columns)."""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

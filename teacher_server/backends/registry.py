@@ -2,6 +2,8 @@
 
 Each entry is imported only when chosen (``vllm`` is heavy and absent on the student
 side); ``base.py`` defines the interface and imports no backend, so there is no cycle.
+A backend declares its own flags (``Backend.Flags``, ``Backend.cli_parents``) and builds
+itself from them (``Backend.from_cli_args``), so the CLI names no backend.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from teacher_server.backends.base import Backend
 
-__all__ = ["BACKENDS", "load_backend"]
+__all__ = ["BACKENDS", "backend_class", "load_backend"]
 
 #: name -> "module:class" of the backend.
 BACKENDS: dict[str, str] = {
@@ -21,10 +23,15 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def load_backend(name: str, **kwargs: Any) -> Backend:
-    """Construct the backend registered as ``name`` with ``kwargs``."""
+def backend_class(name: str) -> type[Backend]:
+    """The class registered as ``name`` (its module imported now)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
-    backend: Backend = getattr(importlib.import_module(module), cls)(**kwargs)
-    return backend
+    found: type[Backend] = getattr(importlib.import_module(module), cls)
+    return found
+
+
+def load_backend(name: str, **kwargs: Any) -> Backend:
+    """Construct the backend registered as ``name`` with ``kwargs``."""
+    return backend_class(name)(**kwargs)

@@ -2,40 +2,41 @@
 
 A recording (:mod:`topk_protocol.recording`) holds rows per sequence, looked up by the
 sequence's token ids whatever batch it was recorded in. Before scoring, every request is
-checked as a whole (:meth:`ReplayBackend.check_request`): each sequence must have a
-recorded row covering its positions, with sampled log-probs when they are asked for (a
-row without them is passed over for another copy that has them), K' <= the recorded K
-and a dtype the recorded values reproduce exactly. Otherwise the answer is NOT_FOUND
-naming every sequence and what is missing: never NaN or zeros in place of requested data.
-The recorded values go out through the server's own encoding, so answers are
-byte-identical to the teacher's. GetInfo announces the recorded teacher's temperature.
+checked as a whole (:meth:`ReplayBackend.check_request`) by the protocol's replay rules
+(:mod:`topk_protocol.replay`, the ones the student's ``ReplayClient`` applies too):
+anything the recording cannot answer exactly raises
+:class:`~topk_protocol.errors.NotRecordedError` naming every sequence and what is
+missing (NOT_FOUND on the wire, reason ``not_recorded``), never NaN or zeros in place
+of requested data. The recorded values go out through the server's own encoding, so
+answers are byte-identical to the teacher's. GetInfo announces the recorded teacher's
+temperature.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
-import grpc
 import numpy as np
-import numpy.typing as npt
 
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
-from teacher_server.validation import RequestError
-from topk_protocol import dtype_name, teacher_temperature
-from topk_protocol.recording import RecordedSequence, RecordingReader, can_serve_dtype
-
-if TYPE_CHECKING:
-    from teacher_server.validation import ParsedRequest
+from teacher_server.validation import ParsedRequest, ParsedSequence
+from topk_protocol import RequestOptions, teacher_temperature
+from topk_protocol.recording import RecordedSequence, RecordingReader
+from topk_protocol.replay import find_rows, recorded_arrays
 
 __all__ = ["ReplayBackend"]
 
 
-def _describe(token_ids: npt.NDArray[np.int32], max_tokens: int = 8) -> str:
-    first = ", ".join(map(str, np.asarray(token_ids[:max_tokens]).tolist()))
-    more = ", ..." if len(token_ids) > max_tokens else ""
-    return f"sequence of {len(token_ids)} tokens starting [{first}{more}]"
+@dataclass(frozen=True)
+class ReplayFlags:
+    """The replay backend's flags (it serves the temperature the recording was made at,
+    so it takes no --teacher-temperature)."""
+
+    recording: str
+    """recording directory to serve"""
 
 
 class ReplayBackend(Backend):
@@ -51,6 +52,16 @@ class ReplayBackend(Backend):
         self._path = Path(path)
         self._max_top_k = max_top_k
         self._reader: RecordingReader | None = None
+
+    Flags = ReplayFlags
+    #: Why a flag of another backend is refused here (the CLI says so).
+    flag_notes: ClassVar[dict[str, str]] = {
+        "teacher_temperature": "replay serves the temperature the recording was made at",
+    }
+
+    @classmethod
+    def from_flags(cls, flags: ReplayFlags, *, max_top_k: int) -> ReplayBackend:
+        return cls(flags.recording, max_top_k=max_top_k)
 
     async def start(self) -> None:
         self._reader = await asyncio.to_thread(RecordingReader, self._path)
@@ -72,9 +83,9 @@ class ReplayBackend(Backend):
         return self._reader
 
     @property
-    def num_sequences(self) -> int:
-        """Recorded rows."""
-        return len(self.reader)
+    def _where(self) -> str:
+        # The directory's name only: the server's file system is not the client's business.
+        return f"recording {self._path.name}"
 
     async def warmup(self) -> None:
         """Nothing to warm up (and the warm-up sequence is not recorded)."""
@@ -84,67 +95,19 @@ class ReplayBackend(Backend):
             self._reader.close()
             self._reader = None
 
-    def _not_found(self, message: str) -> RequestError:
-        return RequestError(
-            grpc.StatusCode.NOT_FOUND, f"replay: not recorded in {self._path.name}: {message}"
-        )
+    def _rows(
+        self, sequences: list[ParsedSequence], options: RequestOptions
+    ) -> list[RecordedSequence | None]:
+        keys = [(np.asarray(s.token_ids, dtype="<i4").tobytes(), s.start, s.end) for s in sequences]
+        return find_rows(self.reader, keys, options, self._where)
 
     def check_request(self, parsed: ParsedRequest) -> None:
-        """Refuse with NOT_FOUND anything the recording cannot answer exactly."""
-        reader = self.reader
-        dtype = dtype_name(parsed.dtype)
-        if parsed.top_k > reader.top_k:
-            raise self._not_found(f"top_k {parsed.top_k}: the recorded K is {reader.top_k}")
-        if not can_serve_dtype(reader.dtype, dtype):
-            raise self._not_found(
-                f"dtype {dtype}: the recording holds {reader.dtype} log-probs, which do not "
-                f"give the teacher's {dtype} values exactly"
-            )
-        problems = []
-        for i, seq in enumerate(parsed.sequences):
-            if seq.start == seq.end:
-                continue
-            found = reader.find(
-                np.asarray(seq.token_ids, dtype="<i4").tobytes(),
-                seq.start,
-                seq.end,
-                parsed.include_sampled,
-            )
-            if isinstance(found, str):
-                problems.append(f"sequences[{i}] ({_describe(seq.token_ids)}): {found}")
-        if problems:
-            raise self._not_found(f"at top_k {parsed.top_k}: " + "; ".join(problems))
+        """Refuse (:class:`NotRecordedError`) anything the recording cannot answer exactly."""
+        self._rows(parsed.sequences, parsed.options)
 
-    def _row(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
-    ) -> RecordedSequence:
-        ids = np.asarray(token_ids, dtype="<i4").tobytes()
-        # A copy with sampled log-probs first; one without serves requests not asking for
-        # them (check_request refused the others before any scoring).
-        found = self.reader.find(ids, start, end, True)
-        if isinstance(found, str):
-            found = self.reader.find(ids, start, end, False)
-        if isinstance(found, str) or top_k > self.reader.top_k:
-            raise self._not_found(
-                f"{_describe(token_ids)} at top_k {top_k}, positions [{start}, {end})"
-            )
-        return found
-
-    async def score(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
-    ) -> ScoredSequence:
-        row = self._row(token_ids, top_k, start, end)
-        rows = slice(start - row.start, end - row.start)
-        n = end - start
-        sampled = (
-            row.sampled_logprobs[rows].astype(np.float32)
-            if row.sampled_logprobs is not None
-            # Only reached when the request does not ask for them (see check_request).
-            else np.full(n, np.nan, np.float32)
-        )
-        return ScoredSequence(
-            np.ascontiguousarray(row.ids[rows, :top_k]),
-            row.logprobs[rows, :top_k].astype(np.float32),
-            sampled,
-            start,
-        )
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+        (row,) = self._rows([sequence], options)
+        ids, lps, sampled = recorded_arrays(row, sequence.start, sequence.end, options)
+        if sampled is None:  # not asked for: the encoding leaves it out
+            sampled = np.full(len(ids), np.nan, np.float32)
+        return ScoredSequence(ids, lps, sampled, sequence.start)

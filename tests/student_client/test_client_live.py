@@ -25,6 +25,8 @@ from student_client.errors import (
     VocabMismatchError,
 )
 from teacher_server.backends.transformers_backend import TransformersBackend
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions
 
 K = 8
 
@@ -79,7 +81,9 @@ def test_info_and_score_match_the_reference(
     assert p.ids.shape == (3, 40, K)
     assert p.sampled_logprobs is not None
     for b, (x, (s, e)) in enumerate(zip(seqs, spans, strict=True)):
-        ref = reference_backend.score_sync(x.astype(np.int32), K, s, e)
+        ref = reference_backend.score_sync(
+            ParsedSequence(x.astype(np.int32), s, e), RequestOptions(K)
+        )
         n = e - s
         assert p.mask[b].sum().item() == n
         np.testing.assert_array_equal(p.ids[b, :n].numpy(), ref.ids)

@@ -3,25 +3,18 @@ row chunks, every dtype, and the checks of the answer against the request."""
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
 from student_client.errors import (
-    DeadlineExceededError,
     InvalidRequestError,
-    NotRecordedError,
-    ResourceExhaustedError,
     TeacherError,
-    TeacherUnavailableError,
-    UnauthenticatedError,
-    error_from_code,
 )
 from student_client.payload import ResponseAssembler
 from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import encode_scored, iter_stream_responses
-from topk_protocol import build_request, pb, request_spans
+from topk_protocol import RequestOptions, build_request, pb, request_spans
 
 
 def _scored(rng: np.random.Generator, n: int, k: int, start: int, last: bool) -> ScoredSequence:
@@ -62,9 +55,7 @@ def test_ragged_batch_with_positions_decodes_padded(dtype: str, chunk_bytes: int
     enum = req.dtype
     asm = ResponseAssembler(req)
     messages = list(
-        iter_stream_responses(
-            "r1", scored, top_k=k, dtype=enum, include_sampled=True, chunk_bytes=chunk_bytes
-        )
+        iter_stream_responses("r1", scored, RequestOptions(k, enum), chunk_bytes=chunk_bytes)
     )
     if chunk_bytes == 120:
         assert len(messages) >= 5  # the rows really arrive in several chunks
@@ -102,12 +93,10 @@ def test_merged_response_equals_the_unary_answer() -> None:
     seqs, scored = _case(lengths, spans, k, seed=3)
     req = build_request(seqs, k, positions=spans, request_id="x")
     asm = ResponseAssembler(req)
-    for msg in iter_stream_responses(
-        "x", scored, top_k=k, dtype=req.dtype, include_sampled=True, chunk_bytes=64
-    ):
+    for msg in iter_stream_responses("x", scored, RequestOptions.from_proto(req), chunk_bytes=64):
         asm.add(msg)
     unary = [
-        encode_scored(s, dtype=req.dtype, include_sampled=True, sequence_index=i)
+        encode_scored(s, RequestOptions.from_proto(req), sequence_index=i)
         for i, s in enumerate(scored)
     ]
     merged = asm.merged_response()
@@ -122,11 +111,7 @@ def test_without_sampled_logprobs() -> None:
     req = build_request(seqs, 3, include_sampled=False)
     asm = ResponseAssembler(req)
     asm.add(
-        next(
-            iter_stream_responses(
-                "", scored, top_k=3, dtype=req.dtype, include_sampled=False, chunk_bytes=1 << 20
-            )
-        )
+        next(iter_stream_responses("", scored, RequestOptions.from_proto(req), chunk_bytes=1 << 20))
     )
     p = asm.payload()
     assert p.sampled_logprobs is None
@@ -139,9 +124,7 @@ def test_payload_to_device_and_dtype_of_padding() -> None:
     asm = ResponseAssembler(req)
     asm.add(
         pb.ScoreResponse(
-            sequences=[
-                encode_scored(scored[0], dtype=req.dtype, include_sampled=True, sequence_index=0)
-            ],
+            sequences=[encode_scored(scored[0], RequestOptions.from_proto(req), sequence_index=0)],
             final=True,
         )
     )
@@ -210,9 +193,7 @@ def _one_chunk(req: pb.ScoreRequest, scored: list[ScoredSequence]) -> pb.ScoreRe
         iter_stream_responses(
             req.request_id,
             scored,
-            top_k=req.top_k,
-            dtype=req.dtype or pb.LOGPROB_DTYPE_FLOAT16,
-            include_sampled=True,
+            RequestOptions.from_proto(req),
             chunk_bytes=1 << 20,
         )
     )
@@ -260,23 +241,3 @@ def test_error_answer_raises_the_typed_exception_on_payload() -> None:
         asm.payload()
     with pytest.raises(TeacherError):
         asm.merged_response()
-
-
-@pytest.mark.parametrize(
-    ("code", "cls"),
-    [
-        (grpc.StatusCode.INVALID_ARGUMENT, InvalidRequestError),
-        (grpc.StatusCode.OUT_OF_RANGE, InvalidRequestError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, ResourceExhaustedError),
-        (grpc.StatusCode.UNAUTHENTICATED, UnauthenticatedError),
-        (grpc.StatusCode.UNAVAILABLE, TeacherUnavailableError),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError),
-        (grpc.StatusCode.NOT_FOUND, NotRecordedError),
-        (grpc.StatusCode.INTERNAL, TeacherError),
-    ],
-)
-def test_status_codes_map_to_typed_errors(code: grpc.StatusCode, cls: type) -> None:
-    for value in (code, code.value[0]):
-        err = error_from_code(value, "the message")
-        assert type(err) is cls and err.code == code
-        assert "the message" in str(err)

@@ -6,6 +6,7 @@ rows are a known function of the tokens, so every payload can be checked exactly
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,11 +18,14 @@ import torch
 
 from student_client import aio_client as client_mod
 from student_client.aio_client import AsyncTeacherClient
+from student_client.alignment import PaddedLayout
 from student_client.client import ScoreBatch, TeacherClient
 from student_client.errors import DeadlineExceededError, InvalidRequestError
 from student_client.payload import TeacherPayload
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.server import ServerConfig, TeacherServer
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions
 
 
 class EchoBackend(Backend):
@@ -32,12 +36,11 @@ class EchoBackend(Backend):
         self.info = BackendInfo("echo", 512, "f" * 64, 64, 0, "echo")
         self.received: list[tuple[float, int]] = []  # (time, x[0]) per sequence
 
-    async def score(
-        self, token_ids: npt.NDArray[np.int32], top_k: int, start: int, end: int
-    ) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+        token_ids = sequence.token_ids
         self.received.append((time.monotonic(), int(token_ids[0])))
         await asyncio.sleep(int(token_ids[0]) / 1000)
-        return expected_rows(np.asarray(token_ids), top_k, start, end)
+        return expected_rows(np.asarray(token_ids), options.top_k, sequence.start, sequence.end)
 
 
 def expected_rows(x: npt.NDArray[np.int64], k: int, start: int, end: int) -> ScoredSequence:
@@ -234,3 +237,37 @@ def test_async_errors(echo_teacher: InProcessTeacher) -> None:
                 await anext(it)
 
     asyncio.run(run())
+
+
+def _live_layouts() -> int:
+    gc.collect()
+    return sum(type(o) is PaddedLayout for o in gc.get_objects())
+
+
+def test_failed_stream_keeps_no_padded_layout(echo_teacher: InProcessTeacher) -> None:
+    """A padded batch's layout travels with its answer: when a stream fails before the
+    answers are decoded (a refused batch, a deadline), nothing of it stays behind in the
+    client, however many streams fail."""
+    mask = np.array([[1, 1, 1, 0], [0, 1, 1, 1]])
+
+    def padded(first: int, bad: bool = False) -> ScoreBatch:
+        ids = np.array([[first, 6, 7, 0], [0, first, 600 if bad else 8, 9]])
+        return ScoreBatch({"input_ids": ids, "attention_mask": mask})
+
+    before = _live_layouts()
+
+    async def run() -> None:
+        async with AsyncTeacherClient(echo_teacher.target) as client:
+            for _ in range(3):
+                # Batch 1 is refused while batches 2 and 3 are in flight, undecoded.
+                it = client.stream([padded(5), padded(5, bad=True), padded(80), padded(90)], 4)
+                assert (await anext(it)).ids.shape == (2, 4, 4)
+                with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+                    await anext(it)
+                await it.aclose()  # type: ignore[attr-defined]
+                with pytest.raises(DeadlineExceededError):
+                    await client.score(padded(300).sequences, 4, timeout_s=0.05)
+            assert _live_layouts() == before
+
+    asyncio.run(run())
+    assert _live_layouts() == before

@@ -88,7 +88,9 @@ def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
     tokens, full = teacher_answer(6, seed=1)
     with RecordingWriter(path, INFO, top_k=K, dtype="float16") as w:
         w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
-    with pytest.raises(NotRecordedError, match="float32 cannot be served exactly from float16"):
+    with pytest.raises(
+        NotRecordedError, match="holds float16 log-probs, which do not give the teacher's float32"
+    ):
         PayloadDataset(path, dtype="float32")
     with pytest.raises(NotRecordedError, match="row 0: sampled log-probs are not recorded"):
         PayloadDataset(path, include_sampled=True)[0]

@@ -100,7 +100,7 @@ def test_replay_is_byte_identical_to_the_live_teacher(
             replay.score([part[0]], 8)
         with pytest.raises(NotRecordedError, match="sampled log-probs are not recorded"):
             served.score([bare[0]], 8)
-        with pytest.raises(NotRecordedError, match="top_k 65"):
+        with pytest.raises(NotRecordedError, match="top_k: 65 is more than the recorded K"):
             replay.score([rows[0][0]], 65)
 
 

@@ -9,7 +9,7 @@ import pytest
 from teacher_server.backends.base import ScoredSequence, topk_from_logprobs
 from teacher_server.backends.vllm_backend import flat_to_topk
 from teacher_server.payloads import iter_stream_responses
-from topk_protocol import bytes_per_row, concat_chunks, decode_sequence, pb
+from topk_protocol import RequestOptions, bytes_per_row, concat_chunks, decode_sequence, pb
 
 
 def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:
@@ -66,9 +66,7 @@ def test_stream_chunks_cover_every_row_once_under_budget(chunk_rows: int) -> Non
     seqs = [_scored(23, k, 3), _scored(0, k, 5), _scored(1, k), _scored(10, k)]
     per_row = bytes_per_row(k, dtype, True)
     msgs = list(
-        iter_stream_responses(
-            "r", seqs, top_k=k, dtype=dtype, include_sampled=True, chunk_bytes=chunk_rows * per_row
-        )
+        iter_stream_responses("r", seqs, RequestOptions(k, dtype), chunk_bytes=chunk_rows * per_row)
     )
     assert [m.final for m in msgs] == [False] * (len(msgs) - 1) + [True]
     assert all(m.request_id == "r" for m in msgs)

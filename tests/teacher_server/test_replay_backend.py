@@ -43,7 +43,7 @@ def test_replay_server_serves_recorded_values_or_not_found(
         # Case 2: no copy of `b` has them: NOT_FOUND naming it, in Score and in a stream.
         with pytest.raises(
             NotRecordedError,
-            match=r"sequences\[1\] \(sequence of 18 tokens.*sampled log-probs are not recorded",
+            match=r"sequences\[1\] \(18 tokens starting.*sampled log-probs are not recorded",
         ):
             client.score([a_tok, b_tok], 4)
         it = client.stream([[a_tok], [b_tok]], 4)
@@ -56,9 +56,11 @@ def test_replay_server_serves_recorded_values_or_not_found(
             corpus, [b_tok, a_tok], 4, include_sampled=False, positions=[(3, 9), (0, 25)]
         )
         assert_bit_equal(want, got)
-        with pytest.raises(NotRecordedError, match="top_k 17: the recorded K is 16"):
+        with pytest.raises(NotRecordedError, match="top_k: 17 is more than the recorded K 16"):
             client.score([a_tok], 17)
-        with pytest.raises(NotRecordedError, match=r"sequence of 3 tokens starting \[1, 2, 3\]"):
+        with pytest.raises(
+            NotRecordedError, match=r"sequences\[0\] \(3 tokens starting \[1, 2, 3\]\)"
+        ):
             client.score([[1, 2, 3]], 4, include_sampled=False)
         assert torch.equal(
             client.score([a_tok], 1).ids[0, :, 0], torch.from_numpy(a.ids[:, 0]).long()

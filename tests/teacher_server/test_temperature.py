@@ -33,8 +33,8 @@ from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprob
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.servicer import teacher_info_message
-from teacher_server.validation import Limits
-from topk_protocol import decode_sequence, pb, pb_grpc
+from teacher_server.validation import Limits, ParsedSequence
+from topk_protocol import RequestOptions, decode_sequence, pb, pb_grpc
 from topk_protocol.recording import RecordingReader
 
 
@@ -140,7 +140,7 @@ def test_transformers_backend_applies_the_same_temperature(
     asyncio.run(backend.start())
     assert backend.info.temperature == t
     (seq,) = _sequences(5, [40])
-    got = backend.score_sync(seq, 16, 0, len(seq))
+    got = backend.score_sync(ParsedSequence(seq, 0, len(seq)), RequestOptions(16))
     model = backend._model
     dense = _tempered_reference(model, seq, t)
     want = topk_from_logprobs(dense, seq, 16)

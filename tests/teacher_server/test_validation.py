@@ -10,8 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
-from teacher_server.validation import Limits, RequestError, parse_request
-from topk_protocol import encode_token_ids, pb, pb_grpc
+from teacher_server.validation import Limits, parse_request
+from topk_protocol import RequestOptions, encode_token_ids, pb, pb_grpc
+from topk_protocol.errors import TeacherError
+from topk_protocol.status import status_of
 
 LIMITS = Limits(
     vocab_size=512, max_top_k=256, max_tokens_per_request=65536, max_sequence_length=4095
@@ -92,16 +94,17 @@ CASES = [
 def test_parse_request_rejects(
     name: str, request_: pb.ScoreRequest, code: grpc.StatusCode, words: list[str]
 ) -> None:
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(TeacherError) as err:
         parse_request(request_, LIMITS)
-    assert err.value.code == code
+    assert status_of(err.value)[0] == code
     for w in words:
         assert w in err.value.message, (w, err.value.message)
 
 
 def test_parse_request_accepts_defaults() -> None:
     parsed = parse_request(_req([_seq([1, 2, 3]), _seq([4], 0, 0)], dtype=0), LIMITS)
-    assert parsed.dtype == pb.LOGPROB_DTYPE_FLOAT16 and parsed.include_sampled
+    assert parsed.options == RequestOptions(top_k=parsed.options.top_k)  # the defaults
+    assert parsed.options.wire_dtype == pb.LOGPROB_DTYPE_FLOAT16 and parsed.options.include_sampled
     assert [(s.start, s.end) for s in parsed.sequences] == [(0, 3), (0, 0)]
     assert parsed.num_positions == 3
 

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from devtools.tiny_model import TINY_SERVE_ARGS
-from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions, decode_sequence, encode_token_ids, pb, pb_grpc
 from topk_protocol.codec import DecodedSequence, concat_chunks
 
 pytestmark = pytest.mark.vllm
@@ -91,7 +92,7 @@ def test_matches_transformers_reference(stub, reference_backend, k: int) -> None
     for i, (seq, payload) in enumerate(zip(seqs, resp.sequences, strict=True)):
         got = decode_sequence(payload)
         assert got.sequence_index == i and got.position_start == 0
-        ref = reference_backend.score_sync(seq, k, 0, len(seq))
+        ref = reference_backend.score_sync(ParsedSequence(seq, 0, len(seq)), RequestOptions(k))
         _check_against_reference(got, ref)
         assert got.sampled_logprobs is not None
         np.testing.assert_allclose(got.sampled_logprobs[:-1], ref.sampled_logprobs[:-1], atol=TOL)
@@ -370,7 +371,7 @@ def test_fallback_matches_array_path_and_reference(
     for seq, rng, a, f in zip(seqs, ranges, arrays, flat, strict=True):
         lo, hi = rng or (0, len(seq))
         _same_payloads(a, f, atol=ENGINE_TOL)
-        ref = reference_backend.score_sync(seq, k, lo, hi)
+        ref = reference_backend.score_sync(ParsedSequence(seq, lo, hi), RequestOptions(k))
         for got in (a, f):
             assert got.position_start == lo
             _check_against_reference(got, ref)
@@ -397,4 +398,8 @@ def test_more_tokens_than_one_engine_step(stub, fallback_stub, reference_backend
     flat = [decode_sequence(p) for p in fallback_stub.Score(req, timeout=300).sequences]
     for seq, a, f in zip(seqs, arrays, flat, strict=True):
         _same_payloads(a, f, atol=ENGINE_TOL)
-        _check_against_reference(a, reference_backend.score_sync(seq, 8, 0, len(seq)), 2e-4)
+        _check_against_reference(
+            a,
+            reference_backend.score_sync(ParsedSequence(seq, 0, len(seq)), RequestOptions(8)),
+            2e-4,
+        )

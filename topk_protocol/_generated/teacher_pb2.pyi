@@ -103,12 +103,14 @@ class SequencePayload(_message.Message):
     def __init__(self, sequence_index: _Optional[int] = ..., position_start: _Optional[int] = ..., num_positions: _Optional[int] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("request_id", "sequences", "final", "error", "teacher_seconds")

@@ -1,0 +1,94 @@
+"""The vLLM backend's command-line flags: its own (:class:`VLLMFlags`) and every vLLM
+engine flag (``AsyncEngineArgs``), taken from vLLM's own parser.
+
+The server sets some engine arguments itself (:data:`SERVER_SET`): a value given for one
+of them on the command line is ignored with a warning. ``--dtype`` and
+``--max-model-len`` are vLLM's flags, passed to the backend by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
+from teacher_server.backends.vllm_worker import ENGINE_TOPK_CHOICES
+from teacher_server.flags import temperature_arg
+from topk_protocol import DEFAULT_TEACHER_TEMPERATURE
+
+__all__ = ["SERVER_SET", "VLLMFlags", "engine_kwargs", "engine_parser"]
+
+log = logging.getLogger(__name__)
+
+#: vLLM engine arguments the server sets itself: its value wins (prefix caching has
+#: returned stale prompt log-probs; the engine's max log-probs is --max-top-k).
+SERVER_SET = {
+    "max_logprobs": "--max-top-k",
+    "enable_prefix_caching": "off",
+    "logprobs_mode": "raw_logprobs, which --teacher-temperature relies on",
+}
+
+
+@dataclass(frozen=True)
+class VLLMFlags:
+    """The vLLM backend's own flags (vLLM's engine flags come from vLLM's parser)."""
+
+    model: str
+    """model directory (or a name vLLM can load)"""
+    served_model_name: str | None = None
+    """name announced by GetInfo (default: the model's directory)"""
+    logprobs_path: str = field(default="auto", metadata={"choices": LOGPROBS_PATHS})
+    """vLLM log-prob path: arrays (no Python object per entry), flat (vLLM's flat_logprobs
+    lists), auto (arrays where the installed vLLM checks out, else flat)"""
+    engine_topk: str = field(default="auto", metadata={"choices": ENGINE_TOPK_CHOICES})
+    """top-K inside a CPU vLLM engine: kernel (this project's, bit-identical log-probs,
+    several times faster), vllm (vLLM's torch.topk), auto (kernel where it checks out;
+    vLLM's on GPUs)"""
+    teacher_temperature: float = field(
+        default=DEFAULT_TEACHER_TEMPERATURE, metadata={"type": temperature_arg}
+    )
+    """serve log_softmax(logits / T) instead of the model's own distribution (announced in
+    GetInfo)"""
+
+
+def engine_parser() -> tuple[argparse.ArgumentParser, type] | None:
+    """vLLM's own engine-argument parser and ``AsyncEngineArgs``; None without vLLM."""
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        return None
+    parser = FlexibleArgumentParser(add_help=False)
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser, AsyncEngineArgs
+
+
+def engine_kwargs(args: argparse.Namespace, reserved: frozenset[str]) -> dict[str, Any]:
+    """The vLLM engine arguments given on the command line (those that differ from vLLM's
+    defaults), less the server's own flags (``reserved``, and :class:`VLLMFlags`; their
+    values replace vLLM's flags of the same name) and the ones the server sets itself."""
+    vllm = engine_parser()
+    if vllm is None:
+        raise ValueError("--backend vllm needs vLLM (pip install vllm)")
+    parser, engine_args_cls = vllm
+    own = reserved | {f.name for f in dataclasses.fields(VLLMFlags)} | {"dtype", "max_model_len"}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(engine_args_cls):
+        if f.name in own or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value == parser.get_default(f.name):
+            continue
+        if f.name in SERVER_SET:
+            log.warning(
+                "--%s is set by the server (%s); ignoring %r",
+                f.name.replace("_", "-"),
+                SERVER_SET[f.name],
+                value,
+            )
+            continue
+        out[f.name] = value
+    return out

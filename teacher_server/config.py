@@ -1,0 +1,71 @@
+"""The server's settings, each declared, defaulted and documented once.
+
+:class:`ServerConfig` is what ``teacher-server serve`` takes besides the backend's own
+flags: every field is a flag of the same name (``max_top_k`` -> ``--max-top-k``) whose
+help text is the field's docstring (:mod:`teacher_server.flags`). The limits the
+servicer enforces (:class:`teacher_server.validation.Limits`) and the backends' own
+``max_top_k`` default read their defaults from here, so each literal is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from topk_protocol import DEFAULT_MAX_MESSAGE_MB
+
+__all__ = ["MIB", "ServerConfig"]
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how to serve; ``max_top_k`` etc. become the servicer's ``Limits``."""
+
+    host: str = "0.0.0.0"
+    """gRPC address"""
+    port: int = 50051
+    """gRPC port (0: pick a free one)"""
+    http_host: str | None = None
+    """HTTP address (default: --host)"""
+    http_port: int = 8000
+    """HTTP port (0: pick a free one, -1: none)"""
+    max_top_k: int = 64
+    """largest K served"""
+    max_tokens_per_request: int = 262_144
+    """limit on a request's total tokens"""
+    max_inflight_requests: int = 64
+    """requests worked on at once"""
+    max_queued_requests: int = 1024
+    """requests waiting for a slot; more are refused with UNAVAILABLE (clients retry)"""
+    max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
+    """gRPC message size limit (MiB)"""
+    chunk_kb: int = 1024
+    """ScoreStream payload per message (KiB)"""
+    tls_cert: Path | None = None
+    """certificate (PEM) for gRPC and HTTPS"""
+    tls_key: Path | None = None
+    """private key (PEM) for gRPC and HTTPS"""
+    token: str | None = field(default=None, metadata={"flag": False})
+    """the shared bearer token (the CLI reads it from --token-file or the environment)"""
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    """SIGTERM: the whole shutdown's budget for requests in flight"""
+    warmup: bool = True
+    """(--no-warmup) skip the warm-up request that runs before the server reports ready"""
+
+    def __post_init__(self) -> None:
+        for name in ("max_top_k", "max_tokens_per_request", "max_message_mb", "chunk_kb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * MIB
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_kb * 1024

@@ -1,0 +1,120 @@
+"""The replay rules: what a recording can answer exactly, and the message naming what not.
+
+A recording (:mod:`topk_protocol.recording`) answers a request when every sequence has a
+recorded row covering its positions (with sampled log-probs when they are asked for),
+K' <= the recorded K (rows are sorted, so the top-K' is the row's prefix) and the
+recorded values give the asked dtype exactly (:func:`~topk_protocol.recording.can_serve_dtype`).
+Anything else raises :class:`~topk_protocol.errors.NotRecordedError` naming every
+sequence and what is missing: never NaN or zeros in place of requested data.
+
+The student's ``ReplayClient``, its ``PayloadDataset`` and the server's replay backend
+all answer through these functions, so a rule (or a new request option a recording must
+hold) is written here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from topk_protocol.errors import NotRecordedError
+from topk_protocol.recording import RecordedSequence, RecordingReader, can_serve_dtype
+from topk_protocol.requests import RequestOptions
+
+__all__ = [
+    "RecordedArrays",
+    "check_options",
+    "describe_sequence",
+    "find_rows",
+    "recorded_arrays",
+]
+
+#: ``(ids [S, K] int32, logprobs [S, K] float32, sampled_logprobs [S] float32 or None)``.
+RecordedArrays = tuple[
+    npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32] | None
+]
+
+
+def describe_sequence(index: int, token_ids: bytes | npt.ArrayLike, max_tokens: int = 8) -> str:
+    """``sequences[i] (L tokens starting [a, b, ...])``: how messages name a sequence."""
+    if isinstance(token_ids, bytes | bytearray | memoryview):
+        ids = np.frombuffer(token_ids, dtype="<i4")
+    else:
+        ids = np.asarray(token_ids)
+    more = ", ..." if len(ids) > max_tokens else ""
+    first = ", ".join(map(str, ids[:max_tokens].tolist()))
+    return f"sequences[{index}] ({len(ids)} tokens starting [{first}{more}])"
+
+
+def check_options(reader: RecordingReader, options: RequestOptions, where: str) -> None:
+    """Raise :class:`NotRecordedError` (message starting with ``where``) unless the
+    recording holds enough K and a dtype that gives ``options.dtype`` exactly."""
+    if options.top_k > reader.top_k:
+        raise NotRecordedError(
+            f"{where}: top_k: {options.top_k} is more than the recorded K {reader.top_k}"
+        )
+    if not can_serve_dtype(reader.dtype, options.dtype):
+        raise NotRecordedError(
+            f"{where}: dtype: the recording holds {reader.dtype} log-probs, which do not "
+            f"give the teacher's {options.dtype} values exactly (only a float32 recording "
+            "serves every dtype)"
+        )
+    defaults = type(options).recorded_defaults()  # a recording older than the option
+    for name, value in options.recorded().items():
+        recorded = reader.options.get(name, defaults[name])
+        if value != recorded:
+            raise NotRecordedError(
+                f"{where}: {name}: the recording was made at {recorded!r}, the request asks "
+                f"for {value!r}"
+            )
+
+
+def find_rows(
+    reader: RecordingReader,
+    sequences: Sequence[tuple[bytes, int, int]],
+    options: RequestOptions,
+    where: str,
+) -> list[RecordedSequence | None]:
+    """The recorded row answering each ``(token_ids int32 LE bytes, start, end)``
+    (``None`` for an empty range, which needs no row). Raises :class:`NotRecordedError`
+    naming the options and every sequence that cannot be answered, and why."""
+    check_options(reader, options, where)
+    rows: list[RecordedSequence | None] = []
+    problems: list[str] = []
+    for i, (token_ids, start, end) in enumerate(sequences):
+        if start == end:
+            rows.append(None)
+            continue
+        found = reader.find(token_ids, start, end, options.include_sampled)
+        if isinstance(found, str):
+            problems.append(f"{describe_sequence(i, token_ids)}: {found}")
+            rows.append(None)
+        else:
+            rows.append(found)
+    if problems:
+        raise NotRecordedError(
+            f"{where}: not recorded at top_k {options.top_k}, dtype {options.dtype}, "
+            f"include_sampled {options.include_sampled}: " + "; ".join(problems)
+        )
+    return rows
+
+
+def recorded_arrays(
+    row: RecordedSequence | None, start: int, end: int, options: RequestOptions
+) -> RecordedArrays:
+    """Positions ``[start, end)`` of a row found by :func:`find_rows`, cut to
+    ``options.top_k``, as the teacher's float32 arrays before its cast (the recorded
+    values; ``None`` row: an empty range). ``sampled_logprobs`` is ``None`` when not asked."""
+    k = options.top_k
+    if row is None:
+        sampled = np.zeros(0, np.float32) if options.include_sampled else None
+        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32), sampled
+    rows = slice(start - row.start, end - row.start)
+    sp = row.sampled_logprobs
+    return (
+        np.ascontiguousarray(row.ids[rows, :k]),
+        row.logprobs[rows, :k].astype(np.float32),
+        sp[rows].astype(np.float32) if options.include_sampled and sp is not None else None,
+    )
