@@ -15,6 +15,8 @@ __all__ = [
     "check_linear",
     "check_mask_values",
     "check_options",
+    "check_sampled",
+    "check_sampled_values",
     "check_teacher_values",
     "check_tensors",
 ]
@@ -41,10 +43,17 @@ def check_options(
     temperature: float,
     tail_mass_eps: float,
     clamp_min: float | None,
+    truncatable: bool = True,
+    divergence_name: str = "forward",
 ) -> None:
-    """Check the non-tensor arguments of `topk_kl_loss`."""
+    """Check the non-tensor options of the losses (`LossOptions`)."""
     if mode not in LOSS_MODES:
         raise _fail("mode", f"must be one of {LOSS_MODES}, got {mode!r}")
+    if mode == "truncated" and not truncatable:
+        raise _fail(
+            "mode",
+            f"'truncated' applies to the forward KL only, not to divergence {divergence_name!r}",
+        )
     if reduction not in REDUCTIONS:
         raise _fail("reduction", f"must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and (
@@ -164,6 +173,58 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
             "bias",
             f"must match weight's dtype and device ({weight.dtype} on {weight.device}), "
             f"got {bias.dtype} on {bias.device}",
+        )
+
+
+def check_sampled(
+    mode: str,
+    sampled_ids: Tensor | None,
+    sampled_logprobs: Tensor | None,
+    positions: torch.Size,
+    device: torch.device,
+) -> None:
+    """Mode "tail_actual" needs `sampled_ids` (int) and `sampled_logprobs` (float), both
+    `[...]` (the positions' shape) on the student's device; other modes take neither."""
+    given = {"sampled_ids": sampled_ids, "sampled_logprobs": sampled_logprobs}
+    if mode != "tail_actual":
+        for name, value in given.items():
+            if value is not None:
+                raise _fail(name, f"is used by mode 'tail_actual' only, not {mode!r}")
+        return
+    for name, value in given.items():
+        if not isinstance(value, Tensor):
+            raise _fail(
+                name, f"mode 'tail_actual' needs a torch.Tensor, got {type(value).__name__}"
+            )
+        if value.shape != positions:
+            raise _fail(name, f"shape {_shape(value)} must equal the positions' {list(positions)}")
+        if value.device != device:
+            raise _fail(name, f"is on {value.device}, the student on {device}")
+    assert sampled_ids is not None and sampled_logprobs is not None  # checked just above
+    ids_dtype = sampled_ids.dtype
+    if ids_dtype.is_floating_point or ids_dtype.is_complex or ids_dtype == torch.bool:
+        raise _fail("sampled_ids", f"must be an integer tensor, got {sampled_ids.dtype}")
+    if not sampled_logprobs.dtype.is_floating_point:
+        raise _fail("sampled_logprobs", f"must be a float tensor, got {sampled_logprobs.dtype}")
+
+
+def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_vocab: int) -> None:
+    """The counted rows' actual tokens: ids in `[0, global_vocab)`, log-probs `<= 0` (up to
+    `LOGPROB_TOLERANCE`) or NaN (no next token: that row has no actual-token category)."""
+    if sampled_ids.numel() == 0:
+        return
+    low, high = int(sampled_ids.min()), int(sampled_ids.max())
+    if low < 0 or high >= global_vocab:
+        raise _fail(
+            "sampled_ids",
+            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
+        )
+    known = sampled_logprobs[~sampled_logprobs.isnan()]
+    if known.numel() and float(known.max()) > LOGPROB_TOLERANCE:
+        raise _fail(
+            "sampled_logprobs",
+            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}) or NaN, "
+            f"got {float(known.max()):.6g}",
         )
 
 
