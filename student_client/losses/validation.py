@@ -213,18 +213,23 @@ def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_v
     `LOGPROB_TOLERANCE`) or NaN (no next token: that row has no actual-token category)."""
     if sampled_ids.numel() == 0:
         return
-    low, high = int(sampled_ids.min()), int(sampled_ids.max())
-    if low < 0 or high >= global_vocab:
-        raise _fail(
-            "sampled_ids",
-            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
-        )
+    _check_id_range("sampled_ids", sampled_ids, global_vocab)
     known = sampled_logprobs[~sampled_logprobs.isnan()]
     if known.numel() and float(known.max()) > LOGPROB_TOLERANCE:
         raise _fail(
             "sampled_logprobs",
             f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}) or NaN, "
             f"got {float(known.max()):.6g}",
+        )
+
+
+def _check_id_range(name: str, ids: Tensor, global_vocab: int) -> None:
+    """Non-empty `ids` must lie in `[0, global_vocab)` (two host syncs)."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= global_vocab:
+        raise _fail(
+            name,
+            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
         )
 
 
@@ -246,12 +251,7 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
     """
     if teacher_ids.numel() == 0:
         return
-    low, high = int(teacher_ids.min()), int(teacher_ids.max())
-    if low < 0 or high >= global_vocab:
-        raise _fail(
-            "teacher_ids",
-            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
-        )
+    _check_id_range("teacher_ids", teacher_ids, global_vocab)
     ordered = teacher_ids.sort(dim=-1).values
     if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
         raise _fail(

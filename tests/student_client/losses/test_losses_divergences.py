@@ -15,6 +15,7 @@ from coarse_oracle import DIVERGENCE_CASES, MODES_OF, dense_divergence, referenc
 from host_sync import NoHostSync
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_losses_nosync import _problem as nosync_problem
 
 from student_client.losses import LossOptions, fused_topk_kl_loss, get_divergence, topk_kl_loss
 
@@ -134,37 +135,30 @@ def test_logits_path_bf16_and_offset(name, params, mode) -> None:
         divergence=get_divergence(name, **params), mode=mode, chunk_size=7, temperature=0.8
     )
     # bf16: against the oracle on the bf16-rounded logits; the gradient is rounded once.
-    bf16 = problem["logits"].bfloat16().requires_grad_(True)
-    want_leaf = bf16.detach().double().requires_grad_(True)
-    want, _ = _reference_mean(want_leaf, problem, name, params, mode, 0.8)
-    want.backward()
-    loss, _ = topk_kl_loss(
-        bf16,
-        problem["ids"],
-        problem["logprobs"],
-        mask=problem["mask"],
-        options=options,
-        **_actual(problem, mode),
-    )
-    loss.backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(bf16.grad.double(), want_leaf.grad, rtol=1e-2, atol=1e-6)
+    _check_against_oracle(problem["logits"].bfloat16(), problem, options, name, params, 1e-2)
     # A +1e4 offset: fp32 logits near 1e4 (rounded there); centred on the row max exactly.
-    shifted = (problem["logits"] + 1e4).float().requires_grad_(True)
-    want_leaf = shifted.detach().double().requires_grad_(True)
-    want, _ = _reference_mean(want_leaf, problem, name, params, mode, 0.8)
+    _check_against_oracle((problem["logits"] + 1e4).float(), problem, options, name, params, 1e-4)
+
+
+def _check_against_oracle(
+    logits: torch.Tensor, problem, options: LossOptions, name, params, grad_rtol: float
+) -> None:
+    """Loss and logits gradient vs the oracle on the same (rounded) logits."""
+    leaf = logits.clone().requires_grad_(True)
+    want_leaf = logits.double().requires_grad_(True)
+    want, _ = _reference_mean(want_leaf, problem, name, params, options.mode, options.temperature)
     want.backward()
     loss, _ = topk_kl_loss(
-        shifted,
+        leaf,
         problem["ids"],
         problem["logprobs"],
         mask=problem["mask"],
         options=options,
-        **_actual(problem, mode),
+        **_actual(problem, options.mode),
     )
     loss.backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(shifted.grad.double(), want_leaf.grad, rtol=1e-4, atol=2e-8)
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(leaf.grad.double(), want_leaf.grad, rtol=grad_rtol, atol=2e-8)
 
 
 def _linear(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,20 +309,17 @@ def test_coarse_divergence_is_at_most_the_full_one(
 
 
 def _nosync_problem(seed: int):
+    """`test_losses_nosync`'s problem plus actual tokens (the last position has none)."""
+    hidden, weight, ids, logprobs, mask = nosync_problem(seed)
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(4, 9, 16, generator=generator)
-    weight = torch.randn(50, 16, generator=generator) * 0.5
-    teacher = torch.log_softmax(torch.randn(4, 9, 50, generator=generator) * 2, -1)
-    logprobs, ids = teacher.topk(6, dim=-1)
-    mask = torch.rand(4, 9, generator=generator) > 0.3
-    sampled = torch.randint(0, 50, (4, 9), generator=generator)
-    sampled_lp = teacher.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    sampled = torch.randint(0, weight.shape[0], mask.shape, generator=generator)
+    sampled_lp = torch.log(torch.rand(mask.shape, generator=generator) * 0.1)
     sampled_lp[:, -1] = math.nan
     return (
         hidden,
         weight,
         ids,
-        logprobs.half(),
+        logprobs,
         mask,
         {"sampled_ids": sampled, "sampled_logprobs": sampled_lp},
     )
