@@ -59,6 +59,7 @@ def serve_parser(backend: str = _DEFAULT_BACKEND) -> argparse.ArgumentParser:
         add_help=False, parents=cls.cli_parents(), conflict_handler="resolve"
     )
     add_flags(parser, ProcessFlags)
+    parser.set_defaults(backend=backend)
     add_flags(parser, ServerConfig, "server")
     cls.add_cli_args(parser)
     return parser

@@ -12,13 +12,14 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.flags import add_flags, from_args
+from teacher_server.flags import add_flags, from_args, temperature_arg
 from teacher_server.validation import ParsedRequest, ParsedSequence
 from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions
 
 __all__ = [
     "Backend",
     "BackendInfo",
+    "ModelFlags",
     "ScoredSequence",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
@@ -40,6 +41,21 @@ class BackendInfo:
     name: str = "unknown"
     dtype: str = ""
     temperature: float = DEFAULT_TEACHER_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """The flags of every backend that loads a model (its own ``Flags`` add to them)."""
+
+    model: str
+    """model directory (or a name the engine can load)"""
+    served_model_name: str | None = None
+    """name announced by GetInfo (default: the model's directory)"""
+    teacher_temperature: float = field(
+        default=DEFAULT_TEACHER_TEMPERATURE, metadata={"type": temperature_arg}
+    )
+    """serve log_softmax(logits / T) instead of the model's own distribution (announced in
+    GetInfo)"""
 
 
 @dataclass(frozen=True)

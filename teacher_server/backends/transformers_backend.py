@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,37 +18,28 @@ import numpy as np
 from teacher_server.backends.base import (
     Backend,
     BackendInfo,
+    ModelFlags,
     ScoredSequence,
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
 from teacher_server.config import ServerConfig
-from teacher_server.flags import temperature_arg
 from teacher_server.validation import ParsedSequence
-from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions, check_temperature
+from topk_protocol import RequestOptions, check_temperature
 
 __all__ = ["TransformersBackend"]
 
 
 @dataclass(frozen=True)
-class TransformersFlags:
+class TransformersFlags(ModelFlags):
     """The transformers backend's flags."""
 
-    model: str
-    """model directory"""
-    served_model_name: str | None = None
-    """name announced by GetInfo (default: the model's directory)"""
     dtype: str = "float32"
     """torch dtype of the weights (auto: the checkpoint's)"""
     device: str = "cpu"
     """torch device"""
     max_model_len: int | None = None
     """longest sequence + 1 (default: the model's max_position_embeddings)"""
-    teacher_temperature: float = field(
-        default=DEFAULT_TEACHER_TEMPERATURE, metadata={"type": temperature_arg}
-    )
-    """serve log_softmax(logits / T) instead of the model's own distribution (announced in
-    GetInfo)"""
 
 
 class TransformersBackend(Backend):
@@ -67,11 +58,11 @@ class TransformersBackend(Backend):
         model: str | Path,
         *,
         max_top_k: int = ServerConfig.max_top_k,
-        dtype: str = "float32",
-        device: str = "cpu",
+        dtype: str = TransformersFlags.dtype,
+        device: str = TransformersFlags.device,
         served_model_name: str | None = None,
         max_model_len: int | None = None,
-        temperature: float = DEFAULT_TEACHER_TEMPERATURE,
+        temperature: float = TransformersFlags.teacher_temperature,
     ) -> None:
         self._temperature = check_temperature(temperature, "teacher_temperature")
         self._path = str(model)

@@ -122,9 +122,9 @@ class VLLMBackend(Backend):
         max_model_len: int | None = None,
         served_model_name: str | None = None,
         engine_kwargs: dict[str, Any] | None = None,
-        logprobs_path: str = "auto",
-        temperature: float = 1.0,
-        engine_topk: str = "auto",
+        logprobs_path: str = VLLMFlags.logprobs_path,
+        temperature: float = VLLMFlags.teacher_temperature,
+        engine_topk: str = VLLMFlags.engine_topk,
     ) -> None:
         if logprobs_path not in vllm_arrays.LOGPROBS_PATHS:
             paths = ", ".join(vllm_arrays.LOGPROBS_PATHS)

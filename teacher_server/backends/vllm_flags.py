@@ -14,10 +14,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from teacher_server.backends.base import ModelFlags
 from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
 from teacher_server.backends.vllm_worker import ENGINE_TOPK_CHOICES
-from teacher_server.flags import temperature_arg
-from topk_protocol import DEFAULT_TEACHER_TEMPERATURE
 
 __all__ = ["SERVER_SET", "VLLMFlags", "engine_kwargs", "engine_parser"]
 
@@ -33,13 +32,9 @@ SERVER_SET = {
 
 
 @dataclass(frozen=True)
-class VLLMFlags:
+class VLLMFlags(ModelFlags):
     """The vLLM backend's own flags (vLLM's engine flags come from vLLM's parser)."""
 
-    model: str
-    """model directory (or a name vLLM can load)"""
-    served_model_name: str | None = None
-    """name announced by GetInfo (default: the model's directory)"""
     logprobs_path: str = field(default="auto", metadata={"choices": LOGPROBS_PATHS})
     """vLLM log-prob path: arrays (no Python object per entry), flat (vLLM's flat_logprobs
     lists), auto (arrays where the installed vLLM checks out, else flat)"""
@@ -47,11 +42,6 @@ class VLLMFlags:
     """top-K inside a CPU vLLM engine: kernel (this project's, bit-identical log-probs,
     several times faster), vllm (vLLM's torch.topk), auto (kernel where it checks out;
     vLLM's on GPUs)"""
-    teacher_temperature: float = field(
-        default=DEFAULT_TEACHER_TEMPERATURE, metadata={"type": temperature_arg}
-    )
-    """serve log_softmax(logits / T) instead of the model's own distribution (announced in
-    GetInfo)"""
 
 
 def engine_parser() -> tuple[argparse.ArgumentParser, type] | None:
