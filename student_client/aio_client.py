@@ -73,11 +73,14 @@ class ScoreBatch:
     """One item of ``stream`` when positions or a mask are needed: the batch's
     ``sequences`` (or a ``BatchEncoding`` / dict with ``input_ids``), one ``(start, end)``
     per sequence (or None for every position), and the batch's ``attention_mask`` (see
-    :meth:`AsyncTeacherClient.score`)."""
+    :meth:`AsyncTeacherClient.score`); ``teacher``: the teacher of each sequence (a name
+    per sequence, or one name for all) for a multi-teacher client
+    (:mod:`student_client.multi_client`; a single-teacher client ignores it)."""
 
     sequences: Any
     positions: Sequence[tuple[int, int]] | None = None
     attention_mask: Any = None
+    teacher: Any = None
 
 
 def parse_targets(target: str | Sequence[str]) -> list[str]:
