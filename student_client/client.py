@@ -90,7 +90,7 @@ class TeacherClient(Closeable):
                     yield self._aio.decode(answer, device)
             finally:
                 if not self._loop.is_closed():
-                    self._run(answers.aclose())  # type: ignore[attr-defined]
+                    self._run(answers.aclose())
 
         return iterate()
 

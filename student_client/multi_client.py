@@ -41,9 +41,9 @@ import torch
 
 from student_client.aio_client import AsyncTeacherClient, ScoreBatch, _as_async
 from student_client.client import TeacherClient
-from student_client.errors import RecordingError, TeacherError
+from student_client.errors import TeacherError
 from student_client.payload import TeacherPayload
-from student_client.routing import check_agreement, merge_payloads, plan_routes
+from student_client.routing import check_agreement, merge_payloads, name_error, plan_routes
 from topk_protocol import TeacherInfo
 from topk_protocol.multi_recording import (
     check_teacher_name,
@@ -74,19 +74,6 @@ class RoutedAnswer:
 
     parts: list[tuple[list[int], TeacherPayload]]
     teachers: list[str]
-
-
-def _named(name: str, err: TeacherError) -> TeacherError:
-    """``err`` with the teacher's name in front of its message (same type and code)."""
-    message = f"teacher {name!r}: {err.message}"
-    try:
-        out = RecordingError(err.path, err.offset, message) if isinstance(
-            err, RecordingError
-        ) else type(err)(message, err.code)
-    except TypeError:  # pragma: no cover - a subclass with another signature
-        out = TeacherError(message, err.code)
-    out.teacher = name  # type: ignore[attr-defined]
-    return out
 
 
 class AsyncMultiTeacherClient:
@@ -194,7 +181,7 @@ class AsyncMultiTeacherClient:
             try:
                 return await coro
             except TeacherError as e:
-                raise _named(name, e) from None
+                raise name_error(name, e) from None
 
         tasks = {n: asyncio.ensure_future(named(n, c)) for n, c in calls.items()}
         try:
@@ -357,6 +344,9 @@ class MultiTeacherClient(TeacherClient):
     """
 
     _aio: AsyncMultiTeacherClient
+
+    def __init__(self, teachers: Mapping[str, TeacherSpec], **options: Any) -> None:
+        super().__init__(teachers, **options)  # type: ignore[arg-type]
 
     def _make_core(self, target: Any, **options: Any) -> Any:
         return AsyncMultiTeacherClient(target, **options)

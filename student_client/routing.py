@@ -18,6 +18,7 @@ on a multi-teacher recording:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,12 @@ import numpy as np
 import torch
 
 from student_client.aio_client import ScoreBatch
-from student_client.errors import InvalidRequestError, TeacherMismatchError, VocabMismatchError
+from student_client.errors import (
+    InvalidRequestError,
+    TeacherError,
+    TeacherMismatchError,
+    VocabMismatchError,
+)
 from student_client.payload import TeacherPayload
 from topk_protocol import TeacherInfo
 
@@ -35,6 +41,7 @@ __all__ = [
     "batch_rows",
     "check_agreement",
     "merge_payloads",
+    "name_error",
     "plan_routes",
     "teacher_per_row",
 ]
@@ -248,3 +255,14 @@ def check_agreement(infos: Mapping[str, TeacherInfo], targets: Mapping[str, Any]
                 f"{ref_name!r} serves T = {ref.teacher_temperature:g}; a multi-teacher "
                 "client needs one temperature (the loss tempers the student by one T)"
             )
+
+
+def name_error(name: str, err: TeacherError) -> TeacherError:
+    """``err`` with ``teacher 'name': `` in front of its message (same type and code; the
+    name also in ``.teacher``), for a failure of one teacher's part of a batch."""
+    message = f"teacher {name!r}: {err.message}"
+    out = copy.copy(err)  # every attribute (code, path, ...) kept
+    out.message = message
+    out.args = (message,)
+    out.teacher = name  # type: ignore[attr-defined]
+    return out

@@ -82,7 +82,5 @@ def write_manifest(root: str | Path, names: Iterable[str]) -> None:
     merged = old + [check_teacher_name(n) for n in names if n not in old]
     path = root / MANIFEST_FILE
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(
-        json.dumps({"format": MULTI_FORMAT_NAME, "teachers": merged}, indent=2) + "\n"
-    )
+    tmp.write_text(json.dumps({"format": MULTI_FORMAT_NAME, "teachers": merged}, indent=2) + "\n")
     os.replace(tmp, path)

@@ -7,23 +7,35 @@ with another vocabulary, naming it, before any request."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import ServerProcess, start_server
+from conftest import ServerProcess, free_port, start_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_client_live import requests_ok
 
 from devtools.tiny_model import write_tiny_model
+from student_client.aio_client import AsyncTeacherClient
 from student_client.client import ScoreBatch, TeacherClient
-from student_client.errors import InvalidRequestError, TeacherMismatchError, VocabMismatchError
+from student_client.dataset import PayloadDataset, collate_payloads
+from student_client.errors import (
+    InvalidRequestError,
+    NotRecordedError,
+    TeacherMismatchError,
+    TeacherUnavailableError,
+    VocabMismatchError,
+)
 from student_client.multi_client import AsyncMultiTeacherClient, MultiTeacherClient
 from student_client.payload import TeacherPayload
+from student_client.replay import ReplayClient
 from student_client.routing import check_agreement
 from topk_protocol import TeacherInfo
 
@@ -34,13 +46,21 @@ NAMES = ("vllm", "other")
 
 
 @pytest.fixture(scope="module")
-def other_teacher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A transformers-backed teacher on another tiny model (seed 1: other weights, same
-    vocabulary and tokenizer)."""
-    tmp = tmp_path_factory.mktemp("other-teacher")
-    model = write_tiny_model(tmp / "model", seed=1)
-    args = ["--backend", "transformers", "--model", str(model), "--max-top-k", "64"]
-    server = start_server(args, tmp / "server.log")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny model (seed 1: other weights, same vocabulary and tokenizer)."""
+    return write_tiny_model(tmp_path_factory.mktemp("other-model"), seed=1)
+
+
+def _other_args(model: Path) -> list[str]:
+    return ["--backend", "transformers", "--model", str(model), "--max-top-k", "64"]
+
+
+@pytest.fixture(scope="module")
+def other_teacher(
+    other_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A transformers-backed teacher on :func:`other_model`."""
+    server = start_server(_other_args(other_model), tmp_path_factory.mktemp("other") / "log")
     yield server
     server.stop()
 
@@ -60,7 +80,12 @@ def clients(
 def _fields(p: TeacherPayload, b: int | slice) -> list[torch.Tensor]:
     """The payload's tensors at row ``b``, floats as their bits (NaN compares equal)."""
     assert p.sampled_logprobs is not None
-    return [p.ids[b], p.logprobs[b].view(torch.int32), p.sampled_logprobs[b].view(torch.int32), p.mask[b]]
+    return [
+        p.ids[b],
+        p.logprobs[b].view(torch.int32),
+        p.sampled_logprobs[b].view(torch.int32),
+        p.mask[b],
+    ]
 
 
 def _assert_row_equal(got: TeacherPayload, b: int, want: TeacherPayload) -> None:
@@ -101,7 +126,9 @@ def _padded(seqs: list[np.ndarray], left: bool) -> tuple[torch.Tensor, torch.Ten
     return ids, mask
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(case=routed_batches())
 def test_random_routings_equal_each_teacher_asked_directly(
     clients: tuple[MultiTeacherClient, dict[str, TeacherClient]], case: dict[str, Any]
@@ -184,6 +211,16 @@ def test_bad_routing_names_the_field(
     assert multi.score([[1, 2]], K, teacher="other").teachers == ("other",)
 
 
+def test_a_teacher_that_stays_down_fails_naming_it(vllm_teacher: ServerProcess) -> None:
+    down = f"127.0.0.1:{free_port()}"
+    targets = {"up": vllm_teacher.target, "down": down}
+    with (
+        MultiTeacherClient(targets, retries=1, backoff_s=0.05) as client,
+        pytest.raises(TeacherUnavailableError, match=f"teacher 'down': .*{down}"),
+    ):
+        client.score([[1, 2]], K, teacher=["up"])
+
+
 def test_teacher_with_another_vocabulary_is_refused_at_connect(
     vllm_teacher: ServerProcess, tmp_path: Path, teacher_factory: Any
 ) -> None:
@@ -193,7 +230,9 @@ def test_teacher_with_another_vocabulary_is_refused_at_connect(
     before = [requests_ok(s, "Score") for s in (vllm_teacher, wide)]
     with (
         MultiTeacherClient({"base": vllm_teacher.target, "wide": wide.target}) as client,
-        pytest.raises(VocabMismatchError, match=r"teacher 'wide' \(127\.0\.0\.1:\d+\): vocab_size: 640"),
+        pytest.raises(
+            VocabMismatchError, match=r"teacher 'wide' \(127\.0\.0\.1:\d+\): vocab_size: 640"
+        ),
     ):
         client.score([[1, 2, 3]], K, teacher=["base"])
     assert [requests_ok(s, "Score") for s in (vllm_teacher, wide)] == before
@@ -201,7 +240,7 @@ def test_teacher_with_another_vocabulary_is_refused_at_connect(
         MultiTeacherClient(
             {"base": vllm_teacher.target, "wide": wide.target}, expect_vocab_size=512
         ) as client,
-        pytest.raises(VocabMismatchError, match="teacher 'wide'.*the student expects 512"),
+        pytest.raises(VocabMismatchError, match=r"teacher 'wide'.*the student expects 512"),
     ):
         client.connect()
 
@@ -218,11 +257,279 @@ def _info(**kw: Any) -> TeacherInfo:
 def test_agreement_rules() -> None:
     targets = {"a": ["h:1"], "b": ["h:2", "h:3"]}
     check_agreement({"a": _info(), "b": _info(model_name="other")}, targets)
-    with pytest.raises(VocabMismatchError, match=r"teacher 'b' \(h:2, h:3\): tokenizer_fingerprint"):
+    with pytest.raises(
+        VocabMismatchError, match=r"teacher 'b' \(h:2, h:3\): tokenizer_fingerprint"
+    ):
         check_agreement({"a": _info(), "b": _info(tokenizer_fingerprint="zz")}, targets)
-    with pytest.raises(TeacherMismatchError, match="teacher 'b'.*T = 2.*one temperature"):
+    with pytest.raises(TeacherMismatchError, match=r"teacher 'b'.*T = 2.*one temperature"):
         check_agreement({"a": _info(), "b": _info(teacher_temperature=2.0)}, targets)
     with pytest.raises(ValueError, match="teacher name"):
         MultiTeacherClient({"../x": "h:1"})
     with pytest.raises(ValueError, match=r"teachers\['a'\]: \['record_to'\] apply to every"):
         MultiTeacherClient({"a": {"target": "h:1", "record_to": "x"}})
+
+
+def _heavy_batches(seed: int, n: int) -> list[ScoreBatch]:
+    """``n`` batches of 2 long rows for teacher ``a`` (the replicated one: busy when its
+    replica dies) and 2 short rows for ``b``, interleaved."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        long = [rng.integers(0, 512, size=int(rng.integers(300, 600))) for _ in range(2)]
+        short = [rng.integers(0, 512, size=24) for _ in range(2)]
+        out.append(ScoreBatch([long[0], short[0], long[1], short[1]], teacher=list("abab")))
+    return out
+
+
+def test_replica_sigkilled_mid_stream(
+    vllm_teacher: ServerProcess,
+    other_teacher: ServerProcess,
+    other_model: Path,
+    teacher_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Teacher ``a`` has two replicas; one is SIGKILLed mid-stream. Every row arrives
+    once, in order, equal to a direct answer; only ``a``'s parts wait and retry: ``b``'s
+    parts take no longer than before the kill plus one retry interval."""
+    spare = teacher_factory(_other_args(other_model))
+    spans: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+    retries: list[str] = []
+    score, wait = AsyncTeacherClient.score, AsyncTeacherClient._wait
+
+    async def timed(self: AsyncTeacherClient, *args: Any, **kwargs: Any) -> TeacherPayload:
+        t0 = time.monotonic()
+        out = await score(self, *args, **kwargs)
+        spans["a" if len(self.targets) == 2 else "b"].append((t0, time.monotonic()))
+        return out
+
+    def counted(self: AsyncTeacherClient, failures: int) -> float:
+        retries.append(self.current_target)
+        return wait(self, failures)
+
+    monkeypatch.setattr(AsyncTeacherClient, "score", timed)
+    monkeypatch.setattr(AsyncTeacherClient, "_wait", counted)
+    batches = _heavy_batches(3, 16)
+    retry_s = 0.5  # backoff_s: the first retry waits 0.25-0.5 s
+    targets = {"a": [other_teacher.target, spare.target], "b": vllm_teacher.target}
+    out: list[TeacherPayload] = []
+    with MultiTeacherClient(targets, backoff_s=retry_s) as client:
+        for i, p in enumerate(client.stream(batches, K, depth=4)):
+            out.append(p)
+            if i == 3:
+                t_kill = time.monotonic()
+                spare.proc.send_signal(signal.SIGKILL)
+                spare.proc.wait(10)
+    assert len(out) == len(batches) and retries and set(retries) <= {spare.target}
+    with TeacherClient(other_teacher.target) as a, TeacherClient(vllm_teacher.target) as b:
+        for p, batch in zip(out, batches, strict=True):
+            assert p.teachers == tuple("abab")
+            seqs = batch.sequences
+            for rows, direct in (([0, 2], a), ([1, 3], b)):
+                want = direct.score([seqs[r] for r in rows], K)
+                for j, r in enumerate(rows):
+                    _assert_row_equal(p, r, _row(want, j))
+    before = [t1 - t0 for t0, t1 in spans["b"] if t1 < t_kill]
+    after = [t1 - t0 for t0, t1 in spans["b"] if t0 >= t_kill - 0.1]
+    slow_a = max(t1 - t0 for t0, t1 in spans["a"])
+    print(
+        f"b parts: before the kill max {max(before):.3f} s (n={len(before)}), after max "
+        f"{max(after):.3f} s (n={len(after)}); slowest a part {slow_a:.3f} s; "
+        f"{len(retries)} retries of a"
+    )
+    assert max(after) <= max(before) + retry_s
+
+
+def _row(p: TeacherPayload, j: int) -> TeacherPayload:
+    """Row ``j`` of a payload as a one-row payload."""
+    n = int(p.lengths[j])
+    sampled = None if p.sampled_logprobs is None else p.sampled_logprobs[j : j + 1, :n]
+    return replace(
+        p,
+        ids=p.ids[j : j + 1, :n],
+        logprobs=p.logprobs[j : j + 1, :n],
+        sampled_logprobs=sampled,
+        mask=p.mask[j : j + 1, :n],
+        position_start=p.position_start[j : j + 1],
+        lengths=p.lengths[j : j + 1],
+    )
+
+
+def test_multi_teacher_recording_replays_byte_identically(
+    vllm_teacher: ServerProcess,
+    other_teacher: ServerProcess,
+    tmp_path: Path,
+    teacher_factory: Any,
+) -> None:
+    """``record_to=`` keeps each row's teacher; ReplayClient, the payload dataset and the
+    replay server (one teacher of the recording) give the live rows back, bit for bit."""
+    rec = tmp_path / "rec"
+    rng = np.random.default_rng(11)
+    shared = rng.integers(0, 512, size=17)  # scored by both teachers: two different rows
+    batches = []
+    for i in range(4):
+        seqs = [shared] + [rng.integers(0, 512, size=int(rng.integers(3, 30))) for _ in range(4)]
+        route = ["vllm", "other", "vllm", "other", "other"] if i % 2 else ["other"] + ["vllm"] * 4
+        batches.append(ScoreBatch(seqs, teacher=route))
+    targets = {"vllm": vllm_teacher.target, "other": other_teacher.target}
+    with MultiTeacherClient(targets, record_to=rec) as client:
+        live = list(client.stream(batches, K, dtype="float32"))
+
+    with ReplayClient(rec) as replay:
+        assert replay.names == ["vllm", "other"] and set(replay.info()) == {"vllm", "other"}
+        again = list(replay.stream(batches, K, dtype="float32"))
+        for got, want in zip(again, live, strict=True):
+            assert got.teachers == want.teachers
+            for a, b in zip(_fields(got, slice(None)), _fields(want, slice(None)), strict=True):
+                assert torch.equal(a, b)
+        with pytest.raises(NotRecordedError, match=r"teacher 'vllm': .*not recorded"):
+            replay.score([[1, 2, 3]], K, teacher="vllm")
+
+    # The payload dataset: every recorded row with its teacher column.
+    rows = {}
+    for p, batch in zip(live, batches, strict=True):
+        for b, (seq, name) in enumerate(zip(batch.sequences, batch.teacher, strict=True)):
+            rows[(name, seq.astype("<i4").tobytes())] = _row(p, b)
+    ds = PayloadDataset(rec, include_sampled=True)
+    assert ds.teachers == ["vllm", "other"] and len(ds) == len(rows)
+    for i in range(len(ds)):
+        tokens, item = ds[i]
+        assert item.teacher is not None
+        want = rows[(item.teacher, tokens.numpy().astype("<i4").tobytes())]
+        n = int(want.lengths[0])
+        assert torch.equal(item.ids, want.ids[0, :n])
+        assert torch.equal(item.logprobs.view(torch.int32), want.logprobs[0, :n].view(torch.int32))
+        assert want.sampled_logprobs is not None and item.sampled_logprobs is not None
+        assert torch.equal(
+            item.sampled_logprobs.view(torch.int32), want.sampled_logprobs[0, :n].view(torch.int32)
+        )
+    collated = collate_payloads([ds[i] for i in range(len(ds))])
+    assert collated.teachers == tuple(ds[i][1].teacher for i in range(len(ds)))
+
+    # One teacher of the recording: as a single-teacher replay, and served by the server.
+    seqs = [s for b in batches for s, t in zip(b.sequences, b.teacher, strict=True) if t == "other"]
+    with ReplayClient(rec, teacher="other") as one:
+        single = one.score(seqs, K, dtype="float32")
+    server = teacher_factory(
+        ["--backend", "replay", "--recording", str(rec), "--replay-teacher", "other"]
+    )
+    with TeacherClient(server.target) as c:
+        served = c.score(seqs, K, dtype="float32")
+    for j, seq in enumerate(seqs):
+        want = rows[("other", seq.astype("<i4").tobytes())]
+        _assert_row_equal(single, j, want)
+        _assert_row_equal(served, j, want)
+
+
+def test_trainer_routes_by_column_and_logs_per_teacher(
+    vllm_teacher: ServerProcess, other_teacher: ServerProcess, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``TopKDistillationTrainer(teacher={...})`` scores each row by the teacher its
+    column names: the first step's losses (overall and per teacher) are those of the
+    hand-computed loss on payloads asked of each row's teacher; ``kd_*/<name>`` logged."""
+    import copy
+
+    from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainingArguments
+
+    from devtools.tiny_model import tiny_qwen2_config
+    from student_client.hf_trainer import (
+        DistillationConfig,
+        TopKDistillationTrainer,
+        teacher_column_collator,
+    )
+    from student_client.losses import topk_kl_loss
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.padding_side = "right"
+    torch.manual_seed(0)
+    student = Qwen2ForCausalLM(
+        tiny_qwen2_config(hidden_size=32, num_layers=1, head_dim=16, initializer_range=0.02)
+    )
+    rng = np.random.default_rng(5)
+    examples = [
+        {
+            "input_ids": rng.integers(0, 256, size=int(rng.integers(6, 21))).tolist(),
+            "domain": str(rng.choice(NAMES)),
+        }
+        for _ in range(16)
+    ]
+    pad = teacher_column_collator(lambda f: tokenizer.pad(f, return_tensors="pt"), "domain")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+    )
+    targets = {"vllm": vllm_teacher.target, "other": other_teacher.target}
+    trainer = TopKDistillationTrainer(
+        model=copy.deepcopy(student),
+        args=args,
+        train_dataset=examples,
+        data_collator=pad,
+        teacher=targets,
+        teacher_column="domain",
+        distill=DistillationConfig(top_k=K, prefetch_depth=2),
+    )
+    trainer.train()
+    trainer.close()
+    logs = [r for r in trainer.state.log_history if "kd_loss" in r]
+    assert len(logs) == 4
+    first = logs[0]
+
+    batch = pad(examples[:4])
+    names = batch["domain"]
+    with MultiTeacherClient(targets) as client:
+        payload = client.score(
+            batch["input_ids"], K, teacher=names, attention_mask=batch["attention_mask"]
+        )
+    assert payload.teachers == tuple(names)
+    logits = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def loss(rows: list[int]) -> float:
+        value, _ = topk_kl_loss(
+            logits[rows], payload.ids[rows], payload.logprobs[rows], mask=payload.mask[rows]
+        )
+        return float(value)
+
+    assert first["kd_loss"] == pytest.approx(loss(list(range(4))), abs=1e-5)
+    for name in set(names):
+        rows = [i for i, n in enumerate(names) if n == name]
+        assert first[f"kd_loss/{name}"] == pytest.approx(loss(rows), abs=1e-5)
+    for row in logs:
+        assert any(k.startswith("kd_teacher_mass/") for k in row)
+
+
+def test_reverse_kl_advantage_against_each_rows_own_teacher(
+    clients: tuple[MultiTeacherClient, dict[str, TeacherClient]],
+) -> None:
+    """The advantage of the sampled tokens from a routed payload is, row for row, the one
+    computed from that row's own teacher asked directly (and differs between teachers)."""
+    from student_client.losses.sampled_advantage import (
+        reverse_kl_advantage,
+        sampled_token_logprobs,
+    )
+
+    multi, direct = clients
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 512, size=n) for n in (12, 7, 12, 9)]
+    ids, mask = _padded(seqs, left=False)
+    teachers = ["vllm", "other", "other", "vllm"]
+    torch.manual_seed(0)
+    student = sampled_token_logprobs(torch.randn(4, ids.shape[1], 512), ids)
+    routed = multi.score(ids, K, teacher=teachers, attention_mask=mask)
+    assert routed.sampled_logprobs is not None
+    adv = reverse_kl_advantage(student, routed.sampled_logprobs, routed.mask)
+    for b, name in enumerate(teachers):
+        want = direct[name].score(ids[b : b + 1], K, attention_mask=mask[b : b + 1])
+        assert want.sampled_logprobs is not None
+        own = reverse_kl_advantage(student[b : b + 1], want.sampled_logprobs, want.mask)
+        assert torch.equal(adv[b : b + 1], own)
+    other = direct["vllm"].score(ids[1:2], K, attention_mask=mask[1:2])
+    assert other.sampled_logprobs is not None
+    assert not torch.equal(adv[1:2], reverse_kl_advantage(student[1:2], other.sampled_logprobs))
