@@ -7,6 +7,7 @@ with another vocabulary, naming it, before any request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from student_client.errors import (
 )
 from student_client.multi_client import AsyncMultiTeacherClient, MultiTeacherClient
 from student_client.payload import TeacherPayload
+from student_client.record_cli import main as record_main
 from student_client.replay import ReplayClient
 from student_client.routing import check_agreement
 from topk_protocol import TeacherInfo
@@ -309,7 +311,7 @@ def test_replica_sigkilled_mid_stream(
     monkeypatch.setattr(AsyncTeacherClient, "score", timed)
     monkeypatch.setattr(AsyncTeacherClient, "_wait", counted)
     batches = _heavy_batches(3, 16)
-    retry_s = 0.5  # backoff_s: the first retry waits 0.25-0.5 s
+    retry_s = 1.0  # backoff_s: the first retry waits 0.5-1 s
     targets = {"a": [other_teacher.target, spare.target], "b": vllm_teacher.target}
     out: list[TeacherPayload] = []
     with MultiTeacherClient(targets, backoff_s=retry_s) as client:
@@ -418,6 +420,29 @@ def test_multi_teacher_recording_replays_byte_identically(
         want = rows[("other", seq.astype("<i4").tobytes())]
         _assert_row_equal(single, j, want)
         _assert_row_equal(served, j, want)
+
+    # teacher-record with two named teachers and a teacher column: the same rows.
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [
+        json.dumps({"input_ids": s.tolist(), "teacher_id": t})
+        for b in batches
+        for s, t in zip(b.sequences, b.teacher, strict=True)
+    ]
+    corpus.write_text("\n".join(lines) + "\n")
+    cli = [
+        "--teacher", f"vllm={vllm_teacher.target}", "--teacher", f"other={other_teacher.target}",
+        "--input", str(corpus), "--output", str(tmp_path / "cli"), "--top-k", str(K),
+        "--dtype", "float32", "--batch-size", "3",
+    ]  # fmt: skip
+    assert record_main(cli) == 0
+    by_cli = PayloadDataset(tmp_path / "cli", include_sampled=True)
+    assert len(by_cli) == len(rows)
+    for i in range(len(by_cli)):
+        tokens, item = by_cli[i]
+        assert item.teacher is not None
+        want = rows[(item.teacher, tokens.numpy().astype("<i4").tobytes())]
+        assert torch.equal(item.logprobs.view(torch.int32), want.logprobs[0].view(torch.int32))
+    assert record_main(cli) == 0  # resumes: nothing left to score
 
 
 def test_trainer_routes_by_column_and_logs_per_teacher(
