@@ -533,12 +533,10 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
 def test_reverse_kl_advantage_against_each_rows_own_teacher(
     clients: tuple[MultiTeacherClient, dict[str, TeacherClient]],
 ) -> None:
-    """The advantage of the sampled tokens from a routed payload is, row for row, the one
-    computed from that row's own teacher asked directly (and differs between teachers)."""
-    from student_client.losses.sampled_advantage import (
-        reverse_kl_advantage,
-        sampled_token_logprobs,
-    )
+    """The reverse-KL advantage of the sampled tokens (``losses.onpolicy``) from a routed
+    payload is, row for row, the one from that row's own teacher asked directly (and
+    differs from another teacher's)."""
+    from student_client.losses.onpolicy import reverse_kl_advantage, sampled_token_logprobs
 
     multi, direct = clients
     rng = np.random.default_rng(3)
@@ -546,15 +544,18 @@ def test_reverse_kl_advantage_against_each_rows_own_teacher(
     ids, mask = _padded(seqs, left=False)
     teachers = ["vllm", "other", "other", "vllm"]
     torch.manual_seed(0)
-    student = sampled_token_logprobs(torch.randn(4, ids.shape[1], 512), ids)
+    logits = torch.randn(4, ids.shape[1], 512)
+    student = sampled_token_logprobs(logits[:, :-1], ids[:, 1:])  # [B, T-1]: log q(x[t+1])
+
+    def advantage(p: TeacherPayload, rows: slice) -> torch.Tensor:
+        assert p.sampled_logprobs is not None
+        return reverse_kl_advantage(student[rows], p.sampled_logprobs[:, :-1], p.mask[:, :-1])
+
     routed = multi.score(ids, K, teacher=teachers, attention_mask=mask)
-    assert routed.sampled_logprobs is not None
-    adv = reverse_kl_advantage(student, routed.sampled_logprobs, routed.mask)
+    adv = advantage(routed, slice(None))
+    assert bool((adv != 0).any())
     for b, name in enumerate(teachers):
         want = direct[name].score(ids[b : b + 1], K, attention_mask=mask[b : b + 1])
-        assert want.sampled_logprobs is not None
-        own = reverse_kl_advantage(student[b : b + 1], want.sampled_logprobs, want.mask)
-        assert torch.equal(adv[b : b + 1], own)
+        assert torch.equal(adv[b : b + 1], advantage(want, slice(b, b + 1)))
     other = direct["vllm"].score(ids[1:2], K, attention_mask=mask[1:2])
-    assert other.sampled_logprobs is not None
-    assert not torch.equal(adv[1:2], reverse_kl_advantage(student[1:2], other.sampled_logprobs))
+    assert not torch.equal(adv[1:2], advantage(other, slice(1, 2)))
