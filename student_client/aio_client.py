@@ -261,6 +261,20 @@ class _Connection:
             await self._reader
 
 
+async def decoded(
+    answers: AsyncIterator[Any],
+    decode: Callable[[Any, torch.device | str], TeacherPayload],
+    device: torch.device | str,
+) -> AsyncIterator[TeacherPayload]:
+    """``answers`` (of ``stream_answers``) decoded one by one on ``device``; closing this
+    iterator closes ``answers``."""
+    try:
+        async for answer in answers:
+            yield decode(answer, device)
+    finally:
+        await answers.aclose()  # type: ignore[attr-defined]
+
+
 async def _as_async(batches: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
     if isinstance(batches, AsyncIterable):
         async for b in batches:
@@ -526,16 +540,7 @@ class AsyncTeacherClient:
         """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
         ``device``; ``options`` (``depth``, ``dtype``, ``include_sampled``, ``timeout_s``)
         as :meth:`stream_answers`."""
-        answers = self.stream_answers(batches, top_k, **options)
-
-        async def payloads() -> AsyncIterator[TeacherPayload]:
-            try:
-                async for answer in answers:
-                    yield self.decode(answer, device)
-            finally:
-                await answers.aclose()  # type: ignore[attr-defined]
-
-        return payloads()
+        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
 
     def stream_answers(
         self,

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from student_client.aio_client import AsyncTeacherClient, ScoreBatch, _as_async
+from student_client.aio_client import AsyncTeacherClient, ScoreBatch, _as_async, decoded
 from student_client.client import TeacherClient
 from student_client.errors import TeacherError
 from student_client.payload import TeacherPayload
@@ -251,16 +251,7 @@ class AsyncMultiTeacherClient:
         **options: Any,
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches`` in input order (see :meth:`stream_answers`)."""
-        answers = self.stream_answers(batches, top_k, **options)
-
-        async def payloads() -> AsyncIterator[TeacherPayload]:
-            try:
-                async for answer in answers:
-                    yield self.decode(answer, device)
-            finally:
-                await answers.aclose()  # type: ignore[attr-defined]
-
-        return payloads()
+        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
 
     def stream_answers(
         self,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from student_client.aio_client import ScoreBatch
+from student_client.alignment import unpack_inputs
 from student_client.errors import (
     InvalidRequestError,
     TeacherError,
@@ -55,24 +56,6 @@ class Route:
     teacher: str
     rows: list[int]
     batch: ScoreBatch
-
-
-def _unpack(item: ScoreBatch) -> tuple[Any, Any]:
-    """``(sequences, attention_mask)`` of a batch, a ``BatchEncoding`` / dict unpacked."""
-    seqs, mask = item.sequences, item.attention_mask
-    if isinstance(seqs, Mapping):
-        if "input_ids" not in seqs:
-            raise InvalidRequestError(
-                f"sequences: a dict / BatchEncoding needs 'input_ids', got keys "
-                f"{sorted(map(str, seqs))}"
-            )
-        if mask is not None and seqs.get("attention_mask") is not None:
-            raise InvalidRequestError(
-                "attention_mask: given twice (as an argument and inside the inputs dict)"
-            )
-        mask = seqs.get("attention_mask") if mask is None else mask
-        seqs = seqs["input_ids"]
-    return seqs, mask
 
 
 def batch_rows(sequences: Any) -> int:
@@ -143,7 +126,7 @@ def plan_routes(item: ScoreBatch, names: Sequence[str]) -> tuple[list[str], list
     """Split a batch by teacher: ``(teacher of each row, one Route per teacher present)``
     in order of first appearance. A teacher whose rows are all padding (attention mask 0)
     gets no route: those rows come back empty, as from a single teacher."""
-    seqs, mask = _unpack(item)
+    seqs, mask = unpack_inputs(item.sequences, item.attention_mask)
     b = batch_rows(seqs)
     teachers = teacher_per_row(item.teacher, b, names)
     if item.positions is not None and len(item.positions) != b:

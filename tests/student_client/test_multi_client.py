@@ -559,3 +559,15 @@ def test_reverse_kl_advantage_against_each_rows_own_teacher(
         assert torch.equal(adv[b : b + 1], advantage(want, slice(b, b + 1)))
     other = direct["vllm"].score(ids[1:2], K, attention_mask=mask[1:2])
     assert not torch.equal(adv[1:2], advantage(other, slice(1, 2)))
+
+
+def test_replay_server_needs_the_teacher_of_a_multi_teacher_recording(tmp_path: Path) -> None:
+    from teacher_server.cli import _replay_path
+    from topk_protocol.multi_recording import write_manifest
+
+    write_manifest(tmp_path, ["a", "b"])
+    with pytest.raises(SystemExit, match=r"multi-teacher recording of \['a', 'b'\]"):
+        _replay_path(str(tmp_path), None)
+    assert _replay_path(str(tmp_path), "b") == tmp_path / "b"
+    with pytest.raises(SystemExit, match="single-teacher recording"):
+        _replay_path(str(tmp_path / "b"), "b")
