@@ -37,7 +37,11 @@ from torch.utils.data import Dataset
 from student_client.errors import NotRecordedError
 from student_client.payload import TeacherPayload
 from topk_protocol import TeacherInfo, dtype_from_name, dtype_name
-from topk_protocol.multi_recording import read_manifest, teacher_recording_path
+from topk_protocol.multi_recording import (
+    read_manifest,
+    recorded_teachers,
+    teacher_recording_path,
+)
 from topk_protocol.recording import RecordingReader, can_serve_dtype, cast_like_teacher
 
 __all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
@@ -101,12 +105,14 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
     ) -> None:
         self.path = Path(path)
         self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
-        names = read_manifest(self.path)
+        names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
         #: ``(name, dataset)`` of each teacher of a multi-teacher recording, in order.
         self._parts: list[tuple[str, PayloadDataset]] = []
         if names is not None:
             from student_client.routing import check_agreement
 
+            if not names:
+                raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")
             self._parts = [
                 (n, PayloadDataset(teacher_recording_path(self.path, n), **self._options))  # type: ignore[arg-type]
                 for n in names

@@ -40,7 +40,11 @@ from topk_protocol import (
     request_spans,
 )
 from topk_protocol._closeable import Closeable
-from topk_protocol.multi_recording import read_manifest, teacher_recording_path
+from topk_protocol.multi_recording import (
+    read_manifest,
+    recorded_teachers,
+    teacher_recording_path,
+)
 from topk_protocol.recording import RecordingReader, can_serve_dtype
 
 __all__ = ["ReplayClient", "describe_request", "replay_response"]
@@ -159,9 +163,13 @@ class ReplayClient(Closeable):
         #: name -> that teacher's replay, for a multi-teacher recording opened whole.
         self._teachers: dict[str, ReplayClient] = {}
         names = read_manifest(path)
+        #: Every teacher of the manifest (routing accepts them all; some may have no rows).
+        self._names = names or []
         if names is not None and teacher is None:
+            if not recorded_teachers(path):
+                raise NotRecordedError(f"recording {path}: no teacher has rows recorded")
             try:
-                for name in names:
+                for name in recorded_teachers(path):
                     self._teachers[name] = ReplayClient(
                         teacher_recording_path(path, name), **expect
                     )
@@ -174,7 +182,7 @@ class ReplayClient(Closeable):
                 raise
             return
         if teacher is not None:
-            if names is None or teacher not in names:
+            if names is None or teacher not in recorded_teachers(path):
                 raise NotRecordedError(
                     f"teacher: {teacher!r} is not recorded in {path} "
                     f"({'teachers ' + str(names) if names else 'a single-teacher recording'})"
@@ -201,7 +209,7 @@ class ReplayClient(Closeable):
     @property
     def names(self) -> list[str]:
         """The teachers of a multi-teacher recording opened whole (else empty)."""
-        return list(self._teachers)
+        return list(self._names) if self._teachers else []
 
     def __len__(self) -> int:
         """Sequences (rows) in the recording."""
@@ -255,10 +263,12 @@ class ReplayClient(Closeable):
         ``teacher`` as ``MultiTeacherClient.score``, used by a multi-teacher recording)."""
         if self._teachers:
             item = ScoreBatch(sequences, positions, attention_mask, teacher)
-            teachers, routes = plan_routes(item, list(self._teachers))
+            teachers, routes = plan_routes(item, self._names)
             parts = []
             for r in routes:
                 try:
+                    if r.teacher not in self._teachers:
+                        raise NotRecordedError(f"recording {self._root}: nothing recorded")
                     part = self._teachers[r.teacher].score(
                         r.batch.sequences,
                         top_k,

@@ -32,6 +32,7 @@ __all__ = [
     "NAME_PATTERN",
     "check_teacher_name",
     "read_manifest",
+    "recorded_teachers",
     "teacher_recording_path",
     "write_manifest",
 ]
@@ -72,6 +73,15 @@ def read_manifest(root: str | Path) -> list[str] | None:
     if not isinstance(names, list) or not names:
         raise RecordingError(path, None, "teachers: expected a non-empty list of names")
     return [check_teacher_name(n) for n in names]
+
+
+def recorded_teachers(root: str | Path) -> list[str]:
+    """The teachers of a multi-teacher recording that have rows recorded (a teacher of
+    the manifest that answered nothing yet has no recording directory)."""
+    from topk_protocol.recording import METADATA_FILE
+
+    names = read_manifest(root) or []
+    return [n for n in names if (teacher_recording_path(root, n) / METADATA_FILE).is_file()]
 
 
 def write_manifest(root: str | Path, names: Iterable[str]) -> None:
