@@ -6,6 +6,7 @@ and its rules live in :mod:`topk_protocol`.
 
 from student_client.aio_client import AsyncTeacherClient
 from student_client.client import ScoreBatch, TeacherClient
+from student_client.multi_client import AsyncMultiTeacherClient, MultiTeacherClient
 from student_client.losses import (
     TopKKLLoss,
     causal_lm_hidden_and_head,
@@ -19,7 +20,9 @@ from topk_protocol import TeacherInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncMultiTeacherClient",
     "AsyncTeacherClient",
+    "MultiTeacherClient",
     "ReplayClient",
     "ScoreBatch",
     "TeacherClient",
