@@ -3,8 +3,9 @@
 Entry points: `topk_kl_loss` (function) and `TopKKLLoss` (module), both chunked over rows,
 vocab-parallel aware, with an analytic backward; `fused_topk_kl_loss`, the same loss from the
 last hidden states and the lm_head weight without forming the logits, and
-`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM. `topk_kl_reference`
-is the dense slow path.
+`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM;
+`lm_head_topk_kl_loss`, the fused loss on an FSDP2 / tensor-parallel lm_head module
+(`local_vocab_shard` for the logits path). `topk_kl_reference` is the dense slow path.
 """
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
@@ -12,6 +13,7 @@ from student_client.losses.chunked import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.lm_head import LMHeadInputs, causal_lm_hidden_and_head
 from student_client.losses.module import TopKKLLoss
 from student_client.losses.reference import topk_kl_reference
+from student_client.losses.sharded_head import lm_head_topk_kl_loss, local_vocab_shard
 from student_client.losses.types import (
     LOSS_MODES,
     REDUCTIONS,
@@ -34,6 +36,8 @@ __all__ = [
     "auto_chunk_rows",
     "causal_lm_hidden_and_head",
     "fused_topk_kl_loss",
+    "lm_head_topk_kl_loss",
+    "local_vocab_shard",
     "topk_kl_loss",
     "topk_kl_reference",
 ]
