@@ -16,8 +16,9 @@
   teacher, so every rank fetches the payloads of exactly its own batches, in order,
   across gradient accumulation steps.
 - Loss statistics (``kd_loss``, ``kd_teacher_mass``, ``kd_overlap``, ...) are averaged
-  over the micro-batches since the last log and go through ``Trainer.log``: they land in
-  ``trainer.state.log_history`` and every ``report_to`` integration.
+  over the micro-batches since the last log and over the data-parallel ranks, and go
+  through ``Trainer.log``: they land in ``trainer.state.log_history`` and every
+  ``report_to`` integration.
 
 Needs the ``hf`` extra (``pip install 'topk-distill[hf]'``: transformers + accelerate).
 """
@@ -41,6 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from student_client.alignment import PaddedLayout, place_rows
 from student_client.client import ScoreBatch
+from student_client.distributed import mean_over_ranks, rank_client_options
 from student_client.losses import causal_lm_hidden_and_head, fused_topk_kl_loss, topk_kl_loss
 from student_client.losses.types import LossMode, TopKKLStats
 from student_client.payload import TeacherPayload
@@ -268,7 +270,11 @@ class TopKDistillationTrainer(Trainer):
         if self._owns_client:
             from student_client.client import TeacherClient
 
-            self.teacher_client: Any = TeacherClient(teacher, **(teacher_kwargs or {}))
+            # One client per data-parallel rank; a recording per rank (distributed.py).
+            options = rank_client_options(
+                teacher_kwargs, self.args.process_index, self.args.world_size
+            )
+            self.teacher_client: Any = TeacherClient(teacher, **options)
         else:
             if teacher is not None and not hasattr(teacher, "stream"):
                 raise TypeError(
@@ -344,8 +350,9 @@ class TopKDistillationTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the distillation statistics (means since the last log) to ``logs``."""
         if "loss" in logs and self._kd_metrics:
-            for name, values in self._kd_metrics.items():
-                logs[name] = sum(values) / len(values)
+            means = {name: sum(values) / len(values) for name, values in self._kd_metrics.items()}
+            # Every rank logs (the Trainer gathers the loss first): mean over the ranks.
+            logs.update(mean_over_ranks(means))
             self._kd_metrics.clear()
         super().log(logs, start_time)
 
