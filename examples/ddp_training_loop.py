@@ -52,7 +52,9 @@ def rank_batches(
     """Rank ``rank``'s batches ``[batch_size, T]``: its ``DistributedSampler`` shard, in
     order. Step ``s`` of all ranks together is rows ``[s * B * W, (s + 1) * B * W)``: the
     global batch one process with batch ``B * W`` trains on at step ``s``."""
-    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        data, num_replicas=world_size, rank=rank, shuffle=False
+    )
     for (x,) in DataLoader(data, batch_size=batch_size, sampler=sampler):
         yield x
 

@@ -75,6 +75,7 @@ def test_torchrun_ddp_matches_one_process(vllm_teacher: ServerProcess, tmp_path:
         assert logged["loss"] == pytest.approx(reference["losses"][step], rel=1e-4)
 
     # Every row of the data recorded exactly once over the ranks (none twice, none skipped).
-    rows = sorted(tuple(tokens.tolist()) for tokens, _ in recorded_dataset(record))
-    assert rows == sorted(tuple(x.tolist()) for (x,) in data)
+    recorded = recorded_dataset(record)
+    rows = sorted(tuple(recorded[i][0].tolist()) for i in range(len(recorded)))
+    assert rows == sorted(tuple(data[i][0].tolist()) for i in range(len(data)))
     assert len(rank_recordings(record)) == WORLD
