@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def train(
     """``steps`` DDP steps of a :class:`ToyStudent` (``batch_size`` per rank).
 
     Returns ``{"losses": [...] (this rank's), "logged": [...] (means over the ranks),
-    "state": the student's final state dict}``."""
+    "step_seconds": [...] (wall time of each step, payload wait included), "state": the
+    student's final state dict}``."""
     rank, world = data_parallel_rank()
     vocab_size = client.info().vocab_size
     torch.manual_seed(seed)  # the same initial student on every rank
@@ -84,7 +86,8 @@ def train(
     data = window_dataset(steps * batch_size * world, seq_len, vocab_size, seed)
     to_student, to_teacher = itertools.tee(rank_batches(data, batch_size, rank, world))
     payloads = client.stream(to_teacher, top_k, depth=depth)  # this rank's prefetch window
-    losses, logged = [], []
+    losses, logged, step_seconds = [], [], []
+    start = time.perf_counter()
     for step, (x, payload) in enumerate(zip(to_student, payloads, strict=True)):
         loss, stats = topk_kl_loss(
             model(x), payload.ids, payload.logprobs, mode="tail", mask=payload.mask
@@ -95,11 +98,18 @@ def train(
         losses.append(loss.item())
         means = mean_over_ranks({"loss": losses[-1], "teacher_mass": stats.teacher_mass})
         logged.append(means)
+        step_seconds.append(time.perf_counter() - start)
+        start = time.perf_counter()
         if rank == 0 and not quiet:
             print(
                 f"step {step}  loss {means['loss']:.4f}  teacher mass {means['teacher_mass']:.3f}"
             )
-    return {"losses": losses, "logged": logged, "state": student.state_dict()}
+    return {
+        "losses": losses,
+        "logged": logged,
+        "step_seconds": step_seconds,
+        "state": student.state_dict(),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             torch.save(result["state"], args.out / f"rank{rank}.pt")
-            summary = {k: result[k] for k in ("losses", "logged")}
+            summary = {k: result[k] for k in ("losses", "logged", "step_seconds")}
             (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     finally:
         if distributed:
