@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from student_client.losses.api import fused_topk_kl_loss
-from student_client.losses.types import TopKKLStats
+from student_client.losses.options import LossOptions
+from student_client.losses.types import LossMode, TopKKLStats
 from student_client.losses.validation import dtensor_type
 
 __all__ = ["lm_head_topk_kl_loss", "local_vocab_shard"]
@@ -111,28 +112,34 @@ def local_vocab_shard(tensor: Tensor, process_group: Any, *, name: str, dim: int
 @dataclass(frozen=True)
 class _HeadCall:
     """Everything of one loss call but the hidden states, kept out of FSDP's view (its
-    forward hooks would cast the teacher's float tensors under a mixed-precision policy)."""
+    forward hooks would cast the teacher's float tensors under a mixed-precision policy).
+    `options` holds the TP group (`options.process_group`)."""
 
     teacher_ids: Tensor
     teacher_logprobs: Tensor
-    process_group: Any
-    options: dict[str, Any]
+    options: LossOptions
+    mask: Tensor | None
+    sampled_ids: Tensor | None
+    sampled_logprobs: Tensor | None
 
 
 def _fused_loss_on(head: nn.Module, hidden: Tensor, call: _HeadCall) -> tuple[Tensor, TopKKLStats]:
     """`fused_topk_kl_loss` on `head`'s (local, unsharded) weight and bias."""
-    weight = local_vocab_shard(cast(Tensor, head.weight), call.process_group, name="weight", dim=0)
+    group = call.options.process_group
+    weight = local_vocab_shard(cast(Tensor, head.weight), group, name="weight", dim=0)
     bias = getattr(head, "bias", None)
     if bias is not None:
-        bias = local_vocab_shard(bias, call.process_group, name="bias", dim=0)
+        bias = local_vocab_shard(bias, group, name="bias", dim=0)
     return fused_topk_kl_loss(
         hidden,
         weight,
         call.teacher_ids,
         call.teacher_logprobs,
         bias=bias,
-        process_group=call.process_group,
-        **call.options,
+        mask=call.mask,
+        options=call.options,
+        sampled_ids=call.sampled_ids,
+        sampled_logprobs=call.sampled_logprobs,
     )
 
 
@@ -162,8 +169,12 @@ def lm_head_topk_kl_loss(
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
     *,
-    process_group: Any = None,
-    **options: Any,
+    mode: LossMode | None = None,
+    mask: Tensor | None = None,
+    options: LossOptions | None = None,
+    sampled_ids: Tensor | None = None,
+    sampled_logprobs: Tensor | None = None,
+    **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
     """`fused_topk_kl_loss` on an lm_head module, whatever shards its weight.
 
@@ -172,11 +183,10 @@ def lm_head_topk_kl_loss(
             `fully_shard`-ed itself (FSDP2: the loss runs inside its forward, see the
             module docstring), `ColwiseParallel`-ed (TP), or both.
         hidden: last hidden states `[..., H]`, the same on every rank of `process_group`.
-        teacher_ids, teacher_logprobs: `[..., K]`, as in `fused_topk_kl_loss`.
-        process_group: the tensor-parallel group over which the head's vocabulary is
-            sharded (`tp_mesh.get_group()`); None without tensor parallelism.
-        **options: `fused_topk_kl_loss`'s other keyword arguments (mode, mask, reduction,
-            temperature, chunk_size, ...).
+        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
+            **overrides: as in `fused_topk_kl_loss`. `process_group` (an option): the
+            tensor-parallel group over which the head's vocabulary is sharded
+            (`tp_mesh.get_group()`); None without tensor parallelism.
 
     Returns:
         `(loss, stats)` as `fused_topk_kl_loss`. Gradients: `hidden`'s is complete on
@@ -187,7 +197,8 @@ def lm_head_topk_kl_loss(
         ValueError: a sharded weight this cannot use (no TP group; FSDP on an ancestor
             module only, so the head's forward does not unshard it), naming the fix.
     """
-    call = _HeadCall(teacher_ids, teacher_logprobs, process_group, options)
+    opts = LossOptions.build(options, mode=mode, **overrides)
+    call = _HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
     fsdp_module = _fsdp_module_type()
     if fsdp_module is not None and isinstance(head, fsdp_module):
         result: tuple[Tensor, TopKKLStats] = _in_forward(head)(hidden, call)
