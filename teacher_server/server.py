@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,12 @@ from grpc_reflection.v1alpha import reflection
 from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
+from teacher_server.backpressure import (
+    DEFAULT_STREAM_MAX_UNSENT_MB,
+    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+)
 from teacher_server.http_app import build_http_app
+from teacher_server.http_limits import BodyLimitMiddleware, HttpLimits
 from teacher_server.lifecycle import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ENGINE_SHUTDOWN_S,
@@ -71,6 +76,9 @@ class ServerConfig:
     token: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     warmup: bool = True
+    stream_max_unsent_mb: int = DEFAULT_STREAM_MAX_UNSENT_MB
+    stream_max_unsent_requests: int = DEFAULT_STREAM_MAX_UNSENT_REQUESTS
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 class TeacherServer:
@@ -94,7 +102,15 @@ class TeacherServer:
             config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
         )
         self._servicer = TeacherServicer(
-            backend, self._limits, self._metrics, self.lifecycle, self._admission
+            backend,
+            self._limits,
+            self._metrics,
+            self.lifecycle,
+            self._admission,
+            stream_budget=(
+                config.stream_max_unsent_requests,
+                config.stream_max_unsent_mb * 1024 * 1024,
+            ),
         )
         self._health = health.aio.HealthServicer()
         self.lifecycle.subscribe(self._on_phase)
@@ -183,8 +199,12 @@ class TeacherServer:
         app = build_http_app(
             lifecycle=self.lifecycle, info=self.info, metrics=self._metrics, token=cfg.token
         )
+        limits = cfg.http_limits
         ucfg = uvicorn.Config(
-            app,
+            # Every route: the body limits wrap the whole app (teacher_server.http_limits).
+            BodyLimitMiddleware(
+                app, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s
+            ),
             host=cfg.http_host or cfg.host,
             port=cfg.http_port,
             log_level="warning",
@@ -193,6 +213,7 @@ class TeacherServer:
             # carries the bearer token.
             ssl_certfile=str(tls[0]) if tls else None,
             ssl_keyfile=str(tls[1]) if tls else None,
+            **limits.uvicorn_kwargs(),
         )
         self._http = _EmbeddedUvicorn(ucfg)
         self._http_task = asyncio.create_task(self._http.serve())
