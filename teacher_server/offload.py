@@ -9,14 +9,16 @@ probe's 1 s budget. So requests above :data:`OFFLOAD_SEQUENCES` sequences or
 in a worker thread (``asyncio.to_thread``): the loop keeps running between the thread's
 GIL slices (Python hands the GIL over every 5 ms) and while numpy works without it.
 Small requests stay on the loop, where a thread hop (~0.1 ms) would cost more than the
-work. :func:`gather_in_slices` starts many coroutines a slice at a time for the same
-reason.
+work. Large answers are also serialized there (gRPC would serialize them on the loop):
+:class:`Outgoing` carries the bytes. :func:`gather_in_slices` starts many coroutines a
+slice at a time for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from teacher_server.backends.base import ScoredSequence
@@ -28,6 +30,7 @@ __all__ = [
     "OFFLOAD_SEQUENCES",
     "OFFLOAD_TOKEN_BYTES",
     "START_SLICE",
+    "Outgoing",
     "encode_response_off_loop",
     "gather_in_slices",
     "parse_off_loop",
@@ -43,6 +46,16 @@ START_SLICE = 128
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One answer message ready to send: ``message`` is the ``ScoreResponse`` or, for a
+    large one, its serialized bytes (the handlers' serializer passes bytes through);
+    ``final`` says whether it is its request's last."""
+
+    message: pb.ScoreResponse | bytes
+    final: bool
 
 
 def _is_large(num_sequences: int, token_bytes: int) -> bool:
@@ -85,22 +98,31 @@ def _encode_response(
 
 async def encode_response_off_loop(
     parsed: ParsedRequest, scored: Sequence[ScoredSequence], teacher_seconds: float
-) -> pb.ScoreResponse:
-    """The ``Score`` answer: every sequence in one message (in a thread when large)."""
-    large = _is_large_answer(parsed)
-    return await _maybe_in_thread(large, _encode_response, parsed, scored, teacher_seconds)
+) -> pb.ScoreResponse | bytes:
+    """The ``Score`` answer: every sequence in one message (built and serialized in a
+    thread when large)."""
+    if not _is_large_answer(parsed):
+        return _encode_response(parsed, scored, teacher_seconds)
+
+    def build() -> bytes:
+        return _encode_response(parsed, scored, teacher_seconds).SerializeToString()
+
+    return await asyncio.to_thread(build)
 
 
 async def stream_responses_off_loop(
     request_id: str, scored: Sequence[ScoredSequence], **kwargs: Any
-) -> list[pb.ScoreResponse]:
-    """:func:`~teacher_server.payloads.iter_stream_responses` as a list (in a thread
-    when large)."""
+) -> list[Outgoing]:
+    """:func:`~teacher_server.payloads.iter_stream_responses` as a list (built and
+    serialized in a thread when large)."""
     positions = sum(len(s.ids) for s in scored)
     large = _is_large(len(scored), 4 * positions)
 
-    def build() -> list[pb.ScoreResponse]:
-        return list(iter_stream_responses(request_id, scored, **kwargs))
+    def build() -> list[Outgoing]:
+        return [
+            Outgoing(m.SerializeToString() if large else m, m.final)
+            for m in iter_stream_responses(request_id, scored, **kwargs)
+        ]
 
     return await _maybe_in_thread(large, build)
 

@@ -25,6 +25,7 @@ from teacher_server.backpressure import (
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.offload import (
+    Outgoing,
     encode_response_off_loop,
     gather_in_slices,
     parse_off_loop,
@@ -161,7 +162,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
 
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScoreResponse:
+    ) -> pb.ScoreResponse | bytes:
         t0 = time.perf_counter()
         try:
             parsed = await self._admit(request)
@@ -209,11 +210,13 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             await self._acquire()
         except RequestError as e:
             self._count("ScoreStream", e.code, t0)
-            await out.put((_error_response(request.request_id, e.code, e.message), held))
+            await out.put(
+                (Outgoing(_error_response(request.request_id, e.code, e.message), True), held)
+            )
             return
         try:
             scored = await self._score(parsed)
-            responses: list[pb.ScoreResponse] = await stream_responses_off_loop(
+            responses: list[Outgoing] = await stream_responses_off_loop(
                 parsed.request_id,
                 scored,
                 top_k=parsed.top_k,
@@ -227,7 +230,9 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 await out.put((msg, held))
         except RequestError as e:  # refused by the backend (e.g. replay: not recorded)
             self._count("ScoreStream", e.code, t0)
-            await out.put((_error_response(parsed.request_id, e.code, e.message), held))
+            await out.put(
+                (Outgoing(_error_response(parsed.request_id, e.code, e.message), True), held)
+            )
             return
         except asyncio.CancelledError:
             self._count("ScoreStream", grpc.StatusCode.CANCELLED, t0)
@@ -237,10 +242,13 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             self._count("ScoreStream", grpc.StatusCode.INTERNAL, t0)
             await out.put(
                 (
-                    _error_response(
-                        parsed.request_id,
-                        grpc.StatusCode.INTERNAL,
-                        f"teacher: scoring failed: {e}",
+                    Outgoing(
+                        _error_response(
+                            parsed.request_id,
+                            grpc.StatusCode.INTERNAL,
+                            f"teacher: scoring failed: {e}",
+                        ),
+                        True,
                     ),
                     held,
                 )
@@ -255,7 +263,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         self,
         request_iterator: AsyncIterator[pb.ScoreRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.ScoreResponse]:
+    ) -> AsyncIterator[pb.ScoreResponse | bytes]:
         # Unbounded as a queue, bounded by the budget: every item was reserved in it.
         out: asyncio.Queue[_Outgoing] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
@@ -292,7 +300,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                     return  # abort raised; never reached
                 msg, held = item
                 del item
-                yield msg  # returns once gRPC has taken it (flow control permitting)
+                yield msg.message  # returns once gRPC has taken it (flow control permitting)
                 if msg.final:
                     await budget.give_back(held)
                 del msg
@@ -308,7 +316,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
 
 #: An answer message and the bytes its request holds in the stream's budget; an
 #: undecodable request (the stream is closed); None: the stream's requests are all answered.
-_Outgoing = tuple[pb.ScoreResponse, int] | Undecodable | None
+_Outgoing = tuple[Outgoing, int] | Undecodable | None
 
 
 def _error_response(request_id: str, code: grpc.StatusCode, message: str) -> pb.ScoreResponse:
