@@ -51,6 +51,9 @@ def _probe_loop(http: str, target: str, interval_s: float, timeout_s: float, con
                 took = timeout_s
             latencies.setdefault(name, []).append(took)
         if first:
+            # The first round sets up the gRPC channel and this process's sockets: not
+            # what the server's answer time is; measure from the next round on.
+            latencies.clear()
             conn.send("ready")
             first = False
         if conn.poll(interval_s):
