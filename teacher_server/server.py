@@ -230,6 +230,7 @@ class TeacherServer:
     async def _load(self) -> None:
         try:
             await self._backend.start()
+            _freeze_startup_objects()
             info = self._backend.info
             max_len = info.max_sequence_length
             self._limits = dataclasses.replace(
@@ -311,11 +312,11 @@ class TeacherServer:
 
 
 def _freeze_startup_objects() -> None:
-    """Move every object alive after start-up (the engine's, torch's, the modules') out of
-    the cyclic garbage collector's reach (``gc.freeze``): they live as long as the process,
-    and a full collection scanning them all held the event loop, probes included, for
-    hundreds of milliseconds under load. vLLM's engine process does the same."""
-    gc.collect()
+    """Move every object alive now (the engine's, torch's, the modules') out of the cyclic
+    garbage collector's reach (``gc.freeze``): they live as long as the process, and a
+    full collection scanning them all held the event loop, probes included, for up to
+    1.5 s under load. vLLM's engine process does the same. No ``gc.collect()`` first: that
+    would be one such pause, on the loop; ``gc.freeze`` itself only moves lists."""
     gc.freeze()
     log.info("gc: %d start-up objects frozen", gc.get_freeze_count())
 
