@@ -23,9 +23,18 @@ from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, backend_class
 from teacher_server.config import ServerConfig
 from teacher_server.flags import add_flags, flag_fields, from_args
+from teacher_server.http_limits import HttpLimits
 from teacher_server.server import run_server
 
-__all__ = ["TOKEN_ENV", "ProcessFlags", "build_parser", "main", "parse_args", "serve"]
+__all__ = [
+    "TOKEN_ENV",
+    "HttpFlags",
+    "ProcessFlags",
+    "build_parser",
+    "main",
+    "parse_args",
+    "serve",
+]
 
 #: Environment variable read for the bearer token when --token-file is not given.
 TOKEN_ENV = "TOPK_TEACHER_TOKEN"
@@ -45,9 +54,45 @@ class ProcessFlags:
     """logging level ($TOPK_LOG_LEVEL when set)"""
 
 
+_KIB, _MIB = 1024, 1024 * 1024
+_HTTP = HttpLimits()  # the defaults, in bytes and seconds
+
+
+@dataclass(frozen=True)
+class HttpFlags:
+    """The HTTP side's limits as flags, in the units people write (``HttpLimits`` holds
+    them in bytes and seconds, with the defaults)."""
+
+    http_max_header_kb: int = _HTTP.max_header_bytes // _KIB
+    """HTTP: largest request head (KiB); 431 above"""
+    http_max_body_mb: int = _HTTP.max_body_bytes // _MIB
+    """HTTP: largest request body (MiB); 413 above"""
+    http_header_timeout_s: float = _HTTP.header_timeout_s
+    """HTTP: a request head must arrive within"""
+    http_body_timeout_s: float = _HTTP.body_timeout_s
+    """HTTP: a request body must arrive within (408)"""
+    http_max_connections: int = _HTTP.max_connections
+    """HTTP: connections + requests at once; 503 above"""
+    http_keep_alive_s: float = _HTTP.keep_alive_s
+    """HTTP: an idle kept-alive connection closes after"""
+
+    def limits(self) -> HttpLimits:
+        """The ``HttpLimits`` these flags set (``ValueError`` naming a bad one)."""
+        return HttpLimits(
+            max_header_bytes=self.http_max_header_kb * _KIB,
+            max_body_bytes=self.http_max_body_mb * _MIB,
+            header_timeout_s=self.http_header_timeout_s,
+            body_timeout_s=self.http_body_timeout_s,
+            max_connections=self.http_max_connections,
+            keep_alive_s=self.http_keep_alive_s,
+        )
+
+
 #: Every flag dest that is not a backend's own: a backend passing flags on to its engine
 #: skips these.
-_RESERVED = frozenset(f.name for cls in (ProcessFlags, ServerConfig) for f in flag_fields(cls))
+_RESERVED = frozenset(
+    f.name for cls in (ProcessFlags, ServerConfig, HttpFlags) for f in flag_fields(cls)
+)
 
 
 def serve_parser(backend: str = _DEFAULT_BACKEND) -> argparse.ArgumentParser:
@@ -61,6 +106,7 @@ def serve_parser(backend: str = _DEFAULT_BACKEND) -> argparse.ArgumentParser:
     add_flags(parser, ProcessFlags)
     parser.set_defaults(backend=backend)
     add_flags(parser, ServerConfig, "server")
+    add_flags(parser, HttpFlags, "HTTP limits")
     cls.add_cli_args(parser)
     return parser
 
@@ -133,7 +179,8 @@ def serve(argv: list[str] | None = None) -> int:
     """Parse ``argv``, serve until SIGTERM/SIGINT, drain; the exit code (1: engine failed)."""
     args = parse_args(argv)
     try:
-        config = from_args(ServerConfig, args, token=_read_token(args))
+        http = from_args(HttpFlags, args).limits()
+        config = from_args(ServerConfig, args, token=_read_token(args), http_limits=http)
     except ValueError as e:
         raise SystemExit(f"teacher-server: {e}") from None
     logging.basicConfig(

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from teacher_server.backpressure import (
+    DEFAULT_STREAM_MAX_UNSENT_MB,
+    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+)
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from topk_protocol import DEFAULT_MAX_MESSAGE_MB
+
+if TYPE_CHECKING:  # the HTTP stack is imported by the server, not by every user of this
+    from teacher_server.http_limits import HttpLimits
 
 __all__ = ["MIB", "ServerConfig"]
 
@@ -54,6 +62,14 @@ class ServerConfig:
     """SIGTERM: the whole shutdown's budget for requests in flight"""
     warmup: bool = True
     """(--no-warmup) skip the warm-up request that runs before the server reports ready"""
+    stream_max_unsent_mb: int = DEFAULT_STREAM_MAX_UNSENT_MB
+    """ScoreStream backpressure: answers one stream may hold that its client has not read
+    (MiB); then the stream is not read or scored further (one larger answer still goes,
+    alone)"""
+    stream_max_unsent_requests: int = DEFAULT_STREAM_MAX_UNSENT_REQUESTS
+    """ScoreStream backpressure: requests one stream may have read but not answered"""
+    http_limits: HttpLimits | None = field(default=None, metadata={"flag": False})
+    """the HTTP side's limits (None: HttpLimits' defaults; the CLI's --http-* flags)"""
 
     def __post_init__(self) -> None:
         for name in ("max_top_k", "max_tokens_per_request", "max_message_mb", "chunk_kb"):

@@ -17,9 +17,11 @@ if TYPE_CHECKING:
     import grpc
 
 __all__ = [
+    "DataLossError",
     "DeadlineExceededError",
     "InvalidRequestError",
     "NotRecordedError",
+    "RecordingDamagedError",
     "RecordingError",
     "ResourceExhaustedError",
     "TeacherError",
@@ -93,3 +95,24 @@ class RecordingError(TeacherError):
         super().__init__(f"{where}: {message}")
         self.path = Path(path)
         self.offset = offset
+
+
+class DataLossError(TeacherError):
+    """Stored data is damaged (DATA_LOSS): e.g. a replayed row failed its checksum. Not
+    retried: the same row is damaged on every try."""
+
+
+class RecordingDamagedError(RecordingError, DataLossError):
+    """A recording's stored bytes are damaged, or its ``metadata.json`` and its shards
+    disagree: nothing is served from what is damaged.
+
+    ``path`` is the shard (or ``metadata.json``); ``row`` the row inside that shard
+    (``None`` when the damage is not one row's, e.g. a schema or a whole batch).
+    """
+
+    def __init__(
+        self, path: str | Path, row: int | None, message: str, offset: int | None = None
+    ) -> None:
+        where = f"row {row}: " if row is not None else ""
+        super().__init__(path, offset, where + message)
+        self.row = row

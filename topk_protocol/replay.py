@@ -79,7 +79,8 @@ def find_rows(
 ) -> list[RecordedSequence | None]:
     """The recorded row answering each ``(token_ids int32 LE bytes, start, end)``
     (``None`` for an empty range, which needs no row). Raises :class:`NotRecordedError`
-    naming the options and every sequence that cannot be answered, and why."""
+    naming the options and every sequence that cannot be answered, and why; a row whose
+    every copy is damaged raises the reader's ``RecordingDamagedError``."""
     check_options(reader, options, where)
     rows: list[RecordedSequence | None] = []
     problems: list[str] = []

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import grpc
 
 from topk_protocol.errors import (
+    DataLossError,
     DeadlineExceededError,
     InvalidRequestError,
     NotRecordedError,
@@ -38,6 +39,7 @@ _STATUS: tuple[tuple[type[TeacherError], grpc.StatusCode], ...] = (
     (TeacherUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NotRecordedError, grpc.StatusCode.NOT_FOUND),
+    (DataLossError, grpc.StatusCode.DATA_LOSS),
 )
 _CODE_OF: dict[type[TeacherError], grpc.StatusCode] = dict(_STATUS)
 #: Codes that come back as a typed error whatever the reason (NOT_FOUND needs one).

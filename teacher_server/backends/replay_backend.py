@@ -7,15 +7,17 @@ checked as a whole (:meth:`ReplayBackend.check_request`) by the protocol's repla
 anything the recording cannot answer exactly raises
 :class:`~topk_protocol.errors.NotRecordedError` naming every sequence and what is
 missing (NOT_FOUND on the wire, reason ``not_recorded``), never NaN or zeros in place
-of requested data. The recorded values go out through the server's own encoding, so
-answers are byte-identical to the teacher's. GetInfo announces the recorded teacher's
-temperature.
+of requested data. A recorded row that fails its checksum (every copy of it) raises
+:class:`~topk_protocol.errors.RecordingDamagedError` naming the shard and the row
+(DATA_LOSS on the wire); the intact rows are served. The recorded values go out through
+the server's own encoding, so answers are byte-identical to the teacher's. GetInfo
+announces the recorded teacher's temperature.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,10 +26,11 @@ import numpy as np
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.validation import ParsedRequest, ParsedSequence
 from topk_protocol import RequestOptions, teacher_temperature
+from topk_protocol.multi_recording import read_manifest, teacher_recording_path
 from topk_protocol.recording import RecordedSequence, RecordingReader
 from topk_protocol.replay import find_rows, recorded_arrays
 
-__all__ = ["ReplayBackend"]
+__all__ = ["ReplayBackend", "ReplayFlags", "replay_path"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,26 @@ class ReplayFlags:
 
     recording: str
     """recording directory to serve"""
+    replay_teacher: str | None = field(default=None, metadata={"metavar": "NAME"})
+    """with a multi-teacher recording: serve this teacher's rows"""
+
+
+def replay_path(recording: str | Path, teacher: str | None) -> Path:
+    """The recording to replay: ``recording`` itself, or one teacher's part of a
+    multi-teacher recording (``ValueError`` naming what is wrong otherwise)."""
+    names = read_manifest(recording)
+    if names is None:
+        if teacher:
+            raise ValueError(
+                f"--replay-teacher {teacher}: {recording} is a single-teacher recording"
+            )
+        return Path(recording)
+    if teacher not in names:
+        raise ValueError(
+            f"{recording} is a multi-teacher recording of {names}: pass --replay-teacher "
+            f"NAME (got {teacher!r})"
+        )
+    return Path(teacher_recording_path(recording, teacher))
 
 
 class ReplayBackend(Backend):
@@ -61,7 +84,7 @@ class ReplayBackend(Backend):
 
     @classmethod
     def from_flags(cls, flags: ReplayFlags, *, max_top_k: int) -> ReplayBackend:
-        return cls(flags.recording, max_top_k=max_top_k)
+        return cls(replay_path(flags.recording, flags.replay_teacher), max_top_k=max_top_k)
 
     async def start(self) -> None:
         self._reader = await asyncio.to_thread(RecordingReader, self._path)
