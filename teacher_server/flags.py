@@ -23,6 +23,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import sys
 import textwrap
 import types
 import typing
@@ -72,6 +73,24 @@ def flag_fields(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)]
 
 
+def _flag_hints(cls: type) -> dict[str, Any]:
+    """The resolved annotation of each flag field, evaluated in the module of the class
+    that declares it (``typing.get_type_hints`` would also evaluate the non-flag fields,
+    whose types may be imported for type checking only)."""
+    flags = {f.name for f in flag_fields(cls)}
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        namespace = vars(sys.modules[klass.__module__])
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            if name in flags:
+                hints[name] = (
+                    eval(annotation, namespace)  # the class's own annotation, in its module
+                    if isinstance(annotation, str)
+                    else annotation
+                )
+    return hints
+
+
 def _base_type(annotation: Any) -> tuple[Any, bool]:
     """``X | None`` -> ``(X, True)``; ``X`` -> ``(X, False)``."""
     args = typing.get_args(annotation)
@@ -86,7 +105,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, title: str = "")
     ``title`` when given). A field without a default is a required flag; a ``bool``
     field defaulting to True becomes ``--no-<name>``, one defaulting to False ``--<name>``."""
     target = parser.add_argument_group(title) if title else parser
-    hints = typing.get_type_hints(cls)
+    hints = _flag_hints(cls)
     docs = field_docs(cls)
     for f in flag_fields(cls):
         name = f.name.replace("_", "-")
