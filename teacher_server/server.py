@@ -181,12 +181,7 @@ class TeacherServer:
 
     async def _start_http(self, tls: tuple[Path, Path] | None) -> None:
         cfg = self._config
-        trl = TRLEndpoints(
-            self._servicer.score_rendered,
-            self.lifecycle,
-            self.info,
-            lambda: self._servicer.limits,
-        )
+        trl = TRLEndpoints(self._servicer.score_rendered, self.info, lambda: self._servicer.limits)
         app = build_http_app(
             lifecycle=self.lifecycle,
             info=self.info,

@@ -90,23 +90,28 @@ class TeacherServicer(pb_grpc.TeacherServicer):
 
     async def score_rendered(
         self,
-        request: pb.ScoreRequest,
         method: str,
-        render: Callable[[ParsedRequest, list[ScoredSequence]], R],
+        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[ScoredSequence]], R]]],
     ) -> R:
-        """One request from another front end (the HTTP routes, ``method`` names it in the
-        metrics): the same lifecycle check, validation, admission, backend and metrics as
-        ``Score``; ``render(parsed, scored)`` runs in a worker thread while the slot is
-        held (a drain waits for it). Raises :class:`RequestError` (INTERNAL on a failure)."""
+        """One request from another front end (the HTTP routes; ``method`` names it in the
+        metrics) with the same lifecycle check, validation, admission, backend and metrics
+        as ``Score``. ``prepare()`` (in a worker thread, after the lifecycle check) parses
+        the front end's request into a ``ScoreRequest`` and a renderer; ``render(scored)``
+        runs in a worker thread while the slot is held (a drain waits for it). Raises
+        :class:`RequestError` (INTERNAL on a failure)."""
         t0 = time.perf_counter()
         try:
+            refusal = self._lifecycle.refusal()
+            if refusal is not None:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal)
+            request, render = await asyncio.to_thread(prepare)
             parsed = await self._admit(request)
         except RequestError as e:
             self._count(method, e.code, t0)
             raise
         try:
             scored = await self._score(parsed)
-            out = await asyncio.to_thread(render, parsed, scored)
+            out = await asyncio.to_thread(render, scored)
         except RequestError as e:
             self._count(method, e.code, t0)
             raise

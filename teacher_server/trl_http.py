@@ -28,7 +28,6 @@ only that it is below the top K).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import math
@@ -43,10 +42,8 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.backends.base import ScoredSequence
-from teacher_server.lifecycle import Lifecycle
 from teacher_server.validation import (
     Limits,
-    ParsedRequest,
     RequestError,
     check_token_ids,
     check_top_k,
@@ -375,10 +372,8 @@ def render_sequence_logprobs(parsed: _Parsed, scored: list[ScoredSequence]) -> b
     return json.dumps(body).encode()
 
 
-ScoreFn = Callable[
-    [pb.ScoreRequest, str, Callable[[ParsedRequest, list[ScoredSequence]], bytes]],
-    Awaitable[bytes],
-]
+Renderer = Callable[[list[ScoredSequence]], bytes]
+ScoreFn = Callable[[str, Callable[[], tuple[pb.ScoreRequest, Renderer]]], Awaitable[bytes]]
 
 
 class TRLEndpoints:
@@ -386,8 +381,7 @@ class TRLEndpoints:
 
     Args:
         score: the servicer's ``score_rendered`` (lifecycle, validation, admission,
-            backend, metrics; the renderer runs in a worker thread).
-        lifecycle: refuses (503) while loading or draining, before anything else.
+            backend, metrics; parsing and rendering run in worker threads).
         info: the teacher's ``TeacherInfo`` once loaded.
         limits: the servicer's limits once loaded.
     """
@@ -395,21 +389,12 @@ class TRLEndpoints:
     def __init__(
         self,
         score: ScoreFn,
-        lifecycle: Lifecycle,
         info: Callable[[], pb.TeacherInfo | None],
         limits: Callable[[], Limits],
     ) -> None:
         self._score = score
-        self._lifecycle = lifecycle
         self._info = info
         self._limits = limits
-
-    def _ready_info(self) -> pb.TeacherInfo:
-        refusal = self._lifecycle.refusal()
-        info = self._info()
-        if refusal is not None or info is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal or "teacher: loading")
-        return info
 
     async def _answer(
         self,
@@ -418,21 +403,17 @@ class TRLEndpoints:
         parse: Callable[[dict[str, Any], pb.TeacherInfo, Limits], _Parsed],
         render: Callable[[_Parsed, list[ScoredSequence]], bytes],
     ) -> HTTPAnswer:
+        def prepare() -> tuple[pb.ScoreRequest, Renderer]:
+            info = self._info()
+            if info is None:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "teacher: loading")
+            parsed = parse(_json_object(body), info, self._limits())
+            return parsed.score_request(), lambda scored: render(parsed, scored)
+
         try:
-            info = self._ready_info()
-            limits = self._limits()
-
-            def parse_body() -> _Parsed:
-                return parse(_json_object(body), info, limits)
-
-            # Parsing a large body must not hold up the event loop (health probes, gRPC).
-            parsed = await asyncio.to_thread(parse_body)
-            out = await self._score(
-                parsed.score_request(), method, lambda _p, scored: render(parsed, scored)
-            )
+            return HTTPAnswer(200, await self._score(method, prepare))
         except RequestError as e:
             return HTTPAnswer.error(e)
-        return HTTPAnswer(200, out)
 
     def models(self) -> HTTPAnswer:
         """vLLM's ``GET /v1/models``: the served model (TRL's client reads its id)."""
@@ -449,14 +430,12 @@ class TRLEndpoints:
 
     async def completions(self, body: bytes) -> HTTPAnswer:
         """``POST /v1/completions`` (TRL 1.11+)."""
-        model = self._info()
-        name = model.model_name if model is not None else ""
-        return await self._answer(
-            body,
-            COMPLETIONS_METHOD,
-            parse_completions,
-            lambda parsed, scored: render_completions(parsed, scored, name),
-        )
+
+        def render(parsed: _Parsed, scored: list[ScoredSequence]) -> bytes:
+            info = self._info()
+            return render_completions(parsed, scored, info.model_name if info else "")
+
+        return await self._answer(body, COMPLETIONS_METHOD, parse_completions, render)
 
     async def sequence_logprobs(self, body: bytes) -> HTTPAnswer:
         """``POST /get_sequence_logprobs/`` (TRL 1.10)."""
