@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,10 +14,14 @@ __all__ = [
     "LOGIT_DTYPES",
     "LOGPROB_TOLERANCE",
     "check_linear",
+    "check_local_tensor",
     "check_mask_values",
     "check_options",
+    "check_sampled",
+    "check_sampled_values",
     "check_teacher_values",
     "check_tensors",
+    "dtensor_type",
 ]
 
 LOGPROB_TOLERANCE = 1e-3
@@ -41,10 +46,17 @@ def check_options(
     temperature: float,
     tail_mass_eps: float,
     clamp_min: float | None,
+    truncatable: bool = True,
+    divergence_name: str = "forward",
 ) -> None:
-    """Check the non-tensor arguments of `topk_kl_loss`."""
+    """Check the non-tensor options of the losses (`LossOptions`)."""
     if mode not in LOSS_MODES:
         raise _fail("mode", f"must be one of {LOSS_MODES}, got {mode!r}")
+    if mode == "truncated" and not truncatable:
+        raise _fail(
+            "mode",
+            f"'truncated' applies to the forward KL only, not to divergence {divergence_name!r}",
+        )
     if reduction not in REDUCTIONS:
         raise _fail("reduction", f"must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and (
@@ -85,6 +97,7 @@ def check_tensors(
     ):
         if not isinstance(value, Tensor):
             raise _fail(name, f"must be a torch.Tensor, got {type(value).__name__}")
+        check_local_tensor(name, value)
     if logits.dtype not in LOGIT_DTYPES:
         raise _fail(student_name, f"dtype must be one of {LOGIT_DTYPES}, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
@@ -138,6 +151,9 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise _fail("hidden", f"dtype must be one of {LOGIT_DTYPES}, got {hidden.dtype}")
     if not isinstance(weight, Tensor):
         raise _fail("weight", f"must be a torch.Tensor, got {type(weight).__name__}")
+    for name, value in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if value is not None:
+            check_local_tensor(name, value)
     if weight.dim() != 2 or weight.shape[0] < 1:
         raise _fail(
             "weight", f"must have shape [V_local, H] with V_local >= 1, got {_shape(weight)}"
@@ -167,6 +183,63 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         )
 
 
+def check_sampled(
+    mode: str,
+    sampled_ids: Tensor | None,
+    sampled_logprobs: Tensor | None,
+    positions: torch.Size,
+    device: torch.device,
+) -> None:
+    """Mode "tail_actual" needs `sampled_ids` (int) and `sampled_logprobs` (float), both
+    `[...]` (the positions' shape) on the student's device; other modes take neither."""
+    given = {"sampled_ids": sampled_ids, "sampled_logprobs": sampled_logprobs}
+    if mode != "tail_actual":
+        for name, value in given.items():
+            if value is not None:
+                raise _fail(name, f"is used by mode 'tail_actual' only, not {mode!r}")
+        return
+    for name, value in given.items():
+        if not isinstance(value, Tensor):
+            raise _fail(
+                name, f"mode 'tail_actual' needs a torch.Tensor, got {type(value).__name__}"
+            )
+        if value.shape != positions:
+            raise _fail(name, f"shape {_shape(value)} must equal the positions' {list(positions)}")
+        if value.device != device:
+            raise _fail(name, f"is on {value.device}, the student on {device}")
+    assert sampled_ids is not None and sampled_logprobs is not None  # checked just above
+    ids_dtype = sampled_ids.dtype
+    if ids_dtype.is_floating_point or ids_dtype.is_complex or ids_dtype == torch.bool:
+        raise _fail("sampled_ids", f"must be an integer tensor, got {sampled_ids.dtype}")
+    if not sampled_logprobs.dtype.is_floating_point:
+        raise _fail("sampled_logprobs", f"must be a float tensor, got {sampled_logprobs.dtype}")
+
+
+def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_vocab: int) -> None:
+    """The counted rows' actual tokens: ids in `[0, global_vocab)`, log-probs `<= 0` (up to
+    `LOGPROB_TOLERANCE`) or NaN (no next token: that row has no actual-token category)."""
+    if sampled_ids.numel() == 0:
+        return
+    _check_id_range("sampled_ids", sampled_ids, global_vocab)
+    known = sampled_logprobs[~sampled_logprobs.isnan()]
+    if known.numel() and float(known.max()) > LOGPROB_TOLERANCE:
+        raise _fail(
+            "sampled_logprobs",
+            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}) or NaN, "
+            f"got {float(known.max()):.6g}",
+        )
+
+
+def _check_id_range(name: str, ids: Tensor, global_vocab: int) -> None:
+    """Non-empty `ids` must lie in `[0, global_vocab)` (two host syncs)."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= global_vocab:
+        raise _fail(
+            name,
+            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
+        )
+
+
 def check_mask_values(mask: Tensor | None) -> None:
     """A non-bool `mask` must hold only 0 and 1 (one host sync)."""
     if mask is not None and mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
@@ -185,12 +258,7 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
     """
     if teacher_ids.numel() == 0:
         return
-    low, high = int(teacher_ids.min()), int(teacher_ids.max())
-    if low < 0 or high >= global_vocab:
-        raise _fail(
-            "teacher_ids",
-            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
-        )
+    _check_id_range("teacher_ids", teacher_ids, global_vocab)
     ordered = teacher_ids.sort(dim=-1).values
     if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
         raise _fail(
@@ -211,3 +279,39 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
 def _shape(tensor: Tensor) -> list[int]:
     """Shape as a plain list, for messages."""
     return list(tensor.shape)
+
+
+def dtensor_type() -> type | None:
+    """`torch.distributed.tensor.DTensor`, or None on a torch without it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+_LOCAL_FIX = {
+    "logits": "pass logits.to_local() with process_group=<the TP group> (a ColwiseParallel "
+    "lm_head returns local logits with its default use_local_output=True)",
+    "weight": "tensor parallel: pass weight.to_local() with process_group=<the TP group>; "
+    "FSDP2: fully_shard(lm_head) the head module itself and call "
+    "lm_head_topk_kl_loss(lm_head, hidden, ...), which runs the loss inside its unshard",
+}
+_LOCAL_FIX["bias"] = _LOCAL_FIX["weight"].replace("weight.to_local()", "bias.to_local()")
+
+
+def check_local_tensor(name: str, value: Tensor) -> None:
+    """Refuse a DTensor: the losses take local tensors and a `process_group`, and a DTensor's
+    shape is the global one, so using it as local would compute against the wrong shard
+    (docs/scaling.md)."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(value, dtensor):
+        return
+    sharded: Any = value  # a DTensor (mypy cannot narrow to a runtime type)
+    fix = _LOCAL_FIX.get(name, f"pass a plain tensor (the full {name}: {name}.full_tensor())")
+    raise _fail(
+        name,
+        f"is a DTensor (placements {tuple(sharded.placements)} on a mesh of shape "
+        f"{tuple(sharded.device_mesh.shape)}); the losses take local tensors: {fix} "
+        f"(docs/scaling.md)",
+    )
