@@ -101,43 +101,39 @@ def _counting(client: Any) -> list[int]:
 
 
 def trl_client_call(
-    base_url: str, seqs: list[list[int]], lengths: list[int], k: int, t: float, reps: int
+    base_url: str,
+    seqs: list[list[int]],
+    lengths: list[int],
+    k: int,
+    t: float,
+    reps: int,
+    **options: Any,
 ) -> tuple[float, int, Result]:
-    """The installed TRL's ``VLLMClient``: (median s, bytes per call, result)."""
+    """The importable TRL's ``VLLMClient`` (``options``: its call's further arguments,
+    e.g. TRL 1.10's ``use_binary``): (median s, bytes per call, result)."""
     from trl.generation.vllm_client import VLLMClient
 
     client = VLLMClient(base_url=base_url, connection_timeout=600)
     sizes = _counting(client)
     secs, result = _timed(
-        lambda: client.get_sequence_logprobs(seqs, lengths, top_logprobs=k, temperature=t), reps
+        lambda: client.get_sequence_logprobs(
+            seqs, lengths, top_logprobs=k, temperature=t, **options
+        ),
+        reps,
     )
     return secs, sizes[-1], result
 
 
 _TRL_110 = """
-import json, sys, time, statistics
+import json, sys
 import numpy as np
-from trl.generation.vllm_client import VLLMClient
 import trl
+from benchmarks.bench_trl import trl_client_call
 assert trl.__version__.startswith("1.10"), trl.__version__
 base_url, seqs, lengths, k, t, reps, out = json.loads(sys.argv[1])
-client = VLLMClient(base_url=base_url, connection_timeout=600)
-sizes = []
-post = client.session.post
-def counted(*a, **kw):
-    r = post(*a, **kw)
-    sizes.append(len(r.content))
-    return r
-client.session.post = counted
-call = lambda: client.get_sequence_logprobs(seqs, lengths, top_logprobs=k, temperature=t)
-result = call()
-times = []
-for _ in range(reps):
-    t0 = time.perf_counter()
-    result = call()
-    times.append(time.perf_counter() - t0)
+secs, size, result = trl_client_call(base_url, seqs, lengths, k, t, reps, use_binary=True)
 np.savez(out, **{key: np.array(v, dtype=object) for key, v in result.items()})
-print(json.dumps([statistics.median(times), sizes[-1]]))
+print(json.dumps([secs, size]))
 """
 
 

@@ -16,7 +16,6 @@ See docs/trl.md (also for pointing TRL's own client at the teacher's HTTP port).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ from student_client.aio_client import ScoreBatch
 from student_client.client import TeacherClient
 from student_client.errors import InvalidRequestError, TeacherMismatchError
 from student_client.payload import TeacherPayload
+from topk_protocol import temperature_mismatch
 from topk_protocol._closeable import Closeable
 from topk_protocol.trl_layout import TRLRows, sequence_logprobs_result, trl_rows, trl_span
 
@@ -60,12 +60,9 @@ class TRLTeacherClient(Closeable):
 
     def _check_temperature(self, temperature: float) -> None:
         served = self._client.info().teacher_temperature
-        if not math.isclose(float(temperature), served, rel_tol=1e-9):
-            raise TeacherMismatchError(
-                f"temperature: the request asks for {float(temperature):g}, the teacher "
-                f"{self._client.current_target} serves teacher_temperature {served:g}; a "
-                f"top-k answer cannot be re-tempered"
-            )
+        refusal = temperature_mismatch(temperature, served)
+        if refusal is not None:
+            raise TeacherMismatchError(f"teacher {self._client.current_target}: {refusal}")
 
     def get_sequence_logprobs(
         self,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -49,7 +48,7 @@ from teacher_server.validation import (
     check_top_k,
     check_total_tokens,
 )
-from topk_protocol import encode_token_ids, pb
+from topk_protocol import encode_token_ids, pb, temperature_mismatch
 from topk_protocol.trl_layout import JSON_NEG_INF, TRLRows, trl_rows, trl_span
 
 __all__ = [
@@ -163,12 +162,9 @@ def _check_temperature(data: dict[str, Any], served: float) -> None:
     t = data["temperature"]
     if isinstance(t, bool) or not isinstance(t, int | float):
         raise _invalid(f"temperature: expected a number, got {json.dumps(t)[:40]}")
-    if not math.isclose(float(t), served, rel_tol=1e-9):
-        raise _invalid(
-            f"temperature: the request asks for {float(t):g}, this teacher serves "
-            f"teacher_temperature {served:g} (--teacher-temperature); a top-k answer cannot "
-            f"be re-tempered: ask for {served:g}, or serve a teacher at {float(t):g}"
-        )
+    refusal = temperature_mismatch(t, served)
+    if refusal is not None:
+        raise _invalid(refusal)
 
 
 def _score_request(
