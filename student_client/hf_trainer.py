@@ -17,9 +17,10 @@
   across gradient accumulation steps.
 - Loss statistics (``kd_loss``, ``kd_teacher_mass``, ``kd_overlap``, ...) are kept as
   device tensors, averaged over the micro-batches since the last log and read (one host
-  sync) only when ``Trainer.log`` runs: they land in ``trainer.state.log_history`` and
-  every ``report_to`` integration. With ``LossOptions(validate=False)`` a training step
-  (forward, loss, backward) never waits for the device.
+  sync) only when ``Trainer.log`` runs, then averaged over the data-parallel ranks (one
+  all-reduce): they land in ``trainer.state.log_history`` and every ``report_to``
+  integration. With ``LossOptions(validate=False)`` a training step (forward, loss,
+  backward) never waits for the device.
 
 Needs the ``hf`` extra (``pip install 'topk-distill[hf]'``: transformers + accelerate).
 """
@@ -43,6 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from student_client.alignment import PaddedLayout, place_rows
 from student_client.client import ScoreBatch
+from student_client.distributed import mean_over_ranks, rank_client_options
 from student_client.losses import (
     LossOptions,
     causal_lm_hidden_and_head,
@@ -299,7 +301,11 @@ class TopKDistillationTrainer(Trainer):
         if self._owns_client:
             from student_client.client import TeacherClient
 
-            self.teacher_client: Any = TeacherClient(teacher, **(teacher_kwargs or {}))
+            # One client per data-parallel rank; a recording per rank (distributed.py).
+            options = rank_client_options(
+                teacher_kwargs, self.args.process_index, self.args.world_size
+            )
+            self.teacher_client: Any = TeacherClient(teacher, **options)
         else:
             if teacher is not None and not hasattr(teacher, "stream"):
                 raise TypeError(
@@ -380,7 +386,8 @@ class TopKDistillationTrainer(Trainer):
             means = torch.stack(
                 [torch.stack(self._kd_metrics[name]).double().mean() for name in names]
             )
-            logs.update(zip(names, means.tolist(), strict=True))
+            # Every rank logs (the Trainer gathers the loss first): mean over the ranks.
+            logs.update(mean_over_ranks(dict(zip(names, means.tolist(), strict=True))))
             self._kd_metrics.clear()
         super().log(logs, start_time)
 
