@@ -10,8 +10,9 @@ in a worker thread (``asyncio.to_thread``): the loop keeps running between the t
 GIL slices (Python hands the GIL over every 5 ms) and while numpy works without it.
 Small requests stay on the loop, where a thread hop (~0.1 ms) would cost more than the
 work. Large answers are also serialized there (gRPC would serialize them on the loop):
-:class:`Outgoing` carries the bytes. :func:`gather_in_slices` starts many coroutines a
-slice at a time for the same reason.
+:class:`Outgoing` carries the bytes. :func:`gather_bounded` keeps at most 512 sequences
+of one request in the engine at once, so that the objects alive (and the garbage
+collector's passes over them) stay bounded.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from teacher_server.validation import Limits, ParsedRequest, parse_request
 from topk_protocol import pb
 
 __all__ = [
+    "MAX_SEQUENCES_IN_FLIGHT",
     "OFFLOAD_SEQUENCES",
     "OFFLOAD_TOKEN_BYTES",
-    "START_SLICE",
     "Outgoing",
     "encode_response_off_loop",
-    "gather_in_slices",
+    "gather_bounded",
     "parse_off_loop",
     "stream_responses_off_loop",
 ]
@@ -41,8 +42,8 @@ __all__ = [
 OFFLOAD_SEQUENCES = 64
 #: ... and so are requests with more bytes of token ids than this (64 Ki tokens).
 OFFLOAD_TOKEN_BYTES = 256 * 1024
-#: :func:`gather_in_slices` starts this many coroutines, then lets the loop run.
-START_SLICE = 128
+#: :func:`gather_bounded` runs at most this many sequences of one request at once.
+MAX_SEQUENCES_IN_FLIGHT = 512
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -127,19 +128,30 @@ async def stream_responses_off_loop(
     return await _maybe_in_thread(large, build)
 
 
-async def gather_in_slices(fn: Callable[[R], Awaitable[T]], items: Sequence[R]) -> list[T]:
-    """``asyncio.gather(*(fn(x) for x in items))``, but started :data:`START_SLICE` at a
-    time with a full turn of the loop between slices, so that thousands of coroutines
-    starting at once (each a request to the engine) do not hold the loop in one turn."""
-    if len(items) <= START_SLICE:
+async def gather_bounded(fn: Callable[[R], Awaitable[T]], items: Sequence[R]) -> list[T]:
+    """``asyncio.gather(*(fn(x) for x in items))`` with at most
+    :data:`MAX_SEQUENCES_IN_FLIGHT` running at once (results in order; the first error
+    cancels the rest and is raised).
+
+    A request of 10,000 sequences would otherwise put 10,000 requests into the engine at
+    once: no faster (the engine batches at most ``max_num_seqs`` per step), but every one
+    of them alive at once, hundreds of objects each, and the garbage collector's full
+    passes over them stopped the event loop for seconds (probes included).
+    """
+    if len(items) <= MAX_SEQUENCES_IN_FLIGHT:
         return list(await asyncio.gather(*(fn(x) for x in items)))
-    tasks: list[asyncio.Task[T]] = []
+    results: list[Any] = [None] * len(items)
+    indices = iter(range(len(items)))
+
+    async def worker() -> None:
+        for i in indices:  # shared: each index is taken by one worker
+            results[i] = await fn(items[i])
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(MAX_SEQUENCES_IN_FLIGHT)]
     try:
-        for i in range(0, len(items), START_SLICE):
-            tasks.extend(asyncio.ensure_future(fn(x)) for x in items[i : i + START_SLICE])
-            await asyncio.sleep(0)
-        return list(await asyncio.gather(*tasks))
+        await asyncio.gather(*workers)
     except BaseException:
-        for t in tasks:
-            t.cancel()
+        for w in workers:
+            w.cancel()
         raise
+    return results

@@ -27,7 +27,7 @@ from teacher_server.metrics import TeacherMetrics
 from teacher_server.offload import (
     Outgoing,
     encode_response_off_loop,
-    gather_in_slices,
+    gather_bounded,
     parse_off_loop,
     stream_responses_off_loop,
 )
@@ -139,7 +139,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 )
             return await self._backend.score(seq.token_ids, k, seq.start, seq.end)
 
-        return await gather_in_slices(one, parsed.sequences)
+        return await gather_bounded(one, parsed.sequences)
 
     def _count(self, method: str, code: grpc.StatusCode, t0: float) -> None:
         self._metrics.requests.labels(method, code.name).inc()
