@@ -12,6 +12,9 @@ Default variants, all on bfloat16 logits `[N, V]` that require grad, forward + b
 - `chunked-tail`, `chunked-truncated`: `topk_kl_loss` (this package), default chunk size.
 - `chunked-tail-overlap` (only with `--variants`): `chunked-tail` with `overlap=True`, to
   measure what the overlap statistic costs.
+- `chunked-reverse`, `chunked-jsd` (only with `--variants`): `chunked-tail` with the reverse
+  KL / the generalized JSD (beta 0.5) instead of the forward KL; compare with
+  `chunked-tail` in the same run.
 - `naive`: `log_softmax(logits.float())` + gather, autograd backward (verl's default path).
 - `rowchunk-autograd`: verl's row-chunked variant: per chunk of rows, an fp32 copy and its
   `logsumexp`, gathered, concatenated (4096 rows per chunk, the `chunked_topk_chunk_size`
@@ -25,6 +28,11 @@ weight `[V, H]`, both requiring grad, and every variant returns both gradients:
 - `fused`: `fused_topk_kl_loss(hidden, weight, ...)` (tail), gradients computed in forward.
 - `fused-recompute`: the same with `grad_in_forward=False` (chunk logits recomputed in
   backward: four matmuls instead of three).
+- `fused-reverse`, `fused-jsd` (only with `--variants`): `fused` with the reverse KL / the
+  JSD; compare with `fused` in the same run.
+
+When a divergence variant runs next to the forward tail loss of its path, a last table gives
+their peak-memory and median-time ratios.
 
 Memory method: each (variant, N) runs once in a fresh Python process. It builds the inputs
 (logits filled in place in small blocks, so building them leaves only a small transient
@@ -56,8 +64,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("chunked-tail", "chunked-truncated", "naive", "rowchunk-autograd")
-EXTRA_VARIANTS = ("chunked-tail-overlap",)  # only when named in --variants
+EXTRA_VARIANTS = ("chunked-tail-overlap", "chunked-reverse", "chunked-jsd")  # via --variants
 LM_HEAD_VARIANTS = ("logits-chunked", "fused", "fused-recompute")
+LM_HEAD_EXTRA_VARIANTS = ("fused-reverse", "fused-jsd")  # only when named in --variants
+#: divergence variant -> (its divergence, the forward tail variant of the same path)
+DIVERGENCE_VARIANTS = {
+    "chunked-reverse": ("reverse", "chunked-tail"),
+    "chunked-jsd": ("jsd", "chunked-tail"),
+    "fused-reverse": ("reverse", "fused"),
+    "fused-jsd": ("jsd", "fused"),
+}
 ROWCHUNK_ROWS = 4096  # verl's documented chunked_topk_chunk_size
 
 
@@ -121,6 +137,8 @@ def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torc
         loss, _ = topk_kl_loss(hidden @ weight.t(), ids, logprobs, chunk_size=chunk_size)
         return loss
 
+    divergence = DIVERGENCE_VARIANTS.get(variant, ("forward", ""))[0]
+
     def fused(
         hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor
     ) -> torch.Tensor:
@@ -130,7 +148,8 @@ def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torc
             ids,
             logprobs,
             chunk_size=chunk_size,
-            grad_in_forward=variant == "fused",
+            grad_in_forward=variant != "fused-recompute",
+            divergence=divergence,
         )
         return loss
 
@@ -153,7 +172,7 @@ def _rowchunk(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -
 
 
 def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor]:
-    if variant in LM_HEAD_VARIANTS:
+    if variant in LM_HEAD_VARIANTS + LM_HEAD_EXTRA_VARIANTS:
         return _lm_head_loss_fn(variant, chunk_size)
     if variant == "naive":
         return _naive
@@ -163,10 +182,17 @@ def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor
 
     mode: LossMode = "truncated" if variant == "chunked-truncated" else "tail"
     overlap = variant == "chunked-tail-overlap"
+    divergence = DIVERGENCE_VARIANTS.get(variant, ("forward", ""))[0]
 
     def chunked(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         loss, _ = topk_kl_loss(
-            logits, ids, logprobs, mode=mode, chunk_size=chunk_size, overlap=overlap
+            logits,
+            ids,
+            logprobs,
+            mode=mode,
+            chunk_size=chunk_size,
+            overlap=overlap,
+            divergence=divergence,
         )
         return loss
 
@@ -186,7 +212,7 @@ def _fwd_bwd_seconds(
 def _make_inputs(
     variant: str, n_rows: int, vocab: int, top_k: int, hidden_size: int
 ) -> tuple[torch.Tensor, ...]:
-    if variant in LM_HEAD_VARIANTS:
+    if variant in LM_HEAD_VARIANTS + LM_HEAD_EXTRA_VARIANTS:
         return _lm_head_inputs(n_rows, vocab, top_k, hidden_size)
     return _inputs(n_rows, vocab, top_k)
 
@@ -253,7 +279,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=None, help="chunked variants only")
     parser.add_argument(
-        "--variants", nargs="+", default=None, choices=VARIANTS + EXTRA_VARIANTS + LM_HEAD_VARIANTS
+        "--variants",
+        nargs="+",
+        default=None,
+        choices=VARIANTS + EXTRA_VARIANTS + LM_HEAD_VARIANTS + LM_HEAD_EXTRA_VARIANTS,
     )
     parser.add_argument(
         "--lm-head",
@@ -266,7 +295,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.variants is None:
         args.variants = list(LM_HEAD_VARIANTS if args.lm_head else VARIANTS)
-    if len({v in LM_HEAD_VARIANTS for v in args.variants}) > 1:
+    lm_head_names = LM_HEAD_VARIANTS + LM_HEAD_EXTRA_VARIANTS
+    if len({v in lm_head_names for v in args.variants}) > 1:
         parser.error("--variants: do not mix lm_head variants with logits variants")
     n_rows = args.positions[0]
     if args.child_memory is not None:
@@ -292,7 +322,7 @@ def main() -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    lm_head = args.variants[0] in LM_HEAD_VARIANTS
+    lm_head = args.variants[0] in lm_head_names
     baseline = "logits-chunked" if lm_head else "naive"
     inputs = f"bf16 hidden [N, {args.hidden_size}] and weight" if lm_head else "bf16 logits"
     print(
@@ -305,6 +335,7 @@ def main() -> None:
         f"| median time / {baseline} |"
     )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    pairs: list[str] = []
     for n_positions in args.positions:
         common = ["--positions", str(n_positions), "--vocab", str(args.vocab)]
         common += ["--top-k", str(args.top_k), "--repeats", str(args.repeats)]
@@ -328,6 +359,35 @@ def main() -> None:
                 f"| {times['median_s']:.2f} ({times['min_s']:.2f}) | {ratio} |",
                 flush=True,
             )
+        pairs += _divergence_rows(n_positions, args.variants, memory, timing)
+    if pairs:
+        print()
+        print("| N | divergence variant | vs | peak extra ratio | median time ratio |")
+        print("| ---: | --- | --- | ---: | ---: |")
+        print("\n".join(pairs))
+
+
+def _divergence_rows(
+    n_positions: int, variants: list[str], memory: dict[str, object], timing: dict[str, object]
+) -> list[str]:
+    """Each divergence variant against its path's forward tail loss, measured in this run."""
+    rows = []
+    for variant in variants:
+        if variant not in DIVERGENCE_VARIANTS:
+            continue
+        reference = DIVERGENCE_VARIANTS[variant][1]
+        if reference not in variants:
+            continue
+        mem, ref_mem = memory[variant], memory[reference]
+        times, ref_times = timing[variant], timing[reference]
+        assert isinstance(mem, dict) and isinstance(ref_mem, dict)
+        assert isinstance(times, dict) and isinstance(ref_times, dict)
+        rows.append(
+            f"| {n_positions} | {variant} | {reference} "
+            f"| {mem['extra_bytes'] / ref_mem['extra_bytes']:.3f}x "
+            f"| {times['median_s'] / ref_times['median_s']:.3f}x |"
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from teacher_server.http_limits import HttpLimits
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.server import ServerConfig, run_server
 from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, check_temperature
+from topk_protocol.multi_recording import read_manifest, teacher_recording_path
 
 __all__ = ["TOKEN_ENV", "build_parser", "main", "parse_args", "serve"]
 
@@ -74,7 +75,12 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     )
     s.add_argument("--model", help="model directory (vllm / transformers backends)")
     s.add_argument("--backend", choices=list(BACKENDS), default="vllm")
-    s.add_argument("--recording", help="recording file (replay backend)")
+    s.add_argument("--recording", help="recording directory (replay backend)")
+    s.add_argument(
+        "--replay-teacher",
+        metavar="NAME",
+        help="with a multi-teacher recording (replay backend): serve this teacher's rows",
+    )
     s.add_argument("--host", default="0.0.0.0", help="gRPC address")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
     s.add_argument("--http-host", help="HTTP address (default: --host)")
@@ -252,6 +258,24 @@ def _temperature_arg(value: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _replay_path(recording: str, teacher: str | None) -> str | Path:
+    """The recording to replay: one teacher's part of a multi-teacher recording."""
+    names = read_manifest(recording)
+    if names is None:
+        if teacher:
+            raise SystemExit(
+                f"teacher-server: --replay-teacher {teacher}: {recording} is a "
+                "single-teacher recording"
+            )
+        return recording
+    if teacher not in names:
+        raise SystemExit(
+            f"teacher-server: {recording} is a multi-teacher recording of {names}: pass "
+            f"--replay-teacher NAME (got {teacher!r})"
+        )
+    return teacher_recording_path(recording, teacher)
+
+
 def _backend_from_args(args: argparse.Namespace) -> Backend:
     temperature = args.teacher_temperature
     if args.backend == "replay":
@@ -262,7 +286,12 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
                 "teacher-server: --teacher-temperature does not apply to --backend replay, "
                 "which serves the temperature the recording was made at"
             )
-        return load_backend(args.backend, path=args.recording, max_top_k=args.max_top_k)
+        return load_backend(
+            args.backend, path=_replay_path(args.recording, args.replay_teacher),
+            max_top_k=args.max_top_k,
+        )  # fmt: skip
+    if args.replay_teacher:
+        raise SystemExit("teacher-server: --replay-teacher applies to --backend replay only")
     temperature = DEFAULT_TEACHER_TEMPERATURE if temperature is None else temperature
     if not args.model:
         raise SystemExit(f"teacher-server: --model is required with --backend {args.backend}")

@@ -32,24 +32,9 @@ from student_client.losses.functional import (
 from student_client.losses.parallel import VocabShard, gather_columns, put_columns
 from student_client.losses.types import RowTerms
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "ChunkPass",
-    "ChunkedSettings",
-    "ChunkedTopKKLFunction",
-    "TeacherColumns",
-    "auto_chunk_rows",
-    "center_",
-    "chunk_bounds",
-    "chunked_topk_kl_rows",
-    "localized_columns",
-    "logit_gradient_",
-    "recompute_logit_gradient_",
-    "reduce_chunk",
-    "statistics_dtype",
-    "terms_from_reductions",
-    "working_dtype",
-]
+# What users call; the rest (settings, the autograd function, the per-chunk kernels that
+# `fused.py` and `api.py` import by name) is this package's internals.
+__all__ = ["DEFAULT_CHUNK_BYTES", "auto_chunk_rows"]
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Default size of the fp32 work block of one chunk (64 MiB)."""
