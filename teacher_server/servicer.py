@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -43,6 +44,8 @@ from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, fits_one_message, pb, pb_
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
@@ -97,6 +100,50 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     def set_limits(self, limits: Limits) -> None:
         """Backend loaded: the final limits (vocab size now known)."""
         self._limits = limits
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    async def score_rendered(
+        self,
+        method: str,
+        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[ScoredSequence]], R]]],
+    ) -> R:
+        """One request from another front end (the HTTP routes; ``method`` names it in the
+        metrics) with the same lifecycle check, validation, admission, backend and metrics
+        as ``Score``. ``prepare()`` (in a worker thread, after the lifecycle check) parses
+        the front end's request into a ``ScoreRequest`` and a renderer; ``render(scored)``
+        runs in a worker thread while the slot is held (a drain waits for it). Raises
+        :class:`RequestError` (INTERNAL on a failure)."""
+        t0 = time.perf_counter()
+        try:
+            refusal = self._lifecycle.refusal()
+            if refusal is not None:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal)
+            request, render = await asyncio.to_thread(prepare)
+            parsed = await self._admit(request)
+        except RequestError as e:
+            self._count(method, e.code, t0)
+            raise
+        try:
+            scored = await self._score(parsed)
+            out = await asyncio.to_thread(render, scored)
+        except RequestError as e:
+            self._count(method, e.code, t0)
+            raise
+        except asyncio.CancelledError:
+            self._count(method, grpc.StatusCode.CANCELLED, t0)
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            self._count(method, grpc.StatusCode.INTERNAL, t0)
+            raise RequestError(grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}") from None
+        finally:
+            self._release()
+        self._count_payload(parsed)
+        self._count(method, grpc.StatusCode.OK, t0)
+        return out
 
     # -- admission ---------------------------------------------------------------------
     async def _validate(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
