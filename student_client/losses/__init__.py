@@ -8,10 +8,10 @@ is the dense slow path.
 """
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
-from student_client.losses.chunked import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.lm_head import LMHeadInputs, causal_lm_hidden_and_head
 from student_client.losses.module import TopKKLLoss
 from student_client.losses.reference import topk_kl_reference
+from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
     LOSS_MODES,
     REDUCTIONS,

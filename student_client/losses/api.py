@@ -11,18 +11,13 @@ from torch import Tensor
 from student_client.losses.chunked import (
     ChunkedSettings,
     TeacherColumns,
-    auto_chunk_rows,
     chunked_topk_kl_rows,
     statistics_dtype,
 )
-from student_client.losses.fused import (
-    DEFAULT_FUSED_WORK_BYTES,
-    FusedLinearTopKKLFunction,
-    FusedSettings,
-    auto_fused_chunk_rows,
-)
+from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings, GradAccumulation
 from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
 from student_client.losses.parallel import VocabShard
+from student_client.losses.sizing import auto_chunk_rows, fused_chunks
 from student_client.losses.types import LossMode, Reduction, RowTerms, TopKKLStats
 from student_client.losses.validation import check_linear, check_options, check_tensors
 
@@ -164,6 +159,7 @@ def fused_topk_kl_loss(
     validate: bool = True,
     overlap: bool = False,
     grad_in_forward: bool = True,
+    grad_weight_accumulation: GradAccumulation = "weight",
 ) -> tuple[Tensor, TopKKLStats]:
     """`topk_kl_loss(hidden @ weight.T + bias, ...)` without ever forming the logits.
 
@@ -235,23 +231,24 @@ def fused_topk_kl_loss(
     teacher = TeacherColumns(
         index=index, owned=owned, logprobs=logprobs.to(statistics_dtype(hidden.device))
     )
-    local_vocab = weight.shape[0]
+    chunks = fused_chunks(
+        flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, chunk_size
+    )
     grad_enabled = torch.is_grad_enabled()
     settings = FusedSettings(
         loss=ChunkedSettings(
             tail_mode=mode == "tail",
             temperature=float(temperature),
             tail_mass_eps=float(tail_mass_eps),
-            chunk_rows=auto_chunk_rows(local_vocab, budget_bytes=DEFAULT_FUSED_WORK_BYTES),
+            chunk_rows=chunks.work_rows,
             shard=shard,
             overlap=overlap,
         ),
-        chunk_rows=chunk_size
-        if chunk_size is not None
-        else auto_fused_chunk_rows(local_vocab, weight.element_size()),
+        chunk_rows=chunks.block_rows,
         clamp_min=clamp_min,
         reduction=reduction,
         grad_in_forward=grad_in_forward,
+        accumulation=grad_weight_accumulation,
         needs_grad=(
             grad_enabled and hidden.requires_grad,
             grad_enabled and weight.requires_grad,

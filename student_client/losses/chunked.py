@@ -31,12 +31,10 @@ from student_client.losses.parallel import VocabShard, gather_columns, put_colum
 from student_client.losses.types import RowTerms
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES",
     "ChunkPass",
     "ChunkedSettings",
     "ChunkedTopKKLFunction",
     "TeacherColumns",
-    "auto_chunk_rows",
     "center_",
     "chunk_bounds",
     "chunked_topk_kl_rows",
@@ -47,16 +45,6 @@ __all__ = [
     "terms_from_reductions",
     "working_dtype",
 ]
-
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""Default size of the fp32 work block of one chunk (64 MiB)."""
-
-
-def auto_chunk_rows(
-    local_vocab: int, *, element_bytes: int = 4, budget_bytes: int = DEFAULT_CHUNK_BYTES
-) -> int:
-    """Rows per chunk so that one `[rows, local_vocab]` work block fits `budget_bytes` (>= 1)."""
-    return max(1, budget_bytes // max(1, local_vocab * element_bytes))
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
