@@ -14,7 +14,12 @@ from student_client.losses.chunked import (
     chunked_topk_kl_rows,
     statistics_dtype,
 )
-from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings, GradAccumulation
+from student_client.losses.fused import (
+    GRAD_ACCUMULATIONS,
+    FusedLinearTopKKLFunction,
+    FusedSettings,
+    GradAccumulation,
+)
 from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import auto_chunk_rows, fused_chunks
@@ -175,7 +180,8 @@ def fused_topk_kl_loss(
         teacher_ids, teacher_logprobs, mode, mask, reduction, temperature, tail_mass_eps,
             clamp_min, validate, overlap: as in `topk_kl_loss`.
         chunk_size: rows per chunk (one `[chunk, V_local]` logits block in the weight's
-            dtype); None: a 64 MiB block. The loss math runs on fp32 sub-blocks of 16 MiB.
+            dtype); None: the rows in five equal chunks, each block within 64 MiB - 1 GiB
+            (`sizing.fused_chunks`). The loss math runs on fp32 sub-blocks of 16 MiB (CPU).
         process_group: vocab-parallel group (as in `topk_kl_loss`). Every rank passes the
             same `hidden`, teacher tensors and mask and gets the same loss and stats. The
             gradient of `hidden` is already summed over the ranks (every rank gets the
@@ -185,6 +191,11 @@ def fused_topk_kl_loss(
         grad_in_forward: for "mean" / "sum", compute the gradients during forward (three
             matmuls per chunk; measured faster on CPU, docs/losses.md) when one is needed;
             False recomputes the chunk logits in backward (four). "none" always recomputes.
+        grad_weight_accumulation: how a bf16 / fp16 `grad_weight` is summed over the row
+            chunks: "weight" (default: in the weight's dtype, rounded once per chunk, no
+            memory beyond the gradient), "compensated" (a second buffer of the gradient's
+            size holds the rounding error), "float32" (an fp32 accumulator: 2x the gradient,
+            3x at the end). docs/losses.md "Weight-gradient accumulation" has their errors.
 
     Returns:
         `(loss, stats)` as `topk_kl_loss`; `loss` is differentiable w.r.t. `hidden`,
@@ -202,6 +213,11 @@ def fused_topk_kl_loss(
         tail_mass_eps=tail_mass_eps,
         clamp_min=clamp_min,
     )
+    if grad_weight_accumulation not in GRAD_ACCUMULATIONS:
+        raise ValueError(
+            f"grad_weight_accumulation: must be one of {', '.join(map(repr, GRAD_ACCUMULATIONS))}"
+            f", got {grad_weight_accumulation!r}"
+        )
     if not isinstance(hidden, Tensor):
         raise ValueError(f"hidden: must be a torch.Tensor, got {type(hidden).__name__}")
     check_linear(hidden, weight, bias)

@@ -52,7 +52,10 @@ from student_client.losses.types import Reduction
 GradAccumulation = Literal["weight", "compensated", "float32"]
 """How `grad_weight` of a bf16 / fp16 weight is summed over the row chunks (`_GradientSink`)."""
 
+GRAD_ACCUMULATIONS: tuple[GradAccumulation, ...] = ("weight", "compensated", "float32")
+
 __all__ = [
+    "GRAD_ACCUMULATIONS",
     "FusedLinearTopKKLFunction",
     "FusedSettings",
     "GradAccumulation",
