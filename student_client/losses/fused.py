@@ -16,9 +16,11 @@ When the gradient is computed (docs/losses.md, "Fused lm_head", has the measurem
   `grad_in_forward=False`): forward keeps per-row statistics only; backward computes the
   chunk logits again (a fourth matmul) and rebuilds `exp(s - max)` from the saved row max.
 
-Memory: one `[chunk, V_local]` block in the weight's dtype, one fp32 sub-block, the fp32
-`grad_weight` accumulator `[V_local, H]` (for a bf16/fp16 weight; it is rounded once at the
-end), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row values. Nothing of size `[N, V]`.
+Memory: one `[chunk, V_local]` block in the weight's dtype (five equal row chunks by
+default, `sizing.fused_chunks`), one fp32 sub-block, `grad_weight` `[V_local, H]` in the
+weight's dtype (summed with one rounding per row chunk; a compensated or fp32 sum on
+request, `_GradientSink`), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row values.
+Nothing of size `[N, V]`.
 
 Vocab-parallel: every rank holds a weight shard; the per-chunk collectives are those of
 `reduce_chunk`; each rank's `G @ W_shard` is a partial sum of `grad_hidden`, all-reduced
