@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from student_client.losses.fused import GradAccumulation
+from student_client.losses.types import GradAccumulation
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("chunked-tail", "chunked-truncated", "naive", "rowchunk-autograd")

@@ -15,9 +15,11 @@
   once per epoch in a client stream that keeps ``prefetch_depth`` batches with the
   teacher, so every rank fetches the payloads of exactly its own batches, in order,
   across gradient accumulation steps.
-- Loss statistics (``kd_loss``, ``kd_teacher_mass``, ``kd_overlap``, ...) are averaged
-  over the micro-batches since the last log and go through ``Trainer.log``: they land in
-  ``trainer.state.log_history`` and every ``report_to`` integration.
+- Loss statistics (``kd_loss``, ``kd_teacher_mass``, ``kd_overlap``, ...) are kept as
+  device tensors, averaged over the micro-batches since the last log and read (one host
+  sync) only when ``Trainer.log`` runs: they land in ``trainer.state.log_history`` and
+  every ``report_to`` integration. With ``LossOptions(validate=False)`` a training step
+  (forward, loss, backward) never waits for the device.
 
 Needs the ``hf`` extra (``pip install 'topk-distill[hf]'``: transformers + accelerate).
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,8 +43,13 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from student_client.alignment import PaddedLayout, place_rows
 from student_client.client import ScoreBatch
-from student_client.losses import causal_lm_hidden_and_head, fused_topk_kl_loss, topk_kl_loss
-from student_client.losses.types import LossMode, TopKKLStats
+from student_client.losses import (
+    LossOptions,
+    causal_lm_hidden_and_head,
+    fused_topk_kl_loss,
+    topk_kl_loss,
+)
+from student_client.losses.types import TopKKLStats
 from student_client.payload import TeacherPayload
 
 __all__ = [
@@ -55,8 +62,9 @@ __all__ = [
 ]
 
 #: Batch keys that carry the teacher's payload (aligned to ``input_ids``): ``[B, T, K]``
-#: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask.
-PAYLOAD_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_mask")
+#: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask, and (mode ``"tail_actual"``) the
+#: ``[B, T]`` log-prob of the actual next token.
+PAYLOAD_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_mask", "teacher_sampled_logprobs")
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,12 @@ class DistillationConfig:
 
     Attributes:
         top_k: K requested from the teacher.
-        mode: ``"tail"`` (K+1 categories, a lower bound of the full KL) or ``"truncated"``.
+        loss: every option of the KD term (:class:`~student_client.losses.LossOptions`:
+            divergence, mode, temperature, chunk size, ``validate``, ``tail_mass_eps``,
+            ``clamp_min``, ``overlap``, ...). Mode ``"tail_actual"`` asks the teacher for
+            the sampled log-probs and takes the actual tokens from ``input_ids``.
         alpha: weight of the model's cross-entropy on ``labels``: the loss is
             ``alpha * CE + (1 - alpha) * KD``; 0 (the default) is pure distillation.
-        temperature: student temperature of the KD term.
-        chunk_size: rows per loss chunk (None: automatic).
         dtype: wire dtype of the teacher's log-probs.
         prefetch_depth: batches kept with the teacher ahead of the one training.
         fused: compute the KD term from the last hidden states and the LM head with
@@ -78,10 +87,8 @@ class DistillationConfig:
     """
 
     top_k: int = 16
-    mode: LossMode = "tail"
+    loss: LossOptions = field(default_factory=LossOptions)
     alpha: float = 0.0
-    temperature: float = 1.0
-    chunk_size: int | None = None
     dtype: str = "float16"
     prefetch_depth: int = 4
     fused: bool = False
@@ -95,15 +102,28 @@ class DistillationConfig:
             raise ValueError(f"top_k: must be >= 1, got {self.top_k}")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth: must be >= 0, got {self.prefetch_depth}")
+        if not isinstance(self.loss, LossOptions):
+            raise ValueError(f"loss: must be a LossOptions, got {type(self.loss).__name__}")
+        if self.loss.reduction != "mean":
+            raise ValueError(f"loss: reduction must be 'mean' here, got {self.loss.reduction!r}")
+
+    @property
+    def include_sampled(self) -> bool:
+        """Whether the teacher must send the sampled log-probs (mode ``"tail_actual"``)."""
+        return self.loss.mode == "tail_actual"
 
 
 def payload_columns(payload: TeacherPayload) -> dict[str, torch.Tensor]:
-    """A payload aligned to a batch as the batch columns :data:`PAYLOAD_KEYS`."""
-    return {
+    """A payload aligned to a batch as the batch columns :data:`PAYLOAD_KEYS` (the sampled
+    log-probs only when the payload has them)."""
+    columns = {
         "teacher_ids": payload.ids,
         "teacher_logprobs": payload.logprobs,
         "teacher_mask": payload.mask,
     }
+    if payload.sampled_logprobs is not None:
+        columns["teacher_sampled_logprobs"] = payload.sampled_logprobs
+    return columns
 
 
 def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[str, Any]]:
@@ -130,7 +150,7 @@ def distillation_loss(
     model: torch.nn.Module,
     inputs: Mapping[str, Any],
     config: DistillationConfig,
-) -> tuple[torch.Tensor, dict[str, float], Any]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
     """Student forward + distillation loss of one batch.
 
     Args:
@@ -143,8 +163,9 @@ def distillation_loss(
 
     Returns:
         ``(loss, metrics, outputs)``: the scalar loss (mean over the batch's counted
-        positions), plain-number metrics (``kd_*`` from :class:`TopKKLStats`, ``ce_loss``
-        when blended), and the model's outputs.
+        positions), the metrics as detached 0-d device tensors (``kd_*`` from
+        :meth:`TopKKLStats.tensors`, ``ce_loss`` when blended; reading them is a host
+        sync), and the model's outputs.
     """
     missing = [k for k in PAYLOAD_KEYS[:2] if k not in inputs]
     if missing:
@@ -157,7 +178,11 @@ def distillation_loss(
         model_inputs.pop("labels", None)
     elif "labels" not in model_inputs:
         raise ValueError(f"inputs: alpha = {config.alpha} > 0 needs 'labels' for the CE term")
-    mask = inputs.get("teacher_mask")
+    teacher = {
+        "mask": inputs.get("teacher_mask"),
+        "options": config.loss,
+        **_actual_tokens(inputs, config),
+    }
     if config.fused:
         head = causal_lm_hidden_and_head(model, **model_inputs)
         kd, stats = fused_topk_kl_loss(
@@ -166,32 +191,38 @@ def distillation_loss(
             inputs["teacher_ids"],
             inputs["teacher_logprobs"],
             bias=head.bias,
-            mode=config.mode,
-            mask=mask,
-            chunk_size=config.chunk_size,
-            temperature=config.temperature,
+            **teacher,
         )
         return kd, _stats_metrics(stats), head
     outputs = model(**model_inputs)
     kd, stats = topk_kl_loss(
-        outputs.logits,
-        inputs["teacher_ids"],
-        inputs["teacher_logprobs"],
-        mode=config.mode,
-        mask=mask,
-        chunk_size=config.chunk_size,
-        temperature=config.temperature,
+        outputs.logits, inputs["teacher_ids"], inputs["teacher_logprobs"], **teacher
     )
     metrics = _stats_metrics(stats)
     if config.alpha == 0.0:
         return kd, metrics, outputs
     ce = outputs.loss
-    metrics["ce_loss"] = float(ce.detach())
+    metrics["ce_loss"] = ce.detach()
     return config.alpha * ce + (1.0 - config.alpha) * kd, metrics, outputs
 
 
-def _stats_metrics(stats: TopKKLStats) -> dict[str, float]:
-    return {f"kd_{name}": value for name, value in stats.as_dict().items()}
+def _actual_tokens(inputs: Mapping[str, Any], config: DistillationConfig) -> dict[str, Any]:
+    """Mode ``"tail_actual"``: ``sampled_ids`` (``input_ids`` shifted left by one) and the
+    payload's ``sampled_logprobs``; other modes: nothing."""
+    if not config.include_sampled:
+        return {}
+    if "teacher_sampled_logprobs" not in inputs:
+        raise ValueError(
+            "inputs: mode 'tail_actual' needs 'teacher_sampled_logprobs' (the payload's "
+            "sampled_logprobs)"
+        )
+    input_ids = inputs["input_ids"]
+    sampled_ids = torch.roll(input_ids, -1, dims=-1)  # the last column has no next token
+    return {"sampled_ids": sampled_ids, "sampled_logprobs": inputs["teacher_sampled_logprobs"]}
+
+
+def _stats_metrics(stats: TopKKLStats) -> dict[str, torch.Tensor]:
+    return {f"kd_{name}": value for name, value in stats.tensors().items()}
 
 
 class _Prefetcher:
@@ -208,7 +239,7 @@ class _Prefetcher:
             config.top_k,
             depth=config.prefetch_depth,
             dtype=config.dtype,
-            include_sampled=False,
+            include_sampled=config.include_sampled,
         )
 
     def _to_teacher(self) -> Iterator[ScoreBatch]:
@@ -279,7 +310,7 @@ class TopKDistillationTrainer(Trainer):
         # The loss is a per-micro-batch mean: the Trainer scales it for accumulation.
         self.loss_is_scaled_for_ga = False
         self._prefetchers: dict[int, _Prefetcher] = {}
-        self._kd_metrics: dict[str, list[float]] = defaultdict(list)
+        self._kd_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
 
     # -- data: payload columns survive column removal; payloads prefetched per epoch ---
     def _set_signature_columns_if_needed(self) -> None:
@@ -317,7 +348,7 @@ class TopKDistillationTrainer(Trainer):
                 inputs["input_ids"],
                 cfg.top_k,
                 dtype=cfg.dtype,
-                include_sampled=False,
+                include_sampled=cfg.include_sampled,
                 attention_mask=inputs.get("attention_mask"),
             )
             inputs = {**inputs, **payload_columns(payload.to(inputs["input_ids"].device))}
@@ -342,10 +373,14 @@ class TopKDistillationTrainer(Trainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds the distillation statistics (means since the last log) to ``logs``."""
+        """Adds the distillation statistics (means since the last log) to ``logs``: the
+        only place they are copied to the host (one sync)."""
         if "loss" in logs and self._kd_metrics:
-            for name, values in self._kd_metrics.items():
-                logs[name] = sum(values) / len(values)
+            names = list(self._kd_metrics)
+            means = torch.stack(
+                [torch.stack(self._kd_metrics[name]).double().mean() for name in names]
+            )
+            logs.update(zip(names, means.tolist(), strict=True))
             self._kd_metrics.clear()
         super().log(logs, start_time)
 

@@ -3,13 +3,24 @@
 Entry points: `topk_kl_loss` (function) and `TopKKLLoss` (module), both chunked over rows,
 vocab-parallel aware, with an analytic backward; `fused_topk_kl_loss`, the same loss from the
 last hidden states and the lm_head weight without forming the logits, and
-`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM. `topk_kl_reference`
-is the dense slow path.
+`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM. `LossOptions` holds
+every option (the divergence among them: `get_divergence`, `DIVERGENCES`).
+`topk_kl_reference` is the dense slow path (forward KL). `onpolicy.py`: the per-token
+on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
 """
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
+from student_client.losses.divergences import DIVERGENCES, Divergence, get_divergence
 from student_client.losses.lm_head import LMHeadInputs, causal_lm_hidden_and_head
 from student_client.losses.module import TopKKLLoss
+from student_client.losses.onpolicy import (
+    KLEstimates,
+    kl_estimators,
+    policy_gradient_loss,
+    reverse_kl_advantage,
+    sampled_token_logprobs,
+)
+from student_client.losses.options import LossOptions
 from student_client.losses.reference import topk_kl_reference
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
@@ -23,10 +34,14 @@ from student_client.losses.types import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "DIVERGENCES",
     "LOSS_MODES",
     "REDUCTIONS",
+    "Divergence",
+    "KLEstimates",
     "LMHeadInputs",
     "LossMode",
+    "LossOptions",
     "Reduction",
     "RowTerms",
     "TopKKLLoss",
@@ -34,6 +49,11 @@ __all__ = [
     "auto_chunk_rows",
     "causal_lm_hidden_and_head",
     "fused_topk_kl_loss",
+    "get_divergence",
+    "kl_estimators",
+    "policy_gradient_loss",
+    "reverse_kl_advantage",
+    "sampled_token_logprobs",
     "topk_kl_loss",
     "topk_kl_reference",
 ]

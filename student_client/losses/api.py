@@ -10,21 +10,22 @@ from torch import Tensor
 
 from student_client.losses.chunked import (
     ChunkedSettings,
-    TeacherColumns,
     chunked_topk_kl_rows,
+    localized_columns,
     statistics_dtype,
 )
-from student_client.losses.fused import (
-    GRAD_ACCUMULATIONS,
-    FusedLinearTopKKLFunction,
-    FusedSettings,
-    GradAccumulation,
+from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings
+from student_client.losses.masking import (
+    append_actual_column,
+    prepare_teacher_rows,
+    reduce_positions,
+    summarize,
 )
-from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
+from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import auto_chunk_rows, fused_chunks
-from student_client.losses.types import LossMode, Reduction, RowTerms, TopKKLStats
-from student_client.losses.validation import check_linear, check_options, check_tensors
+from student_client.losses.types import LossMode, RowTerms, TopKKLStats
+from student_client.losses.validation import check_linear, check_sampled, check_tensors
 
 __all__ = ["fused_topk_kl_loss", "topk_kl_loss"]
 
@@ -33,35 +34,35 @@ def topk_kl_loss(
     logits: Tensor,
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
-    mode: LossMode = "tail",
+    mode: LossMode | None = None,
     mask: Tensor | None = None,
-    reduction: Reduction = "mean",
-    chunk_size: int | None = None,
-    temperature: float = 1.0,
-    tail_mass_eps: float = 1e-6,
-    clamp_min: float | None = None,
-    process_group: Any = None,
-    validate: bool = True,
-    overlap: bool = False,
+    *,
+    options: LossOptions | None = None,
+    sampled_ids: Tensor | None = None,
+    sampled_logprobs: Tensor | None = None,
+    **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
     """Distillation loss of student logits against a teacher's top-k log-probs.
 
     Per position (docs/losses.md), with `q = softmax(z / T)`, teacher top-k set `I`,
-    `p_i = exp(l_i)`, `P = sum_I p_i`, `Q = sum_I q_i`:
+    `p_i = exp(l_i)`, `P = sum_I p_i`, `Q = sum_I q_i`, the loss is a divergence between
+    coarse-grained distributions (`options.divergence`: forward KL by default, reverse KL,
+    generalized JSD):
 
-    - "truncated" (verl `forward_kl_topk`): `sum_I p_i (log p_i - log q_i)`. Not a KL: it is
-      negative when `Q > P`. `clamp_min` (off by default) clamps it like verl does; clamped
-      positions get no gradient and `stats.clamped_fraction` says how often it bit.
-    - "tail" (K+1 categories): the above plus `(1-P) log((1-P)/(1-Q))`. Non-negative, a
-      lower bound of the full KL, equal to it when K = V. `1-P` is clamped at 0 and `1-Q`
-      at `tail_mass_eps` (below it the tail term is constant and gives no gradient).
+    - "tail" (K+1 categories, the top-k and the tail with masses `1-P`, `1-Q`): forward
+      KL `sum_I p_i (log p_i - log q_i) + (1-P) log((1-P)/(1-Q))`. Non-negative, a lower
+      bound of the full divergence, equal to it when K = V. `1-P` is clamped at 0 and
+      `1-Q` at `tail_mass_eps` (below it the tail term is constant, no gradient).
+    - "truncated" (forward KL only; verl `forward_kl_topk`): `sum_I p_i (log p_i - log
+      q_i)`. Not a KL: negative when `Q > P`. `clamp_min` clamps it like verl does.
+    - "tail_actual" (K+2): as "tail", with the actual next token `y` (`sampled_ids`, its
+      teacher log-prob `sampled_logprobs`) in a category of its own where it is outside
+      `I` (elsewhere, and where its log-prob is NaN, K+1 as "tail").
 
-    The temperature applies to the student only (a teacher serving at `T`,
-    `--teacher-temperature`, has tempered its log-probs already), and the loss is not
-    multiplied by `T**2`. No gradient flows to the teacher tensors.
-
-    The loss runs row chunk by row chunk (`chunked.py`): peak extra memory is about one
-    gradient-sized buffer in the logits' dtype plus one fp32 `[chunk, V_local]` block.
+    The temperature applies to the student only, and the loss is not multiplied by
+    `T**2`. No gradient flows to the teacher tensors. The loss runs row chunk by row chunk
+    (`chunked.py`): peak extra memory is about one gradient-sized buffer in the logits'
+    dtype plus one fp32 `[chunk, V_local]` block.
 
     Args:
         logits: student logits `[..., V_local]`: float32, bfloat16, float16 (float64 for
@@ -71,25 +72,20 @@ def topk_kl_loss(
             position (a repeated id is a ValueError), `K <= V_local * world_size`.
         teacher_logprobs: `[..., K]` teacher log-probs, any float dtype, `<= 0` (up to
             1e-3 of rounding), no NaN (`-inf` allowed).
-        mode: "tail" or "truncated".
+        mode: overrides `options.mode` ("tail", "truncated", "tail_actual").
         mask: `[...]` bool or 0/1: positions that count. Teacher rows of positions that do
             not count are ignored (not validated).
-        reduction: "mean" over counted positions (0 when none count), "sum", or "none" for
-            the per-position loss `[...]` (0 where not counted).
-        chunk_size: rows per chunk; None picks it from a 64 MiB fp32 budget per chunk.
-        temperature: student temperature `T > 0`.
-        tail_mass_eps: guard of the student tail mass, in (0, 1).
-        clamp_min: truncated mode only: lower clamp of the per-position loss (verl: 0.0).
-        process_group: torch.distributed group whose ranks hold the vocabulary in rank order
-            (rank `r`: ids `[r * V_local, (r + 1) * V_local)`); None: one process. Every rank
-            passes the same teacher tensors and mask and gets the same loss and stats; the
-            gradient it gets is that of its own shard.
-        validate: check the teacher's values and the mask's (a few host syncs). False: no
-            value checks, and the call never waits for the device (no `.item()`,
-            `.tolist()`, `nonzero` or boolean indexing); invalid values then give undefined
-            results instead of an error. Shape, dtype and option checks always run.
-        overlap: compute `stats.overlap` (a `topk` over every `[chunk, V_local]` block and,
-            sharded, one all-gather per chunk); False: `stats.overlap` is NaN.
+        options: a `LossOptions` (default `LossOptions()`): divergence, mode, reduction,
+            chunk size, temperature, guards, process group, validate, overlap.
+        sampled_ids: mode "tail_actual" only: `[...]` the actual next token of each
+            position (`input_ids[:, t + 1]`; any id where there is none).
+        sampled_logprobs: mode "tail_actual" only: `[...]` the teacher's log-prob of it
+            (the payload's `sampled_logprobs`, NaN at a sequence's last position).
+        **overrides: fields of `LossOptions` (`reduction="sum"`, `temperature=2.0`, ...),
+            replacing those of `options`. Under `process_group` every rank passes the same
+            teacher tensors and mask and gets the same loss and stats; the gradient it gets
+            is that of its own shard. With `validate=False` the call never waits for the
+            device (invalid values then give undefined results instead of an error).
 
     Returns:
         `(loss, stats)`: `loss` a scalar (or `[...]` for "none") in float32 (float64 for
@@ -99,50 +95,31 @@ def topk_kl_loss(
     Raises:
         ValueError: naming the argument, for any invalid input.
     """
-    check_options(
-        mode=mode,
-        reduction=reduction,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        tail_mass_eps=tail_mass_eps,
-        clamp_min=clamp_min,
-    )
+    opts = LossOptions.build(options, mode=mode, **overrides)
     if not isinstance(logits, Tensor):
         raise ValueError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
-    shard = VocabShard.from_group(process_group, logits.shape[-1] if logits.dim() else 0)
+    shard = VocabShard.from_group(opts.process_group, logits.shape[-1] if logits.dim() else 0)
     check_tensors(logits, teacher_ids, teacher_logprobs, mask, global_vocab=shard.global_vocab)
-
     positions_shape = logits.shape[:-1]
+    check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, logits.device)
+
     local_vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, local_vocab)
-    ids, logprobs, counted = prepare_teacher_rows(
-        teacher_ids,
-        teacher_logprobs,
-        mask,
-        n_positions=flat_logits.shape[0],
-        device=logits.device,
-        global_vocab=shard.global_vocab,
-        validate=validate,
+    ids, logprobs, counted, present = _teacher_rows(
+        teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, logits
     )
-
-    settings = ChunkedSettings(
-        tail_mode=mode == "tail",
-        temperature=float(temperature),
-        tail_mass_eps=float(tail_mass_eps),
-        chunk_rows=chunk_size if chunk_size is not None else auto_chunk_rows(local_vocab),
-        shard=shard,
-        overlap=overlap,
-    )
-    rows = chunked_topk_kl_rows(flat_logits, ids, logprobs, settings)
+    chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
+    settings = _chunked_settings(opts, shard, chunk_rows)
+    rows = chunked_topk_kl_rows(flat_logits, ids, logprobs, settings, present)
 
     per_position = rows.loss
     clamped = torch.zeros_like(per_position, dtype=torch.bool)
-    if clamp_min is not None:
-        clamped = per_position.detach() < clamp_min
-        per_position = per_position.clamp_min(clamp_min)
+    if opts.clamp_min is not None:
+        clamped = per_position.detach() < opts.clamp_min
+        per_position = per_position.clamp_min(opts.clamp_min)
 
-    loss = reduce_positions(per_position, counted, reduction, positions_shape)
-    stats = summarize(rows, per_position.detach(), clamped, counted, overlap=overlap)
+    loss = reduce_positions(per_position, counted, opts.reduction, positions_shape)
+    stats = summarize(rows, per_position.detach(), clamped, counted, overlap=opts.overlap)
     return loss, stats
 
 
@@ -152,19 +129,13 @@ def fused_topk_kl_loss(
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
     *,
-    mode: LossMode = "tail",
+    mode: LossMode | None = None,
     mask: Tensor | None = None,
-    reduction: Reduction = "mean",
-    temperature: float = 1.0,
-    chunk_size: int | None = None,
-    tail_mass_eps: float = 1e-6,
-    clamp_min: float | None = None,
-    process_group: Any = None,
     bias: Tensor | None = None,
-    validate: bool = True,
-    overlap: bool = False,
-    grad_in_forward: bool = True,
-    grad_weight_accumulation: GradAccumulation = "weight",
+    options: LossOptions | None = None,
+    sampled_ids: Tensor | None = None,
+    sampled_logprobs: Tensor | None = None,
+    **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
     """`topk_kl_loss(hidden @ weight.T + bias, ...)` without ever forming the logits.
 
@@ -177,25 +148,21 @@ def fused_topk_kl_loss(
         weight: the lm_head weight `[V_local, H]`, same dtype and device as `hidden`; under
             `process_group`, this rank's vocabulary shard (rank `r`: rows for ids
             `[r * V_local, (r + 1) * V_local)`).
-        teacher_ids, teacher_logprobs, mode, mask, reduction, temperature, tail_mass_eps,
-            clamp_min, validate, overlap: as in `topk_kl_loss`.
-        chunk_size: rows per chunk (one `[chunk, V_local]` logits block in the weight's
-            dtype); None: the rows in five equal chunks, each block within 64 MiB - 1 GiB
-            (`sizing.fused_chunks`). The loss math runs on fp32 sub-blocks of 16 MiB (CPU).
-        process_group: vocab-parallel group (as in `topk_kl_loss`). Every rank passes the
-            same `hidden`, teacher tensors and mask and gets the same loss and stats. The
-            gradient of `hidden` is already summed over the ranks (every rank gets the
-            full one: do not all-reduce it again); `weight.grad` / `bias.grad` are those of
-            the rank's shard (reduce them over data-parallel replicas as usual).
+        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs:
+            as in `topk_kl_loss`.
         bias: optional lm_head bias `[V_local]`.
-        grad_in_forward: for "mean" / "sum", compute the gradients during forward (three
-            matmuls per chunk; measured faster on CPU, docs/losses.md) when one is needed;
-            False recomputes the chunk logits in backward (four). "none" always recomputes.
-        grad_weight_accumulation: how a bf16 / fp16 `grad_weight` is summed over the row
-            chunks: "weight" (default: in the weight's dtype, rounded once per chunk, no
-            memory beyond the gradient), "compensated" (a second buffer of the gradient's
-            size holds the rounding error), "float32" (an fp32 accumulator: 2x the gradient,
-            3x at the end). docs/losses.md "Weight-gradient accumulation" has their errors.
+        **overrides: fields of `LossOptions`, as in `topk_kl_loss`. Here `chunk_size` is
+            the rows of one `[chunk, V_local]` logits block in the weight's dtype (None: the
+            rows in five equal chunks, each block within 64 MiB - 1 GiB,
+            `sizing.fused_chunks`; the loss math runs on fp32 sub-blocks of 16 MiB on CPU);
+            `grad_in_forward` (default True) computes the gradients during forward for
+            "mean" / "sum" (three matmuls per chunk; measured faster on CPU,
+            docs/losses.md); False recomputes the chunk logits in backward (four). "none"
+            always recomputes. `grad_weight_accumulation` (default "weight") says how a
+            bf16 / fp16 `grad_weight` is summed over the row chunks. Under `process_group`
+            every rank passes the same `hidden`, teacher tensors and mask; the gradient of
+            `hidden` is already summed over the ranks (do not all-reduce it again);
+            `weight.grad` / `bias.grad` are those of the rank's shard.
 
     Returns:
         `(loss, stats)` as `topk_kl_loss`; `loss` is differentiable w.r.t. `hidden`,
@@ -205,23 +172,11 @@ def fused_topk_kl_loss(
     Raises:
         ValueError: naming the argument, for any invalid input.
     """
-    check_options(
-        mode=mode,
-        reduction=reduction,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        tail_mass_eps=tail_mass_eps,
-        clamp_min=clamp_min,
-    )
-    if grad_weight_accumulation not in GRAD_ACCUMULATIONS:
-        raise ValueError(
-            f"grad_weight_accumulation: must be one of {', '.join(map(repr, GRAD_ACCUMULATIONS))}"
-            f", got {grad_weight_accumulation!r}"
-        )
+    opts = LossOptions.build(options, mode=mode, **overrides)
     if not isinstance(hidden, Tensor):
         raise ValueError(f"hidden: must be a torch.Tensor, got {type(hidden).__name__}")
     check_linear(hidden, weight, bias)
-    shard = VocabShard.from_group(process_group, weight.shape[0])
+    shard = VocabShard.from_group(opts.process_group, weight.shape[0])
     check_tensors(
         hidden,
         teacher_ids,
@@ -231,40 +186,25 @@ def fused_topk_kl_loss(
         student_name="hidden",
         last_dim="H",
     )
-
     positions_shape = hidden.shape[:-1]
+    check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, hidden.device)
+
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    ids, logprobs, counted = prepare_teacher_rows(
-        teacher_ids,
-        teacher_logprobs,
-        mask,
-        n_positions=flat_hidden.shape[0],
-        device=hidden.device,
-        global_vocab=shard.global_vocab,
-        validate=validate,
+    ids, logprobs, counted, present = _teacher_rows(
+        teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, hidden
     )
-    index, owned = shard.localize(ids)
-    teacher = TeacherColumns(
-        index=index, owned=owned, logprobs=logprobs.to(statistics_dtype(hidden.device))
-    )
+    teacher = localized_columns(ids, logprobs, present, shard, statistics_dtype(hidden.device))
     chunks = fused_chunks(
-        flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, chunk_size
+        flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
     )
     grad_enabled = torch.is_grad_enabled()
     settings = FusedSettings(
-        loss=ChunkedSettings(
-            tail_mode=mode == "tail",
-            temperature=float(temperature),
-            tail_mass_eps=float(tail_mass_eps),
-            chunk_rows=chunks.work_rows,
-            shard=shard,
-            overlap=overlap,
-        ),
+        loss=_chunked_settings(opts, shard, chunks.work_rows),
         chunk_rows=chunks.block_rows,
-        clamp_min=clamp_min,
-        reduction=reduction,
-        grad_in_forward=grad_in_forward,
-        accumulation=grad_weight_accumulation,
+        clamp_min=opts.clamp_min,
+        reduction=opts.reduction,
+        grad_in_forward=opts.grad_in_forward,
+        accumulation=opts.grad_weight_accumulation,
         needs_grad=(
             grad_enabled and hidden.requires_grad,
             grad_enabled and weight.requires_grad,
@@ -274,7 +214,57 @@ def fused_topk_kl_loss(
     outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
     loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
     rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
-    stats = summarize(rows, per_position, clamped, counted, overlap=overlap)
-    if reduction == "none":
+    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
+    if opts.reduction == "none":
         loss = loss.reshape(positions_shape)
     return loss, stats
+
+
+def _teacher_rows(
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor | None,
+    sampled_ids: Tensor | None,
+    sampled_logprobs: Tensor | None,
+    opts: LossOptions,
+    shard: VocabShard,
+    student: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Flat teacher columns `[N, K']`, counted positions `[N]`, present columns or None."""
+    n_positions = student[..., 0].numel() if student.dim() else 0
+    ids, logprobs, counted = prepare_teacher_rows(
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        n_positions=n_positions,
+        device=student.device,
+        global_vocab=shard.global_vocab,
+        validate=opts.validate,
+    )
+    if opts.mode != "tail_actual":
+        return ids, logprobs, counted, None
+    assert sampled_ids is not None and sampled_logprobs is not None  # check_sampled
+    ids, logprobs, present = append_actual_column(
+        ids,
+        logprobs,
+        sampled_ids,
+        sampled_logprobs,
+        counted,
+        global_vocab=shard.global_vocab,
+        validate=opts.validate,
+    )
+    return ids, logprobs, counted, present
+
+
+def _chunked_settings(opts: LossOptions, shard: VocabShard, chunk_rows: int) -> ChunkedSettings:
+    """The loss math's settings for `opts` with `chunk_rows` rows per fp32 block."""
+    return ChunkedSettings(
+        tail_mode=opts.mode != "truncated",
+        temperature=float(opts.temperature),
+        tail_mass_eps=float(opts.tail_mass_eps),
+        chunk_rows=chunk_rows,
+        shard=shard,
+        overlap=opts.overlap,
+        divergence=opts.resolved_divergence,
+        actual_token=opts.mode == "tail_actual",
+    )

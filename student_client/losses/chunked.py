@@ -13,12 +13,14 @@ Peak extra memory: the gradient buffer (1x the logits) plus one fp32 chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from student_client.losses.divergences import Divergence
+from student_client.losses.divergences.forward_kl import ForwardKL
 from student_client.losses.functional import (
     GradientCoefficients,
     TeacherMass,
@@ -38,6 +40,7 @@ __all__ = [
     "center_",
     "chunk_bounds",
     "chunked_topk_kl_rows",
+    "localized_columns",
     "logit_gradient_",
     "recompute_logit_gradient_",
     "reduce_chunk",
@@ -59,14 +62,20 @@ def statistics_dtype(device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ChunkedSettings:
-    """Fixed parameters of one chunked loss call (validated by the caller)."""
+    """Fixed parameters of one chunked loss call (validated by the caller).
+
+    `tail_mode`: the tail category counts (False: mode "truncated"); `actual_token`: the
+    last teacher column is the actual token's (mode "tail_actual").
+    """
 
     tail_mode: bool
     temperature: float
     tail_mass_eps: float
     chunk_rows: int
     shard: VocabShard
-    overlap: bool = True
+    overlap: bool = False
+    divergence: Divergence = field(default_factory=ForwardKL)
+    actual_token: bool = False
 
     @property
     def inv_temperature(self) -> float:
@@ -172,14 +181,15 @@ def terms_from_reductions(
     """Per-position terms of rows whose vocabulary pass is done.
 
     Args:
-        teacher_logprobs: `[n, K]` in the statistics dtype (`statistics_dtype`).
-        reductions: `[n]` / `[n, K]` reductions in the working dtype.
-        settings: mode and tail guard.
+        teacher_logprobs: `[n, K']` in the statistics dtype (`statistics_dtype`).
+        reductions: `[n]` / `[n, K']` reductions in the working dtype.
+        settings: mode, divergence and tail guard.
         masses: `teacher_mass(teacher_logprobs)` if already computed.
 
     Returns:
-        `(terms, coefficients, teacher_probs)`, all in the statistics dtype: the per-row
-        `RowTerms`, the gradient coefficients and `p_i` `[n, K]`.
+        `(terms, coefficients, pull)`, all in the statistics dtype: the per-row `RowTerms`,
+        the gradient coefficients and the teacher columns' `pull` `[n, K']`
+        (`functional.row_terms`; the forward KL's is `p_i`).
 
     The per-position math works on `[n]` / `[n, K]` values only, so it runs in float64
     (cheap): the cancellations in `log p - log q` and in `1 - P` at large K then cost no
@@ -195,14 +205,15 @@ def terms_from_reductions(
     )
     if masses is None:
         masses = teacher_mass(teacher_logprobs)
-    terms, coefficients = row_terms(
+    return row_terms(
         teacher_logprobs,
         masses,
         converted,
         tail_mode=settings.tail_mode,
         tail_mass_eps=settings.tail_mass_eps,
+        divergence=settings.divergence,
+        actual_token=settings.actual_token,
     )
-    return terms, coefficients, masses.probs
 
 
 def logit_gradient_(
@@ -223,7 +234,8 @@ def logit_gradient_(
         exp_teacher: `exp(s_i - max)` at the teacher's ids, `[n, K]` (any value where not owned).
         index: local column of each teacher id, `[n, K]` int64.
         owned: bool `[n, K]`, ids held by this shard (None: all).
-        teacher_probs: `p_i`, `[n, K]`, working dtype.
+        teacher_probs: the teacher columns' `pull` (`row_terms`; forward KL: `p_i`), `[n, K']`,
+            working dtype.
         total: `sum_j exp(s_j - max)` over the whole vocabulary, `[n]`.
         coefficients: `a`, `b` per row, `[n]` each, working dtype.
         scale: upstream gradient of each row's loss divided by `T`, `[n]`.
@@ -281,7 +293,7 @@ def _chunked_gradient(
         logits: `[N, V_local]` saved student logits.
         index: local column of each teacher id, `[N, K]` int64.
         owned: bool `[N, K]`, ids held by this shard (None: all).
-        teacher_probs: `p_i`, `[N, K]`.
+        teacher_probs: the teacher columns' `pull` (forward KL: `p_i`), `[N, K']`.
         row_max: global row max of the raw logits, `[N]`.
         total: `sum_j exp(s_j)` over the whole vocabulary, `[N]`.
         coefficients: `a`, `b` per row, `[N]` each.
@@ -403,28 +415,47 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
         return grad_logits, teacher_grad, settings_grad
 
 
+def localized_columns(
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    present: Tensor | None,
+    shard: VocabShard,
+    dtype: torch.dtype,
+) -> TeacherColumns:
+    """The teacher columns `[N, K']` as `shard` sees them, log-probs cast to `dtype`.
+
+    `present` (bool `[N, K']` or None: all) marks the columns that are categories; the
+    others are owned by no rank (never gathered from, never written).
+    """
+    index, owned = shard.localize(teacher_ids)
+    if present is not None:
+        owned = present if owned is None else owned & present
+    return TeacherColumns(index=index, owned=owned, logprobs=teacher_logprobs.to(dtype))
+
+
 def chunked_topk_kl_rows(
     logits: Tensor,
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
     settings: ChunkedSettings,
+    present: Tensor | None = None,
 ) -> RowTerms:
-    """Per-position top-k KL terms of already validated inputs (no masking, no reduction).
+    """Per-position top-k terms of already validated inputs (no masking, no reduction).
 
     Args:
         logits: student logits `[N, V_local]` (this rank's vocab shard), float dtype.
-        teacher_ids: global teacher ids `[N, K]`, integer, distinct within a row.
-        teacher_logprobs: teacher log-probs `[N, K]`.
-        settings: mode, temperature, guard, chunk rows and the vocab shard.
+        teacher_ids: global teacher ids `[N, K']`, integer, distinct within a row among
+            the `present` columns.
+        teacher_logprobs: teacher log-probs `[N, K']`.
+        settings: mode, divergence, temperature, guard, chunk rows and the vocab shard.
+        present: bool `[N, K']`, the columns that are categories (None: all); mode
+            "tail_actual" marks the actual token's column absent where it has none.
 
     Returns:
         `RowTerms` of `[N]` tensors in the working dtype; `loss` is differentiable.
     """
-    index, owned = settings.shard.localize(teacher_ids)
-    teacher = TeacherColumns(
-        index=index,
-        owned=owned,
-        logprobs=teacher_logprobs.to(dtype=statistics_dtype(logits.device)),
+    teacher = localized_columns(
+        teacher_ids, teacher_logprobs, present, settings.shard, statistics_dtype(logits.device)
     )
     outputs = ChunkedTopKKLFunction.apply(logits, teacher, settings)
     return RowTerms(*outputs)

@@ -1,21 +1,24 @@
-"""Pure per-position math of the top-k KL losses (docs/losses.md), on reduced statistics.
+"""Pure per-position math of the top-k losses (docs/losses.md), on reduced statistics.
 
 The chunked pass (`chunked.py`) walks the vocabulary once per row and reduces it to a few
-numbers per position; everything here works on those `[N]` / `[N, K]` tensors only, never on
-`[N, V]`. Notation per position: `s = (z - max z) / T` (the tempered logits relative to the
-row max), `q = softmax(s)`; teacher top-k set `I` with `p_i = exp(l_i)`; `P = sum_I p_i`,
-`Q = sum_I q_i`.
+numbers per position; everything here works on those `[N]` / `[N, K']` tensors only, never
+on `[N, V]`. Notation per position: `s = (z - max z) / T` (the tempered logits relative to
+the row max), `q = softmax(s)`; teacher top-k set `I` with `p_i = exp(l_i)`; `P = sum_I p_i`,
+`Q = sum_I q_i`. The teacher columns are the K top-k ids, plus (mode "tail_actual") one
+column for the actual next token `y`, owned only where `y` is outside `I` and its log-prob
+known (`K' = K + 1`).
 
-Gradient (derived in docs/losses.md) w.r.t. the tempered logits `s_j`, for the loss
-`L = head + c_tail * tail` as computed here::
+`row_terms` builds the coarse-grained distributions (`divergences.CoarseRows`: the tail,
+the top-k categories, the actual token's), asks the divergence for its terms and
+`h_c = dD/d(log q̂_c)`, and turns them into the gradient w.r.t. the tempered logits::
 
-    dL/ds_j = a * q_j                     for j not in I
-    dL/ds_j = (a + b) * q_j - p_j         for j in I
+    dL/ds_j = a * q_j                     for j outside the teacher columns (the tail)
+    dL/ds_j = (a + b) * q_j - pull_j      for j a teacher column
 
-with `b = (1-P)/(1-Q)` and `a = P - b * Q` when the tail term is active (tail mode, student
-tail above `tail_mass_eps`), which reduce to `a = (P-Q)/(1-Q)` and `a + b = 1`; and `b = 0`,
-`a = P` otherwise (truncated mode, or the guard holds `1-Q` at the constant `eps`). The
-gradient w.r.t. the raw logits `z_j` is this divided by `T`.
+with `b = -h_tail / q̂_tail`, `a = -b - sum_c h_c` and `pull_j = -h_j` (forward KL, tail
+mode: `b = (1-P)/(1-Q)`, `a = (P-Q)/(1-Q)`, `pull = p`). The tail is held constant (`b = 0`)
+in truncated mode and where the student's tail is below `tail_mass_eps`. The gradient
+w.r.t. the raw logits `z_j` is this divided by `T`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from student_client.losses.divergences import TAIL, CoarseRows, Divergence
 from student_client.losses.types import RowTerms
 
 __all__ = [
@@ -96,58 +100,87 @@ def row_terms(
     *,
     tail_mode: bool,
     tail_mass_eps: float,
-) -> tuple[RowTerms, GradientCoefficients]:
+    divergence: Divergence,
+    actual_token: bool = False,
+) -> tuple[RowTerms, GradientCoefficients, Tensor]:
     """Per-position loss terms and gradient coefficients from the vocabulary reductions.
 
     Args:
-        teacher_logprobs: `l_i`, `[N, K]`.
+        teacher_logprobs: `l_i` of the teacher columns, `[N, K']` (`K' = K + 1` with
+            `actual_token`: the last column is the actual token's log-prob where it has a
+            category of its own, `-inf` elsewhere).
         teacher: `teacher_mass(teacher_logprobs)`.
-        reductions: the vocabulary pass's per-position sums, `[N]` / `[N, K]`.
-        tail_mode: True for the K+1-category loss, False for the truncated one.
+        reductions: the vocabulary pass's per-position sums, `[N]` / `[N, K']`.
+        tail_mode: True to include the tail category in the loss, False for "truncated".
         tail_mass_eps: lower guard of the student tail mass `1 - Q` in the tail term.
+        divergence: the divergence of the coarse-grained distributions.
+        actual_token: whether the last teacher column is the actual token's.
 
     Returns:
-        `(terms, coefficients)`: `RowTerms` of `[N]` tensors (no autograd graph) and the
-        `GradientCoefficients` the backward pass needs.
+        `(terms, coefficients, pull)`: `RowTerms` of `[N]` tensors (no autograd graph), the
+        `GradientCoefficients` `a`, `b` and `pull` `[N, K']` (see module doc).
 
-    `1 - Q` is the sum of the student's exponentials outside `I` divided by the total, so
-    it is never formed as `1 - sum(q)` and keeps full relative precision when `Q -> 1`.
+    `1 - Q` is the sum of the student's exponentials outside the teacher columns divided by
+    the total, so it is never formed as `1 - sum(q)` and keeps full relative precision
+    when `Q -> 1`.
     """
+    top_k = teacher_logprobs.shape[-1] - (1 if actual_token else 0)
     total = reductions.sum_outside + reductions.sum_inside
     log_student_q = reductions.teacher_logits - total.log().unsqueeze(-1)
-    student_mass = reductions.sum_inside / total
     student_tail = reductions.sum_outside / total
-
+    student_q = log_student_q.exp()
     probs = teacher.probs
-    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
-    head = torch.where(probs > 0, probs * (teacher_logprobs - log_student_q), zero).sum(-1)
+    if actual_token:
+        present = teacher_logprobs[:, top_k:].isfinite()  # [N, 1]: y has its own category
+        student_q[:, top_k:] = torch.where(present, student_q[:, top_k:], 0.0)
+        log_student_q[:, top_k:] = torch.where(present, log_student_q[:, top_k:], -math.inf)
+        student_mass = student_q[:, :top_k].sum(-1)
+        mass = probs[:, :top_k].sum(-1)
+    else:
+        student_mass = reductions.sum_inside / total
+        mass = teacher.mass
 
     guard_active = student_tail < tail_mass_eps
-    log_student_tail = student_tail.clamp_min(tail_mass_eps).log()
-    tail = torch.xlogy(teacher.tail, teacher.tail) - teacher.tail * log_student_tail
+    rows = CoarseRows(
+        teacher_probs=torch.cat([teacher.tail.unsqueeze(-1), probs], dim=-1),
+        teacher_logprobs=torch.cat([teacher.tail.log().unsqueeze(-1), teacher_logprobs], dim=-1),
+        student_probs=torch.cat([student_tail.unsqueeze(-1), student_q], dim=-1),
+        student_logprobs=torch.cat(
+            [student_tail.clamp_min(tail_mass_eps).log().unsqueeze(-1), log_student_q], dim=-1
+        ),
+        tail_mass_eps=tail_mass_eps,
+    )
+    values, grad_log = divergence.terms(rows)
+    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+    present_columns = rows.student_logprobs > -math.inf  # absent: the unowned actual column
+    values = torch.where(present_columns, values, zero)
+    grad_log = torch.where(present_columns, grad_log, zero)
+    frozen_tail = guard_active if tail_mode else torch.ones_like(guard_active)
+    grad_log[:, TAIL] = torch.where(frozen_tail, zero, grad_log[:, TAIL])
 
-    if tail_mode:
-        loss = head + tail
-        inside_extra = torch.where(guard_active, zero, teacher.tail / student_tail)
-    else:
-        loss = head.clone()  # a tensor of its own: only `loss` carries a gradient
-        inside_extra = torch.zeros_like(head)
-    outside = teacher.mass - inside_extra * student_mass
+    head = values[:, 1 : 1 + top_k].sum(-1)
+    tail = values[:, TAIL] + values[:, 1 + top_k :].sum(-1)
+    loss = (
+        head + tail if tail_mode else head.clone()
+    )  # a tensor of its own: only `loss` carries a gradient
+    inside_extra = torch.where(frozen_tail, zero, -grad_log[:, TAIL] / student_tail)
+    outside = -inside_extra - grad_log.sum(-1)
 
     if reductions.kth_largest is None:
         overlap = torch.full_like(head, math.nan)
     else:
-        inside_top = reductions.teacher_logits >= reductions.kth_largest.unsqueeze(-1)
+        inside_top = reductions.teacher_logits[:, :top_k] >= reductions.kth_largest.unsqueeze(-1)
         overlap = inside_top.to(probs.dtype).mean(-1)
     terms = RowTerms(
         loss=loss,
         head=head,
         tail=tail,
-        teacher_mass=teacher.mass,
+        teacher_mass=mass,
         student_mass=student_mass,
         overlap=overlap,
     )
-    return terms, GradientCoefficients(outside=outside, inside_extra=inside_extra)
+    coefficients = GradientCoefficients(outside=outside, inside_extra=inside_extra)
+    return terms, coefficients, -grad_log[:, 1:]
 
 
 def teacher_column_gradient(
@@ -156,11 +189,11 @@ def teacher_column_gradient(
     coefficients: GradientCoefficients,
     scale: Tensor,
 ) -> Tensor:
-    """Gradient at the teacher's columns, `scale * ((a + b) q_i - p_i)`, `[n, K]`.
+    """Gradient at the teacher's columns, `scale * ((a + b) q_i - pull_i)`, `[n, K']`.
 
     Args:
-        student_probs: `q_i` at the teacher's ids, `[n, K]`.
-        teacher_probs: `p_i`, `[n, K]`.
+        student_probs: `q_i` at the teacher's columns, `[n, K']`.
+        teacher_probs: `pull_i` (`row_terms`; the forward KL's is `p_i`), `[n, K']`.
         coefficients: `a`, `b` of the rows, `[n]` each.
         scale: upstream gradient of each row's loss divided by `T`, `[n]`.
     """

@@ -31,7 +31,7 @@ rank's `grad_weight` / `grad_bias` are those of its own shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,19 +49,9 @@ from student_client.losses.chunked import (
 from student_client.losses.functional import GradientCoefficients, TeacherMass, teacher_mass
 from student_client.losses.masking import reduce_positions
 from student_client.losses.sizing import FUSED_WEIGHT_SLICE_BYTES
-from student_client.losses.types import Reduction
+from student_client.losses.types import GradAccumulation, Reduction
 
-GradAccumulation = Literal["weight", "compensated", "float32"]
-"""How `grad_weight` of a bf16 / fp16 weight is summed over the row chunks (`_GradientSink`)."""
-
-GRAD_ACCUMULATIONS: tuple[GradAccumulation, ...] = ("weight", "compensated", "float32")
-
-__all__ = [
-    "GRAD_ACCUMULATIONS",
-    "FusedLinearTopKKLFunction",
-    "FusedSettings",
-    "GradAccumulation",
-]
+__all__ = ["FusedLinearTopKKLFunction", "FusedSettings"]
 
 
 @dataclass(frozen=True)

@@ -9,19 +9,27 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GRAD_ACCUMULATIONS",
     "LOSS_MODES",
     "REDUCTIONS",
     "STAT_FIELDS",
+    "GradAccumulation",
     "LossMode",
     "Reduction",
     "RowTerms",
     "TopKKLStats",
 ]
 
-LossMode = Literal["tail", "truncated"]
+LossMode = Literal["tail", "truncated", "tail_actual"]
 Reduction = Literal["mean", "sum", "none"]
 
-LOSS_MODES: tuple[LossMode, ...] = ("tail", "truncated")
+GradAccumulation = Literal["weight", "compensated", "float32"]
+"""Fused loss: how a bf16 / fp16 `grad_weight` is summed over the row chunks."""
+GRAD_ACCUMULATIONS: tuple[GradAccumulation, ...] = ("weight", "compensated", "float32")
+
+LOSS_MODES: tuple[LossMode, ...] = ("tail", "truncated", "tail_actual")
+"""K+1 categories (top-k + tail), the top-k terms alone, or K+2 (the actual next token's
+own category besides the tail, where that token is outside the teacher's top-k)."""
 REDUCTIONS: tuple[Reduction, ...] = ("mean", "sum", "none")
 
 
@@ -31,9 +39,11 @@ class RowTerms(NamedTuple):
     Only `loss` carries a gradient (w.r.t. the student logits); the others are diagnostics.
 
     - `loss`: the per-position loss of the chosen mode, before any clamp or mask.
-    - `head`: `sum_I p_i (log p_i - log q_i)`, the top-k part (the whole truncated loss).
-    - `tail`: `(1-P) log((1-P)/(1-Q))`, the tail-category term of the K+1-category KL. It
-      is part of `loss` in tail mode only; in truncated mode it is what the truncation drops.
+    - `head`: the divergence's terms of the teacher's top-k categories (forward KL:
+      `sum_I p_i (log p_i - log q_i)`, the whole truncated loss).
+    - `tail`: the terms of the categories outside the top-k: the tail (forward KL:
+      `(1-P) log((1-P)/(1-Q))`) and, in mode "tail_actual", the actual token's own. It is
+      part of `loss` except in truncated mode, where it is what the truncation drops.
     - `teacher_mass`: `P`, the teacher's probability mass on its top-k.
     - `student_mass`: `Q`, the student's probability mass on the teacher's top-k.
     - `overlap`: fraction of the teacher's top-k ids that are inside the student's top-k

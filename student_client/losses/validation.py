@@ -15,6 +15,8 @@ __all__ = [
     "check_linear",
     "check_mask_values",
     "check_options",
+    "check_sampled",
+    "check_sampled_values",
     "check_teacher_values",
     "check_tensors",
 ]
@@ -41,10 +43,17 @@ def check_options(
     temperature: float,
     tail_mass_eps: float,
     clamp_min: float | None,
+    truncatable: bool = True,
+    divergence_name: str = "forward",
 ) -> None:
-    """Check the non-tensor arguments of `topk_kl_loss`."""
+    """Check the non-tensor options of the losses (`LossOptions`)."""
     if mode not in LOSS_MODES:
         raise _fail("mode", f"must be one of {LOSS_MODES}, got {mode!r}")
+    if mode == "truncated" and not truncatable:
+        raise _fail(
+            "mode",
+            f"'truncated' applies to the forward KL only, not to divergence {divergence_name!r}",
+        )
     if reduction not in REDUCTIONS:
         raise _fail("reduction", f"must be one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and (
@@ -167,6 +176,63 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         )
 
 
+def check_sampled(
+    mode: str,
+    sampled_ids: Tensor | None,
+    sampled_logprobs: Tensor | None,
+    positions: torch.Size,
+    device: torch.device,
+) -> None:
+    """Mode "tail_actual" needs `sampled_ids` (int) and `sampled_logprobs` (float), both
+    `[...]` (the positions' shape) on the student's device; other modes take neither."""
+    given = {"sampled_ids": sampled_ids, "sampled_logprobs": sampled_logprobs}
+    if mode != "tail_actual":
+        for name, value in given.items():
+            if value is not None:
+                raise _fail(name, f"is used by mode 'tail_actual' only, not {mode!r}")
+        return
+    for name, value in given.items():
+        if not isinstance(value, Tensor):
+            raise _fail(
+                name, f"mode 'tail_actual' needs a torch.Tensor, got {type(value).__name__}"
+            )
+        if value.shape != positions:
+            raise _fail(name, f"shape {_shape(value)} must equal the positions' {list(positions)}")
+        if value.device != device:
+            raise _fail(name, f"is on {value.device}, the student on {device}")
+    assert sampled_ids is not None and sampled_logprobs is not None  # checked just above
+    ids_dtype = sampled_ids.dtype
+    if ids_dtype.is_floating_point or ids_dtype.is_complex or ids_dtype == torch.bool:
+        raise _fail("sampled_ids", f"must be an integer tensor, got {sampled_ids.dtype}")
+    if not sampled_logprobs.dtype.is_floating_point:
+        raise _fail("sampled_logprobs", f"must be a float tensor, got {sampled_logprobs.dtype}")
+
+
+def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_vocab: int) -> None:
+    """The counted rows' actual tokens: ids in `[0, global_vocab)`, log-probs `<= 0` (up to
+    `LOGPROB_TOLERANCE`) or NaN (no next token: that row has no actual-token category)."""
+    if sampled_ids.numel() == 0:
+        return
+    _check_id_range("sampled_ids", sampled_ids, global_vocab)
+    known = sampled_logprobs[~sampled_logprobs.isnan()]
+    if known.numel() and float(known.max()) > LOGPROB_TOLERANCE:
+        raise _fail(
+            "sampled_logprobs",
+            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}) or NaN, "
+            f"got {float(known.max()):.6g}",
+        )
+
+
+def _check_id_range(name: str, ids: Tensor, global_vocab: int) -> None:
+    """Non-empty `ids` must lie in `[0, global_vocab)` (two host syncs)."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= global_vocab:
+        raise _fail(
+            name,
+            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
+        )
+
+
 def check_mask_values(mask: Tensor | None) -> None:
     """A non-bool `mask` must hold only 0 and 1 (one host sync)."""
     if mask is not None and mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
@@ -185,12 +251,7 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
     """
     if teacher_ids.numel() == 0:
         return
-    low, high = int(teacher_ids.min()), int(teacher_ids.max())
-    if low < 0 or high >= global_vocab:
-        raise _fail(
-            "teacher_ids",
-            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
-        )
+    _check_id_range("teacher_ids", teacher_ids, global_vocab)
     ordered = teacher_ids.sort(dim=-1).values
     if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
         raise _fail(

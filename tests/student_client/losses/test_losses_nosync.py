@@ -9,52 +9,12 @@ indexing (which calls `nonzero`). The stats are read only after the mode is left
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_sync import NoHostSync
 
 from student_client.losses import fused_topk_kl_loss, topk_kl_loss
-
-aten = torch.ops.aten
-
-_SYNCING = {
-    aten._local_scalar_dense,
-    aten.item,
-    aten.nonzero,
-    aten.nonzero_static,
-    aten.masked_select,
-    aten.is_nonzero,
-    aten.equal,
-    aten.allclose,
-    aten.unique_consecutive,
-    aten._unique2,
-}
-
-
-def _is_bool_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bool
-
-
-class NoHostSync(TorchDispatchMode):
-    """Raises on any aten op that makes the host wait for a device value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet in _SYNCING:
-            raise AssertionError(f"host sync: {func}")
-        if packet in (aten.index, aten.index_put, aten.index_put_) and any(
-            _is_bool_tensor(index) for index in (args[1] if len(args) > 1 else [])
-        ):
-            raise AssertionError(f"boolean-mask indexing: {func}")
-        self.ops += 1
-        return func(*args, **kwargs)
 
 
 def test_the_guard_catches_syncs() -> None:

@@ -1,0 +1,111 @@
+"""`LossOptions`: every option of the losses, written once.
+
+`topk_kl_loss`, `fused_topk_kl_loss`, `TopKKLLoss` and `hf_trainer.DistillationConfig` take
+one `LossOptions` (or its fields as keyword arguments, which override it); the value is
+checked when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from student_client.losses.divergences import Divergence, get_divergence
+from student_client.losses.types import GRAD_ACCUMULATIONS, GradAccumulation, LossMode, Reduction
+from student_client.losses.validation import check_options
+
+__all__ = ["LossOptions"]
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """How the distillation loss is computed (docs/losses.md).
+
+    Attributes:
+        divergence: "forward" (`KL(p̂ || q̂)`, the default), "reverse" (`KL(q̂ || p̂)`),
+            "jsd" (generalized Jensen-Shannon, `beta` 0.5), or a divergence object
+            (`divergences.get_divergence("jsd", beta=0.3)`); stored as the object.
+        mode: "tail" (K+1 categories: top-k + tail), "truncated" (the top-k terms alone,
+            forward KL only: verl `forward_kl_topk`), or "tail_actual" (K+2: the actual
+            next token gets its own category when it is outside the top-k; needs
+            `sampled_ids` / `sampled_logprobs`).
+        reduction: "mean" over counted positions (0 when none count), "sum", or "none"
+            for the per-position loss `[...]` (0 where not counted).
+        chunk_size: rows per chunk; None picks it from the memory budget (`topk_kl_loss`:
+            64 MiB of fp32 per chunk; fused: a 64 MiB logits block).
+        temperature: student temperature `T > 0` (the teacher's log-probs are used as
+            they come; the loss is not multiplied by `T**2`).
+        tail_mass_eps: guard of the student's tail mass (and, for the reverse KL, of the
+            teacher's), in (0, 1): below it the tail term is constant (no gradient).
+        clamp_min: truncated mode only: lower clamp of the per-position loss (verl: 0.0);
+            clamped positions get no gradient.
+        process_group: torch.distributed group whose ranks hold the vocabulary in rank
+            order; None: one process.
+        validate: check the teacher's values and the mask's (a few host syncs); False:
+            the call never waits for the device.
+        overlap: compute `stats.overlap` (a `topk` per block); False: it is NaN.
+        grad_in_forward: fused loss only: compute the gradients in forward for "mean" /
+            "sum" (three matmuls per chunk); False recomputes the logits in backward.
+        grad_weight_accumulation: fused loss only: how a bf16 / fp16 `grad_weight` is
+            summed over the row chunks: "weight" (in the weight's dtype, rounded once per
+            chunk, no memory beyond the gradient), "compensated" (a second buffer of the
+            gradient's size keeps the rounding error), "float32" (an fp32 accumulator: 2x
+            the gradient, 3x while rounding). docs/losses.md, "Weight-gradient accumulation".
+    """
+
+    divergence: str | Divergence = "forward"
+    mode: LossMode = "tail"
+    reduction: Reduction = "mean"
+    chunk_size: int | None = None
+    temperature: float = 1.0
+    tail_mass_eps: float = 1e-6
+    clamp_min: float | None = None
+    process_group: Any = None
+    validate: bool = True
+    overlap: bool = False
+    grad_in_forward: bool = True
+    grad_weight_accumulation: GradAccumulation = "weight"
+
+    def __post_init__(self) -> None:
+        resolved = get_divergence(self.divergence)
+        object.__setattr__(self, "divergence", resolved)
+        check_options(
+            mode=self.mode,
+            reduction=self.reduction,
+            chunk_size=self.chunk_size,
+            temperature=self.temperature,
+            tail_mass_eps=self.tail_mass_eps,
+            clamp_min=self.clamp_min,
+            truncatable=resolved.truncatable,
+            divergence_name=resolved.name,
+        )
+        if self.grad_weight_accumulation not in GRAD_ACCUMULATIONS:
+            raise ValueError(
+                "grad_weight_accumulation: must be one of "
+                f"{', '.join(map(repr, GRAD_ACCUMULATIONS))}, got {self.grad_weight_accumulation!r}"
+            )
+
+    @property
+    def resolved_divergence(self) -> Divergence:
+        """The divergence object (`divergence` after construction)."""
+        divergence = self.divergence
+        assert not isinstance(divergence, str)  # resolved in __post_init__
+        return divergence
+
+    @classmethod
+    def build(cls, options: LossOptions | None = None, /, **overrides: Any) -> LossOptions:
+        """`options` (default: `LossOptions()`) with `overrides` replacing fields; a keyword
+        that is no field is a ValueError naming it. None values of `mode` are ignored."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]}: not a loss option; the options are {', '.join(sorted(names))}"
+            )
+        if overrides.get("mode", "") is None:
+            del overrides["mode"]
+        base = cls() if options is None else options
+        if not isinstance(base, LossOptions):
+            raise ValueError(f"options: must be a LossOptions, got {type(base).__name__}")
+        return dataclasses.replace(base, **overrides) if overrides else base
