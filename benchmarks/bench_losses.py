@@ -12,6 +12,9 @@ Default variants, all on bfloat16 logits `[N, V]` that require grad, forward + b
 - `chunked-tail`, `chunked-truncated`: `topk_kl_loss` (this package), default chunk size.
 - `chunked-tail-overlap` (only with `--variants`): `chunked-tail` with `overlap=True`, to
   measure what the overlap statistic costs.
+- `chunked-reverse`, `chunked-jsd` (only with `--variants`): `chunked-tail` with the reverse
+  KL / the generalized JSD (beta 0.5) instead of the forward KL; compare with
+  `chunked-tail` in the same run.
 - `naive`: `log_softmax(logits.float())` + gather, autograd backward (verl's default path).
 - `rowchunk-autograd`: verl's row-chunked variant: per chunk of rows, an fp32 copy and its
   `logsumexp`, gathered, concatenated (4096 rows per chunk, the `chunked_topk_chunk_size`
@@ -25,6 +28,11 @@ weight `[V, H]`, both requiring grad, and every variant returns both gradients:
 - `fused`: `fused_topk_kl_loss(hidden, weight, ...)` (tail), gradients computed in forward.
 - `fused-recompute`: the same with `grad_in_forward=False` (chunk logits recomputed in
   backward: four matmuls instead of three).
+- `fused-reverse`, `fused-jsd` (only with `--variants`): `fused` with the reverse KL / the
+  JSD; compare with `fused` in the same run.
+
+When a divergence variant runs next to the forward tail loss of its path, a last table gives
+their peak-memory and median-time ratios.
 
 Memory method: each (variant, N) runs once in a fresh Python process. It builds the inputs
 (logits filled in place in small blocks, so building them leaves only a small transient
@@ -60,9 +68,22 @@ from student_client.losses.types import GradAccumulation
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("chunked-tail", "chunked-truncated", "naive", "rowchunk-autograd")
-EXTRA_VARIANTS = ("chunked-tail-overlap",)  # only when named in --variants
+EXTRA_VARIANTS = ("chunked-tail-overlap", "chunked-reverse", "chunked-jsd")  # via --variants
 LM_HEAD_VARIANTS = ("logits-chunked", "fused", "fused-recompute")
-LM_HEAD_EXTRA_VARIANTS = ("logits-naive", "fused-compensated", "fused-float32")
+LM_HEAD_EXTRA_VARIANTS = (  # only when named in --variants
+    "logits-naive",
+    "fused-compensated",
+    "fused-float32",
+    "fused-reverse",
+    "fused-jsd",
+)
+#: divergence variant -> (its divergence, the forward tail variant of the same path)
+DIVERGENCE_VARIANTS = {
+    "chunked-reverse": ("reverse", "chunked-tail"),
+    "chunked-jsd": ("jsd", "chunked-tail"),
+    "fused-reverse": ("reverse", "fused"),
+    "fused-jsd": ("jsd", "fused"),
+}
 ROWCHUNK_ROWS = 4096  # verl's documented chunked_topk_chunk_size
 SEED_DIMENSIONS = {"vocab": 248_320, "hidden_size": 2560, "top_k": 128}
 """The seeds' own table (verl's Megatron top-k KL for a Qwen3.5-4B student)."""
@@ -148,6 +169,8 @@ def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torc
         loss, _ = topk_kl_loss(hidden @ weight.t(), ids, logprobs, chunk_size=chunk_size)
         return loss
 
+    divergence = DIVERGENCE_VARIANTS.get(variant, ("forward", ""))[0]
+
     def fused(
         hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor
     ) -> torch.Tensor:
@@ -159,6 +182,7 @@ def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torc
             chunk_size=chunk_size,
             grad_in_forward=variant != "fused-recompute",
             grad_weight_accumulation=_ACCUMULATION.get(variant, "weight"),
+            divergence=divergence,
         )
         return loss
 
@@ -198,10 +222,17 @@ def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor
 
     mode: LossMode = "truncated" if variant == "chunked-truncated" else "tail"
     overlap = variant == "chunked-tail-overlap"
+    divergence = DIVERGENCE_VARIANTS.get(variant, ("forward", ""))[0]
 
     def chunked(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         loss, _ = topk_kl_loss(
-            logits, ids, logprobs, mode=mode, chunk_size=chunk_size, overlap=overlap
+            logits,
+            ids,
+            logprobs,
+            mode=mode,
+            chunk_size=chunk_size,
+            overlap=overlap,
+            divergence=divergence,
         )
         return loss
 
@@ -507,9 +538,15 @@ def main() -> None:
         rule += " ---: | ---: |"
     print(header)
     print(rule)
+    pairs: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         for n_positions in args.positions:
-            _run_positions(args, env, n_positions, baseline, accuracy, Path(scratch))
+            pairs += _run_positions(args, env, n_positions, baseline, accuracy, Path(scratch))
+    if pairs:
+        print()
+        print("| N | divergence variant | vs | peak extra ratio | median time ratio |")
+        print("| ---: | --- | --- | ---: | ---: |")
+        print("\n".join(pairs))
     print(f"\nload average at the end: {_load_average()}")
 
 
@@ -520,9 +557,9 @@ def _run_positions(
     baseline: str,
     accuracy: bool,
     scratch: Path,
-) -> None:
+) -> list[str]:
     """The table rows of one N: memory (and errors) per variant in fresh processes, then
-    the interleaved timing process (unless `--repeats 0`)."""
+    the interleaved timing process (unless `--repeats 0`); returns the divergence rows."""
     common = ["--positions", str(n_positions), "--vocab", str(args.vocab)]
     common += ["--top-k", str(args.top_k), "--repeats", str(args.repeats)]
     common += ["--hidden-size", str(args.hidden_size)]
@@ -576,6 +613,30 @@ def _run_positions(
                 errors = (f"{mem['grad_weight']:.2e}", f"{mem['grad_hidden']:.2e}")
             row += f" {errors[0]} | {errors[1]} |"
         print(row, flush=True)
+    return _divergence_rows(n_positions, running, memory, timing)
+
+
+def _divergence_rows(
+    n_positions: int, variants: list[str], memory: dict[str, object], timing: dict[str, object]
+) -> list[str]:
+    """Each divergence variant against its path's forward tail loss, measured in this run."""
+    rows = []
+    for variant in variants:
+        if variant not in DIVERGENCE_VARIANTS:
+            continue
+        reference = DIVERGENCE_VARIANTS[variant][1]
+        if reference not in variants:
+            continue
+        mem, ref_mem = memory[variant], memory[reference]
+        times, ref_times = timing[variant], timing[reference]
+        assert isinstance(mem, dict) and isinstance(ref_mem, dict)
+        assert isinstance(times, dict) and isinstance(ref_times, dict)
+        rows.append(
+            f"| {n_positions} | {variant} | {reference} "
+            f"| {mem['extra_bytes'] / ref_mem['extra_bytes']:.3f}x "
+            f"| {times['median_s'] / ref_times['median_s']:.3f}x |"
+        )
+    return rows
 
 
 if __name__ == "__main__":

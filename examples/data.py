@@ -3,7 +3,10 @@
 The corpus is the Python standard library's own ``.py`` sources
 (``sysconfig.get_paths()["stdlib"]``, test suites and third-party packages left out),
 in sorted path order. Every ``heldout_every``-th file (by that order) is held out, so the
-split is by file and the same on every run. Token ids follow
+split is by file and the same on every run. A second, clearly different corpus (for the
+multi-teacher example, ``examples/mopd.py``) is the documentation that installed packages
+ship (:func:`load_docs_corpus`): package descriptions and ``.txt`` / ``.rst`` / ``.md`` /
+``.html`` files, prose and markup rather than code. Token ids follow
 :func:`devtools.tiny_model.byte_tokenizer`: ids 0..255 are the bytes, files are
 separated by ``<|endoftext|>`` (256).
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +40,9 @@ __all__ = [
     "encode_bytes",
     "fixed_windows",
     "join_documents",
+    "load_docs_corpus",
     "load_stdlib_corpus",
+    "package_doc_files",
     "stdlib_root",
     "stdlib_source_files",
 ]
@@ -111,11 +117,12 @@ class ByteCorpus:
     heldout_every: int
     #: sha256 over the relative paths and contents of the files read.
     fingerprint: str
+    source: str = "python-stdlib"
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (sizes, split, fingerprint)."""
         return {
-            "source": "python-stdlib",
+            "source": self.source,
             "root": self.root,
             "train_files": self.train_files,
             "heldout_files": self.heldout_files,
@@ -133,10 +140,50 @@ def load_stdlib_corpus(
     """Read the corpus. File ``i`` (in :func:`stdlib_source_files` order) is held out when
     ``i % heldout_every == heldout_every - 1``. ``max_bytes`` stops reading once that many
     bytes were read (the split of the files read stays the same). Cached per arguments."""
+    base = Path(root) if root is not None else stdlib_root()
+    return _read_corpus(stdlib_source_files(base), base, "python-stdlib", heldout_every, max_bytes)
+
+
+#: Suffixes of the documentation files :func:`package_doc_files` collects.
+DOC_SUFFIXES = frozenset({".txt", ".rst", ".md", ".html"})
+
+
+def package_doc_files(root: str | Path | None = None) -> list[Path]:
+    """The documentation installed packages ship under ``root`` (default: this
+    interpreter's ``purelib``): every package's ``METADATA`` (its description) and every
+    :data:`DOC_SUFFIXES` file it installed, sorted by path relative to ``root``. The
+    packages' own file lists (``RECORD``, through :mod:`importlib.metadata`) say what is
+    there, so the tree is not walked."""
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["purelib"])
+    if not base.is_dir():
+        raise FileNotFoundError(f"root: {base} is not a directory")
+    found: set[str] = set()
+    for dist in importlib.metadata.distributions(path=[str(base)]):
+        for f in dist.files or ():
+            rel = f.as_posix()
+            is_meta = f.name == "METADATA" and f.parent.name.endswith(".dist-info")
+            is_doc = Path(rel).suffix.lower() in DOC_SUFFIXES and ".dist-info/" not in rel
+            inside = not rel.startswith("..")
+            if (is_meta or is_doc) and inside and (base / rel).is_file():
+                found.add(rel)
+    return [base / rel for rel in sorted(found)]
+
+
+@functools.lru_cache(maxsize=4)
+def load_docs_corpus(
+    root: str | Path | None = None, *, heldout_every: int = 10, max_bytes: int | None = None
+) -> ByteCorpus:
+    """The installed packages' documentation (:func:`package_doc_files`) as a corpus, split
+    by file like :func:`load_stdlib_corpus`. Cached per arguments."""
+    base = Path(root) if root is not None else Path(sysconfig.get_paths()["purelib"])
+    return _read_corpus(package_doc_files(base), base, "package-docs", heldout_every, max_bytes)
+
+
+def _read_corpus(
+    files: list[Path], base: Path, source: str, heldout_every: int, max_bytes: int | None
+) -> ByteCorpus:
     if heldout_every < 2:
         raise ValueError(f"heldout_every: must be >= 2, got {heldout_every}")
-    base = Path(root) if root is not None else stdlib_root()
-    files = stdlib_source_files(base)
     digest = hashlib.sha256()
     train_docs: list[bytes] = []
     heldout_docs: list[bytes] = []
@@ -164,6 +211,7 @@ def load_stdlib_corpus(
         root=str(base),
         heldout_every=heldout_every,
         fingerprint=digest.hexdigest(),
+        source=source,
     )
 
 

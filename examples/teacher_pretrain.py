@@ -282,13 +282,15 @@ def build_default_teacher(
     *,
     config: PretrainConfig | None = None,
     force: bool = False,
+    corpus: ByteCorpus | None = None,
 ) -> Path:
     """The teacher directory at ``cache_dir``, trained first unless it is already there.
 
     A complete directory (see :func:`read_marker`) is returned as it is, whatever budget
     it was built with (its marker says). ``config`` overrides ``train_seconds`` and
-    ``seed``. ``force`` rebuilds. A non-empty ``cache_dir`` that is not a complete teacher
-    is an error, never deleted.
+    ``seed``; ``corpus`` is what it trains on (default: the stdlib sources). ``force``
+    rebuilds. A non-empty ``cache_dir`` that is not a complete teacher is an error, never
+    deleted.
     """
     target = Path(cache_dir)
     if force and read_marker(target) is not None:
@@ -306,7 +308,7 @@ def build_default_teacher(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
     try:
-        metrics = pretrain_teacher(tmp, cfg)
+        metrics = pretrain_teacher(tmp, cfg, corpus=corpus)
         marker = {"config": asdict(cfg), "metrics": metrics}
         (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the server may run as another user

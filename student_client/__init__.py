@@ -12,6 +12,7 @@ from student_client.losses import (
     fused_topk_kl_loss,
     topk_kl_loss,
 )
+from student_client.multi_client import AsyncMultiTeacherClient, MultiTeacherClient
 from student_client.payload import TeacherPayload
 from student_client.replay import ReplayClient
 from topk_protocol import TeacherInfo
@@ -19,7 +20,9 @@ from topk_protocol import TeacherInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncMultiTeacherClient",
     "AsyncTeacherClient",
+    "MultiTeacherClient",
     "ReplayClient",
     "ScoreBatch",
     "TeacherClient",

@@ -73,11 +73,14 @@ class ScoreBatch:
     """One item of ``stream`` when positions or a mask are needed: the batch's
     ``sequences`` (or a ``BatchEncoding`` / dict with ``input_ids``), one ``(start, end)``
     per sequence (or None for every position), and the batch's ``attention_mask`` (see
-    :meth:`AsyncTeacherClient.score`)."""
+    :meth:`AsyncTeacherClient.score`); ``teacher``: the teacher of each sequence (a name
+    per sequence, or one name for all) for a multi-teacher client
+    (:mod:`student_client.multi_client`; a single-teacher client ignores it)."""
 
     sequences: Any
     positions: Sequence[tuple[int, int]] | None = None
     attention_mask: Any = None
+    teacher: Any = None
 
 
 def parse_targets(target: str | Sequence[str]) -> list[str]:
@@ -256,6 +259,20 @@ class _Connection:
         self._reader.cancel()
         with contextlib.suppress(BaseException):
             await self._reader
+
+
+async def decoded(
+    answers: AsyncIterator[Any],
+    decode: Callable[[Any, torch.device | str], TeacherPayload],
+    device: torch.device | str,
+) -> AsyncIterator[TeacherPayload]:
+    """``answers`` (of ``stream_answers``) decoded one by one on ``device``; closing this
+    iterator closes ``answers``."""
+    try:
+        async for answer in answers:
+            yield decode(answer, device)
+    finally:
+        await answers.aclose()  # type: ignore[attr-defined]
 
 
 async def _as_async(batches: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
@@ -523,16 +540,7 @@ class AsyncTeacherClient:
         """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
         ``device``; ``options`` (``depth``, ``dtype``, ``include_sampled``, ``timeout_s``)
         as :meth:`stream_answers`."""
-        answers = self.stream_answers(batches, top_k, **options)
-
-        async def payloads() -> AsyncIterator[TeacherPayload]:
-            try:
-                async for answer in answers:
-                    yield self.decode(answer, device)
-            finally:
-                await answers.aclose()  # type: ignore[attr-defined]
-
-        return payloads()
+        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
 
     def stream_answers(
         self,

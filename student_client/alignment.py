@@ -39,6 +39,7 @@ __all__ = [
     "build_aligned_request",
     "place_rows",
     "prepare_inputs",
+    "unpack_inputs",
     "unpad",
 ]
 
@@ -166,18 +167,10 @@ def _unpadded_positions(
     return out
 
 
-def prepare_inputs(
-    sequences: Any,
-    attention_mask: Any = None,
-    positions: Sequence[tuple[int, int]] | None = None,
-) -> PreparedInputs:
-    """Normalize one batch as the clients accept it.
-
-    ``sequences`` is what :func:`student_client.payload.build_request` takes, or a
-    tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and ``attention_mask``).
-    With an attention mask, the padding is cut off (:func:`unpad`) and ``positions`` are
-    column ranges of the padded batch; without one, everything passes through unchanged.
-    """
+def unpack_inputs(sequences: Any, attention_mask: Any = None) -> tuple[Any, Any]:
+    """``(sequences, attention_mask)`` of a batch: a ``BatchEncoding`` / dict is unpacked
+    (``input_ids`` and its ``attention_mask``, which must not be given twice); anything
+    else passes through."""
     if isinstance(sequences, Mapping):
         if "input_ids" not in sequences:
             raise InvalidRequestError(
@@ -191,6 +184,22 @@ def prepare_inputs(
         if attention_mask is None:
             attention_mask = sequences.get("attention_mask")
         sequences = sequences["input_ids"]
+    return sequences, attention_mask
+
+
+def prepare_inputs(
+    sequences: Any,
+    attention_mask: Any = None,
+    positions: Sequence[tuple[int, int]] | None = None,
+) -> PreparedInputs:
+    """Normalize one batch as the clients accept it.
+
+    ``sequences`` is what :func:`student_client.payload.build_request` takes, or a
+    tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and ``attention_mask``).
+    With an attention mask, the padding is cut off (:func:`unpad`) and ``positions`` are
+    column ranges of the padded batch; without one, everything passes through unchanged.
+    """
+    sequences, attention_mask = unpack_inputs(sequences, attention_mask)
     if attention_mask is None:
         return PreparedInputs(sequences, None if positions is None else list(positions), None)
     seqs, layout = unpad(sequences, attention_mask)

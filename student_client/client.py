@@ -36,12 +36,16 @@ class TeacherClient(Closeable):
     """
 
     def __init__(self, target: str | Sequence[str], **options: Any) -> None:
-        self._aio = AsyncTeacherClient(target, **options)
+        self._aio = self._make_core(target, **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="teacher-client"
         )
         self._thread.start()
+
+    def _make_core(self, target: Any, **options: Any) -> Any:
+        """The asyncio client this facade runs (a subclass may run another one)."""
+        return AsyncTeacherClient(target, **options)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the client's loop and wait for its result."""
@@ -86,7 +90,7 @@ class TeacherClient(Closeable):
                     yield self._aio.decode(answer, device)
             finally:
                 if not self._loop.is_closed():
-                    self._run(answers.aclose())  # type: ignore[attr-defined]
+                    self._run(answers.aclose())
 
         return iterate()
 

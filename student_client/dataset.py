@@ -16,12 +16,17 @@ function pads to the longest sequence / payload in the batch and returns a
 :class:`PayloadBatch` whose ``payload`` is the :class:`~student_client.payload.TeacherPayload`
 the live client returns for the same batch (row ``j`` of sequence ``b`` is position
 ``payload.position_start[b] + j``, padding rows masked out).
+
+A multi-teacher recording (:mod:`topk_protocol.multi_recording`) is the rows of every
+teacher, teacher after teacher (in the manifest's order); each item's payload names its
+``teacher``, and a collated batch's ``payload.teachers`` (and :attr:`PayloadBatch.teachers`)
+is the teacher column.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,12 @@ from torch.utils.data import Dataset
 
 from student_client.errors import NotRecordedError
 from student_client.payload import TeacherPayload
-from topk_protocol import dtype_from_name, dtype_name
+from topk_protocol import TeacherInfo, dtype_from_name, dtype_name
+from topk_protocol.multi_recording import (
+    read_manifest,
+    recorded_teachers,
+    teacher_recording_path,
+)
 from topk_protocol.recording import RecordingReader, can_serve_dtype, cast_like_teacher
 
 __all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
@@ -43,7 +53,8 @@ class SequencePayload:
 
     ``ids`` ``[S, K]`` int64; ``logprobs`` ``[S, K]`` float32 (the dtype's values widened
     exactly); ``sampled_logprobs`` ``[S]`` float32 or ``None``; row ``j`` is position
-    ``position_start + j``.
+    ``position_start + j``; ``teacher``: its teacher's name in a multi-teacher recording
+    (None in a single-teacher one).
     """
 
     ids: torch.Tensor
@@ -52,6 +63,7 @@ class SequencePayload:
     position_start: int
     top_k: int
     dtype: str
+    teacher: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,11 @@ class PayloadBatch:
     token_ids: torch.Tensor
     attention_mask: torch.Tensor
     payload: TeacherPayload
+
+    @property
+    def teachers(self) -> tuple[str, ...] | None:
+        """The teacher of each row (a multi-teacher recording), else None."""
+        return self.payload.teachers
 
 
 class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
@@ -88,6 +105,29 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
     ) -> None:
         self.path = Path(path)
         self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
+        names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
+        #: ``(name, dataset)`` of each teacher of a multi-teacher recording, in order.
+        self._parts: list[tuple[str, PayloadDataset]] = []
+        if names is not None:
+            from student_client.routing import check_agreement
+
+            if not names:
+                raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")
+            self._parts = [
+                (n, PayloadDataset(teacher_recording_path(self.path, n), **self._options))  # type: ignore[arg-type]
+                for n in names
+            ]
+            check_agreement(
+                {n: TeacherInfo.from_message(d.reader.info) for n, d in self._parts},
+                {n: [str(d.path)] for n, d in self._parts},
+            )
+            first = self._parts[0][1]
+            self._reader = first.reader
+            self.top_k: int = first.top_k
+            self.dtype: str = first.dtype
+            self.include_sampled = include_sampled
+            self._starts = np.cumsum([0] + [len(d) for _, d in self._parts])
+            return
         self._reader = RecordingReader(self.path)
         r = self._reader
         self.top_k = r.top_k if top_k is None else int(top_k)
@@ -108,13 +148,22 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
 
     @property
     def reader(self) -> RecordingReader:
+        """The recording's reader (a multi-teacher recording: its first teacher's; the
+        teachers agree on vocabulary, tokenizer and temperature, checked at open)."""
         return self._reader
+
+    @property
+    def teachers(self) -> list[str]:
+        """The teachers of a multi-teacher recording (else empty)."""
+        return [n for n, _ in self._parts]
 
     @property
     def vocab_size(self) -> int:
         return int(self._reader.info.vocab_size)
 
     def __len__(self) -> int:
+        if self._parts:
+            return int(self._starts[-1])
         return len(self._reader)
 
     def _floats(self, x: np.ndarray) -> torch.Tensor:
@@ -123,6 +172,13 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
         return torch.from_numpy(np.array(x, dtype=np.float32))
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, SequencePayload]:
+        if self._parts:
+            if not 0 <= int(i) < len(self):
+                raise IndexError(f"row {i} of a recording with {len(self)} rows")
+            part = int(np.searchsorted(self._starts, int(i), side="right")) - 1
+            name, ds = self._parts[part]
+            tokens, payload = ds[int(i) - int(self._starts[part])]
+            return tokens, replace(payload, teacher=name)
         row = self._reader.row(int(i))
         sp = None
         if self.include_sampled:
@@ -164,6 +220,8 @@ def collate_payloads(
     with_sampled = items[0][1].sampled_logprobs is not None
     sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
     mask = np.zeros((b, s), dtype=np.bool_)
+    names = [p.teacher for _, p in items]
+    teachers = None if any(n is None for n in names) else tuple(str(n) for n in names)
     for j, (tok, p) in enumerate(items):
         tokens[j, : len(tok)] = tok.numpy()
         attn[j, : len(tok)] = True
@@ -182,5 +240,6 @@ def collate_payloads(
         lengths=torch.tensor(rows, dtype=torch.int64),
         top_k=k,
         dtype=items[0][1].dtype,
+        teachers=teachers,
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)

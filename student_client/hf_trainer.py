@@ -17,9 +17,16 @@
   across gradient accumulation steps.
 - Loss statistics (``kd_loss``, ``kd_teacher_mass``, ``kd_overlap``, ...) are kept as
   device tensors, averaged over the micro-batches since the last log and read (one host
-  sync) only when ``Trainer.log`` runs: they land in ``trainer.state.log_history`` and
-  every ``report_to`` integration. With ``LossOptions(validate=False)`` a training step
-  (forward, loss, backward) never waits for the device.
+  sync) only when ``Trainer.log`` runs, then averaged over the data-parallel ranks (one
+  all-reduce): they land in ``trainer.state.log_history`` and every ``report_to``
+  integration. With ``LossOptions(validate=False)`` a training step (forward, loss,
+  backward) never waits for the device.
+- Several teachers (``teacher={name: target, ...}``, multi-teacher distillation): each
+  row goes to the teacher its ``teacher_column`` names (TRL's ``teacher_id`` by default;
+  a name, or an index into the teachers, per row), through one
+  :class:`~student_client.multi_client.MultiTeacherClient`; the ``kd_*`` statistics are
+  logged overall and per teacher (``kd_loss/<name>``, ...). The collator must pass the
+  column through (:func:`teacher_column_collator` wraps one that would drop it).
 
 Needs the ``hf`` extra (``pip install 'topk-distill[hf]'``: transformers + accelerate).
 """
@@ -43,6 +50,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 from student_client.alignment import PaddedLayout, place_rows
 from student_client.client import ScoreBatch
+from student_client.distributed import mean_over_ranks, rank_client_options
 from student_client.losses import (
     LossOptions,
     causal_lm_hidden_and_head,
@@ -51,6 +59,7 @@ from student_client.losses import (
 )
 from student_client.losses.types import TopKKLStats
 from student_client.payload import TeacherPayload
+from student_client.routing import teacher_per_row
 
 __all__ = [
     "PAYLOAD_KEYS",
@@ -59,7 +68,12 @@ __all__ = [
     "distillation_loss",
     "payload_columns",
     "payload_dataset_collator",
+    "per_teacher_metrics",
+    "teacher_column_collator",
 ]
+
+#: The batch column that names each row's teacher (TRL's convention), by default.
+TEACHER_COLUMN = "teacher_id"
 
 #: Batch keys that carry the teacher's payload (aligned to ``input_ids``): ``[B, T, K]``
 #: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask, and (mode ``"tail_actual"``) the
@@ -225,15 +239,81 @@ def _stats_metrics(stats: TopKKLStats) -> dict[str, torch.Tensor]:
     return {f"kd_{name}": value for name, value in stats.tensors().items()}
 
 
+def _teacher_column(batch: Mapping[str, Any], column: str) -> Any:
+    if column not in batch:
+        raise ValueError(
+            f"teacher_column: the batch has no {column!r} column (keys {sorted(batch)}); with "
+            "several teachers every row names its teacher (see teacher_column_collator)"
+        )
+    return batch[column]
+
+
+def teacher_column_collator(
+    collator: Callable[[Sequence[Any]], Mapping[str, Any]], column: str = TEACHER_COLUMN
+) -> Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]:
+    """Wrap a ``data_collator`` that cannot take the teacher column (names are strings):
+    the column is taken out of every example, the rest collated, and the names put back
+    as a list, one per row."""
+
+    def collate(features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        names = [f[column] for f in features]
+        batch = collator([{k: v for k, v in f.items() if k != column} for f in features])
+        return {**batch, column: names}
+
+    return collate
+
+
+@torch.no_grad()
+def per_teacher_metrics(
+    outputs: Any, inputs: Mapping[str, Any], config: DistillationConfig, teachers: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """The ``kd_*`` statistics of each teacher's rows of a batch, as ``kd_<stat>/<name>``
+    (detached 0-d device tensors, as :func:`distillation_loss`'s metrics).
+
+    ``outputs`` is what :func:`distillation_loss` returned (the model's outputs with
+    ``logits`` ``[B, T, V]``, or with ``config.fused`` the ``hidden`` ``[B, T, H]`` and
+    head); ``teachers``: the ``B`` rows' teacher names. Computed again on each teacher's
+    rows without gradient (the loss itself is the batch's, unchanged).
+    """
+    out: dict[str, torch.Tensor] = {}
+    mask = inputs.get("teacher_mask")
+    actual = _actual_tokens(inputs, config)
+    for name in dict.fromkeys(teachers):
+        rows = torch.tensor([i for i, t in enumerate(teachers) if t == name], dtype=torch.long)
+
+        def take(t: torch.Tensor, rows: torch.Tensor = rows) -> torch.Tensor:
+            return t[rows.to(t.device)]
+
+        teacher: dict[str, Any] = {
+            "mask": None if mask is None else take(mask),
+            "options": config.loss,
+            **{k: take(v) for k, v in actual.items()},
+        }
+        ids, lps = take(inputs["teacher_ids"]), take(inputs["teacher_logprobs"])
+        if config.fused:
+            _, stats = fused_topk_kl_loss(
+                take(outputs.hidden), outputs.weight, ids, lps, bias=outputs.bias, **teacher
+            )
+        else:
+            _, stats = topk_kl_loss(take(outputs.logits), ids, lps, **teacher)
+        out.update({f"{k}/{name}": v for k, v in _stats_metrics(stats).items()})
+    return out
+
+
 class _Prefetcher:
     """Wraps one epoch iterator: yields its batches with their payload columns added,
     keeping ``depth`` batches with the teacher ahead of the one handed out."""
 
     def __init__(
-        self, epoch_iterator: Iterator[Any], client: Any, config: DistillationConfig
+        self,
+        epoch_iterator: Iterator[Any],
+        client: Any,
+        config: DistillationConfig,
+        teacher_column: str | None = None,
     ) -> None:
         self._pending: deque[Mapping[str, Any]] = deque()
         self._source = epoch_iterator
+        self._column = teacher_column
         self._payloads = client.stream(
             self._to_teacher(),
             config.top_k,
@@ -245,7 +325,11 @@ class _Prefetcher:
     def _to_teacher(self) -> Iterator[ScoreBatch]:
         for batch in self._source:
             self._pending.append(batch)
-            yield ScoreBatch(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+            yield ScoreBatch(
+                batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                teacher=None if self._column is None else _teacher_column(batch, self._column),
+            )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self
@@ -267,9 +351,13 @@ class TopKDistillationTrainer(Trainer):
 
     Args:
         teacher: where payloads come from: a target (``"host:port"``, ``"dns:///..."``
-            or a list; this process opens its own ``TeacherClient``), a client object
-            with ``stream`` (``TeacherClient``, ``ReplayClient``), or None when the
-            batches already carry :data:`PAYLOAD_KEYS` (a payload dataset).
+            or a list; this process opens its own ``TeacherClient``), several named
+            teachers ``{name: target, ...}`` (a ``MultiTeacherClient``; rows routed by
+            ``teacher_column``), a client object with ``stream`` (``TeacherClient``,
+            ``ReplayClient``, ``MultiTeacherClient``), or None when the batches already
+            carry :data:`PAYLOAD_KEYS` (a payload dataset).
+        teacher_column: the batch column naming each row's teacher, with several
+            teachers (default ``"teacher_id"``).
         distill: :class:`DistillationConfig` (K, mode, alpha, prefetch depth, ...).
         teacher_kwargs: extra ``TeacherClient`` arguments when ``teacher`` is a target
             (``token``, ``tls``, ``expect_vocab_size``, ...).
@@ -289,17 +377,25 @@ class TopKDistillationTrainer(Trainer):
         teacher: str | Sequence[str] | Any = None,
         distill: DistillationConfig | None = None,
         teacher_kwargs: dict[str, Any] | None = None,
+        teacher_column: str = TEACHER_COLUMN,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.distill = distill or DistillationConfig()
-        self._owns_client = isinstance(teacher, str) or (
+        self.teacher_column = teacher_column
+        self._owns_client = isinstance(teacher, str | Mapping) or (
             isinstance(teacher, Sequence) and all(isinstance(t, str) for t in teacher)
         )
-        if self._owns_client:
+        # One client per data-parallel rank; a recording per rank (distributed.py).
+        options = rank_client_options(teacher_kwargs, self.args.process_index, self.args.world_size)
+        if isinstance(teacher, Mapping):
+            from student_client.multi_client import MultiTeacherClient
+
+            self.teacher_client: Any = MultiTeacherClient(teacher, **options)
+        elif self._owns_client:
             from student_client.client import TeacherClient
 
-            self.teacher_client: Any = TeacherClient(teacher, **(teacher_kwargs or {}))
+            self.teacher_client = TeacherClient(teacher, **options)
         else:
             if teacher is not None and not hasattr(teacher, "stream"):
                 raise TypeError(
@@ -316,7 +412,14 @@ class TopKDistillationTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
         assert self._signature_columns is not None
-        self._signature_columns += [k for k in PAYLOAD_KEYS if k not in self._signature_columns]
+        keep = [*PAYLOAD_KEYS, self.teacher_column]
+        self._signature_columns += [k for k in keep if k not in self._signature_columns]
+
+    @property
+    def teacher_names(self) -> list[str] | None:
+        """The teachers rows are routed to (several teachers), else None."""
+        names = getattr(self.teacher_client, "names", None)
+        return list(names) if names else None
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
@@ -327,8 +430,9 @@ class TopKDistillationTrainer(Trainer):
                 for old in self._prefetchers.values():
                     old.close()
                 # Keep the iterator alive with its wrapper so that its id stays unique.
+                column = self.teacher_column if self.teacher_names else None
                 self._prefetchers = {
-                    key: _Prefetcher(epoch_iterator, self.teacher_client, self.distill)
+                    key: _Prefetcher(epoch_iterator, self.teacher_client, self.distill, column)
                 }
             epoch_iterator = self._prefetchers[key]
         return super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -341,18 +445,32 @@ class TopKDistillationTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
+        names = self.teacher_names
+        teachers = None
+        if names is not None:
+            teachers = teacher_per_row(
+                _teacher_column(inputs, self.teacher_column), len(inputs["input_ids"]), names
+            )
+            inputs = {k: v for k, v in inputs.items() if k != self.teacher_column}
         if PAYLOAD_KEYS[0] not in inputs and self.teacher_client is not None:
             # Not prefetched (evaluation, prediction): fetch this batch's payload now.
             cfg = self.distill
+            route = {} if teachers is None else {"teacher": teachers}
             payload = self.teacher_client.score(
                 inputs["input_ids"],
                 cfg.top_k,
                 dtype=cfg.dtype,
                 include_sampled=cfg.include_sampled,
                 attention_mask=inputs.get("attention_mask"),
+                **route,
             )
             inputs = {**inputs, **payload_columns(payload.to(inputs["input_ids"].device))}
         loss, metrics, outputs = distillation_loss(model, inputs, self.distill)
+        if teachers is not None and len(set(teachers)) > 1:
+            metrics.update(per_teacher_metrics(outputs, inputs, self.distill, teachers))
+        elif teachers is not None:  # one teacher: its statistics are the batch's
+            kd = {k: v for k, v in metrics.items() if k.startswith("kd_")}
+            metrics.update({f"{k}/{teachers[0]}": v for k, v in kd.items()})
         if model.training:
             for name, value in metrics.items():
                 self._kd_metrics[name].append(value)
@@ -380,7 +498,8 @@ class TopKDistillationTrainer(Trainer):
             means = torch.stack(
                 [torch.stack(self._kd_metrics[name]).double().mean() for name in names]
             )
-            logs.update(zip(names, means.tolist(), strict=True))
+            # Every rank logs (the Trainer gathers the loss first): mean over the ranks.
+            logs.update(mean_over_ranks(dict(zip(names, means.tolist(), strict=True))))
             self._kd_metrics.clear()
         super().log(logs, start_time)
 

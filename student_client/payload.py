@@ -58,6 +58,8 @@ class TeacherPayload:
         dtype: wire dtype of the log-probs (``"float16"``, ``"bfloat16"``, ``"float32"``).
         request_id: the request's id.
         teacher_seconds: engine time the teacher reported for the request.
+        teachers: the name of the teacher that scored each sequence (``B`` names), from
+            a multi-teacher client or recording; None from a single teacher.
     """
 
     ids: torch.Tensor
@@ -70,6 +72,7 @@ class TeacherPayload:
     dtype: str
     request_id: str = ""
     teacher_seconds: float = 0.0
+    teachers: tuple[str, ...] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -11,6 +11,12 @@ Every position of every sequence is scored (with sampled log-probs) and written 
 recording directory ``DIR`` (:mod:`topk_protocol.recording`). Re-running the same command
 skips sequences already recorded, so an interrupted run resumes where it stopped (losing
 at most the recorder's last flush interval, 2 s).
+
+Several teachers (a multi-teacher recording, :mod:`topk_protocol.multi_recording`)::
+
+    teacher-record --teacher math=HOST:PORT --teacher code=H1:P,H2:P --input TOKENS ...
+
+each sequence goes to the teacher its ``--teacher-column`` (default ``teacher_id``) names.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from student_client.client import TeacherClient
+from student_client.client import ScoreBatch, TeacherClient
 from topk_protocol import DTYPE_NAMES
+from topk_protocol.multi_recording import teacher_recording_path
 from topk_protocol.recording import (
     COMPRESSIONS,
     METADATA_FILE,
     RecordingReader,
 )
 
-__all__ = ["build_parser", "main", "read_token_sequences"]
+__all__ = ["build_parser", "main", "read_teacher_column", "read_token_sequences"]
 
 TOKEN_COLUMNS = ("input_ids", "token_ids", "tokens")
 
@@ -65,7 +72,16 @@ def _read_arrow(path: Path) -> pa.Table:
 
 def read_token_sequences(path: str | Path, column: str | None = None) -> list[np.ndarray]:
     """Token-id sequences of a Parquet / Arrow / JSONL file or a saved ``datasets`` dataset."""
-    path = Path(path)
+    return _read(Path(path), column)
+
+
+def read_teacher_column(path: str | Path, column: str) -> list[str]:
+    """The teacher name of each sequence: column ``column`` of the same input."""
+    return _read(Path(path), column, teacher_column=True)
+
+
+def _read(path: Path, column: str | None, teacher_column: bool = False) -> Any:
+    """The token column (or, ``teacher_column``, the named column of strings) of ``path``."""
     if path.is_dir():
         try:
             import datasets
@@ -91,6 +107,14 @@ def read_token_sequences(path: str | Path, column: str | None = None) -> list[np
                 if not line.strip():
                     continue
                 item = json.loads(line)
+                if teacher_column:
+                    if not isinstance(item, dict) or not isinstance(item.get(column), str):
+                        raise SystemExit(
+                            f"teacher-record: {path}:{n}: expected an object with a string "
+                            f"{column!r} (--teacher-column)"
+                        )
+                    out.append(item[column])
+                    continue
                 if isinstance(item, dict):
                     item = item[_pick_column(item.keys(), column, path)]
                 if not isinstance(item, list) or not all(isinstance(v, int) for v in item):
@@ -102,6 +126,8 @@ def read_token_sequences(path: str | Path, column: str | None = None) -> list[np
             f"teacher-record: --input {path}: use .parquet, .arrow, .jsonl or a dataset directory"
         )
     col = table.column(_pick_column(table.column_names, column, path))
+    if teacher_column:
+        return [str(v) for v in col.to_pylist()]
     return [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
 
 
@@ -138,7 +164,18 @@ def _batches(seqs: list[np.ndarray], size: int) -> Iterator[list[np.ndarray]]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="teacher-record", description=__doc__.split("\n")[0])
-    ap.add_argument("--teacher", required=True, help="HOST:PORT (or a comma-separated list)")
+    ap.add_argument(
+        "--teacher",
+        required=True,
+        action="append",
+        help="HOST:PORT (or a comma-separated list); repeat as NAME=TARGET for several "
+        "teachers (a multi-teacher recording)",
+    )
+    ap.add_argument(
+        "--teacher-column",
+        default="teacher_id",
+        help="with several teachers: the input column naming each sequence's teacher",
+    )
     ap.add_argument("--input", required=True, type=Path, help="token sequences (see above)")
     ap.add_argument("--output", required=True, type=Path, help="recording directory")
     ap.add_argument("--top-k", type=int, default=16, help="K (default 16)")
@@ -158,44 +195,100 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _teachers(values: list[str]) -> str | dict[str, str]:
+    """``--teacher`` values -> one target, or ``{name: target}`` for several teachers."""
+    named = [v for v in values if "=" in v.split(":", 1)[0]]
+    if not named:
+        if len(values) > 1:
+            raise SystemExit("teacher-record: several --teacher need names: NAME=TARGET")
+        return values[0]
+    if len(named) != len(values):
+        raise SystemExit("teacher-record: --teacher: name every teacher (NAME=TARGET) or none")
+    out: dict[str, str] = {}
+    for v in values:
+        name, target = v.split("=", 1)
+        if name in out:
+            raise SystemExit(f"teacher-record: --teacher {name}: given twice")
+        out[name] = target
+    return out
+
+
+def _todo(output: Path, seqs: list[np.ndarray], top_k: int, dtype: str) -> tuple[list[int], int]:
+    """Indices of ``seqs`` not yet recorded in ``output`` (a recording, maybe absent)."""
+    if not (output / METADATA_FILE).exists():
+        return list(range(len(seqs))), 0
+    with RecordingReader(output) as r:
+        if r.top_k != top_k or r.dtype != dtype:
+            raise SystemExit(
+                f"teacher-record: {output} holds K {r.top_k} {r.dtype}; asked K {top_k} {dtype}"
+            )
+        todo = [
+            i
+            for i, s in enumerate(seqs)
+            if isinstance(r.find(s.astype("<i4").tobytes(), 0, len(s), True), str)
+        ]
+    return todo, len(seqs) - len(todo)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
+    teachers = _teachers(args.teacher)
     seqs = read_token_sequences(args.input, args.column)
-    done = 0
-    if (args.output / METADATA_FILE).exists():
-        with RecordingReader(args.output) as r:
-            if r.top_k != args.top_k or r.dtype != args.dtype:
-                raise SystemExit(
-                    f"teacher-record: {args.output} holds K {r.top_k} {r.dtype}; "
-                    f"asked K {args.top_k} {args.dtype}"
-                )
-            todo = []
-            for s in seqs:
-                tok = s.astype("<i4").tobytes()
-                if isinstance(r.find(tok, 0, len(s), True), str):
-                    todo.append(s)
-            done = len(seqs) - len(todo)
-            seqs = todo
+    names: list[str] | None = None
+    if isinstance(teachers, dict):
+        names = read_teacher_column(args.input, args.teacher_column)
+        unknown = sorted(set(names) - set(teachers))
+        if unknown:
+            raise SystemExit(
+                f"teacher-record: {args.input}: --teacher-column {args.teacher_column!r} "
+                f"names {unknown}, not among --teacher {sorted(teachers)}"
+            )
+        keep, done = [], 0
+        for name in teachers:
+            rows = [i for i, n in enumerate(names) if n == name]
+            todo, already = _todo(
+                teacher_recording_path(args.output, name), [seqs[i] for i in rows],
+                args.top_k, args.dtype,
+            )  # fmt: skip
+            keep += [rows[i] for i in todo]
+            done += already
+        keep.sort()
+    else:
+        keep, done = _todo(args.output, seqs, args.top_k, args.dtype)
+    seqs = [seqs[i] for i in keep]
+    route = None if names is None else [names[i] for i in keep]
     bar = _progress(len(seqs))
     positions = 0
     t0 = time.monotonic()
-    with TeacherClient(
-        args.teacher,
-        token=args.token,
-        record_to=args.output,
-        record_compression=args.compression,
-        record_metadata={"input": str(args.input)},
-    ) as client:
-        batches = list(_batches(seqs, args.batch_size))
-        for batch, payload in zip(
+    options: dict[str, Any] = {
+        "token": args.token,
+        "record_to": args.output,
+        "record_compression": args.compression,
+        "record_metadata": {"input": str(args.input)},
+    }
+    client: TeacherClient
+    if isinstance(teachers, dict):
+        from student_client.multi_client import MultiTeacherClient
+
+        client = MultiTeacherClient(teachers, **options)
+    else:
+        client = TeacherClient(teachers, **options)
+    with client:
+        batches: list[Any] = list(_batches(seqs, args.batch_size))
+        if route is not None:
+            batches = [
+                ScoreBatch(b, teacher=route[i * args.batch_size : i * args.batch_size + len(b)])
+                for i, b in enumerate(batches)
+            ]
+        for _batch, payload in zip(
             batches,
             client.stream(batches, args.top_k, depth=args.depth, dtype=args.dtype),
             strict=True,
         ):
             positions += payload.num_positions
-            bar.update(len(batch))
+            bar.update(payload.batch_size)
     bar.close()
     dt = time.monotonic() - t0
     print(

@@ -7,6 +7,12 @@ dtype the teacher would have cast from the recorded values (see
 live teacher: the recorded values go through the teacher's own encoding and the client's
 own decoding. Anything else raises :class:`~student_client.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
+
+A multi-teacher recording (:mod:`topk_protocol.multi_recording`) replays as the
+multi-teacher client answered: ``score(..., teacher=[...])`` / ``ScoreBatch(teacher=...)``
+route each sequence to its teacher's recording (:mod:`student_client.routing`), and the
+payload's ``teachers`` names them; ``ReplayClient(path, teacher=name)`` opens one
+teacher's part as a single-teacher recording.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import torch
 
 from student_client.aio_client import ScoreBatch
 from student_client.alignment import align, build_aligned_request
-from student_client.errors import InvalidRequestError, NotRecordedError
+from student_client.errors import InvalidRequestError, NotRecordedError, TeacherError
 from student_client.payload import ResponseAssembler, TeacherPayload
+from student_client.routing import check_agreement, merge_payloads, name_error, plan_routes
 from topk_protocol import (
     TeacherInfo,
     check_temperature,
@@ -33,6 +40,11 @@ from topk_protocol import (
     request_spans,
 )
 from topk_protocol._closeable import Closeable
+from topk_protocol.multi_recording import (
+    read_manifest,
+    recorded_teachers,
+    teacher_recording_path,
+)
 from topk_protocol.recording import RecordingReader, can_serve_dtype
 
 __all__ = ["ReplayClient", "describe_request", "replay_response"]
@@ -121,7 +133,10 @@ class ReplayClient(Closeable):
     """Serves ``info``/``score``/``stream`` from a recording directory.
 
     Args:
-        path: the recording (see :mod:`topk_protocol.recording`).
+        path: the recording (see :mod:`topk_protocol.recording`), or a multi-teacher
+            recording (then ``score`` / ``stream`` route by ``teacher``, and ``info``
+            gives ``{name: TeacherInfo}``).
+        teacher: open only this teacher of a multi-teacher recording.
         expect_vocab_size, expect_tokenizer_fingerprint: checked against the recorded
             teacher's info at open; a mismatch raises VocabMismatchError.
         expect_temperature: the teacher temperature the student expects (None: any); a
@@ -132,12 +147,47 @@ class ReplayClient(Closeable):
         self,
         path: str | Path,
         *,
+        teacher: str | None = None,
         expect_vocab_size: int | None = None,
         expect_tokenizer_fingerprint: str | None = None,
         expect_temperature: float | None = None,
     ) -> None:
         if expect_temperature is not None:
             expect_temperature = check_temperature(expect_temperature, "expect_temperature")
+        expect: dict[str, Any] = {
+            "expect_vocab_size": expect_vocab_size,
+            "expect_tokenizer_fingerprint": expect_tokenizer_fingerprint,
+            "expect_temperature": expect_temperature,
+        }
+        self._root = Path(path)
+        #: name -> that teacher's replay, for a multi-teacher recording opened whole.
+        self._teachers: dict[str, ReplayClient] = {}
+        names = read_manifest(path)
+        #: Every teacher of the manifest (routing accepts them all; some may have no rows).
+        self._names = names or []
+        if names is not None and teacher is None:
+            if not recorded_teachers(path):
+                raise NotRecordedError(f"recording {path}: no teacher has rows recorded")
+            try:
+                for name in recorded_teachers(path):
+                    self._teachers[name] = ReplayClient(
+                        teacher_recording_path(path, name), **expect
+                    )
+                check_agreement(
+                    {n: c.info() for n, c in self._teachers.items()},
+                    {n: [str(c.path)] for n, c in self._teachers.items()},
+                )
+            except BaseException:
+                self.close()
+                raise
+            return
+        if teacher is not None:
+            if names is None or teacher not in recorded_teachers(path):
+                raise NotRecordedError(
+                    f"teacher: {teacher!r} is not recorded in {path} "
+                    f"({'teachers ' + str(names) if names else 'a single-teacher recording'})"
+                )
+            path = teacher_recording_path(path, teacher)
         self._reader = RecordingReader(path)
         self._info = TeacherInfo.from_message(self._reader.info)
         try:
@@ -154,14 +204,24 @@ class ReplayClient(Closeable):
 
     @property
     def path(self) -> Path:
-        return self._reader.path
+        return self._root if self._teachers else self._reader.path
+
+    @property
+    def names(self) -> list[str]:
+        """The teachers of a multi-teacher recording opened whole (else empty)."""
+        return list(self._names) if self._teachers else []
 
     def __len__(self) -> int:
         """Sequences (rows) in the recording."""
+        if self._teachers:
+            return sum(len(c) for c in self._teachers.values())
         return len(self._reader)
 
-    def info(self) -> TeacherInfo:
-        """The recorded teacher's ``GetInfo``."""
+    def info(self) -> Any:
+        """The recorded teacher's ``GetInfo`` (``{name: TeacherInfo}`` for a multi-teacher
+        recording opened whole)."""
+        if self._teachers:
+            return {n: c.info() for n, c in self._teachers.items()}
         return self._info
 
     def _check(self, request: pb.ScoreRequest) -> None:
@@ -197,8 +257,31 @@ class ReplayClient(Closeable):
         include_sampled: bool = True,
         device: torch.device | str = "cpu",
         attention_mask: Any = None,
+        teacher: Any = None,
     ) -> TeacherPayload:
-        """The recorded payload of this batch (arguments as ``TeacherClient.score``)."""
+        """The recorded payload of this batch (arguments as ``TeacherClient.score``;
+        ``teacher`` as ``MultiTeacherClient.score``, used by a multi-teacher recording)."""
+        if self._teachers:
+            item = ScoreBatch(sequences, positions, attention_mask, teacher)
+            teachers, routes = plan_routes(item, self._names)
+            parts = []
+            for r in routes:
+                try:
+                    if r.teacher not in self._teachers:
+                        raise NotRecordedError(f"recording {self._root}: nothing recorded")
+                    part = self._teachers[r.teacher].score(
+                        r.batch.sequences,
+                        top_k,
+                        dtype=dtype,
+                        positions=r.batch.positions,
+                        include_sampled=include_sampled,
+                        attention_mask=r.batch.attention_mask,
+                    )
+                except TeacherError as e:
+                    raise name_error(r.teacher, e) from None
+                parts.append((r.rows, part))
+            merged = merge_payloads(parts, teachers)
+            return merged if str(device) == "cpu" else merged.to(device)
         request, layout = build_aligned_request(
             sequences,
             top_k,
@@ -233,7 +316,11 @@ class ReplayClient(Closeable):
                 include_sampled=include_sampled,
                 device=device,
                 attention_mask=item.attention_mask,
+                teacher=item.teacher,
             )
 
     def close(self) -> None:
-        self._reader.close()
+        for c in self._teachers.values():
+            c.close()
+        if not self._teachers and hasattr(self, "_reader"):
+            self._reader.close()

@@ -22,9 +22,15 @@ from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, load_backend
 from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
 from teacher_server.backends.vllm_worker import ENGINE_TOPK_CHOICES
+from teacher_server.backpressure import (
+    DEFAULT_STREAM_MAX_UNSENT_MB,
+    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+)
+from teacher_server.http_limits import HttpLimits
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.server import ServerConfig, run_server
 from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, check_temperature
+from topk_protocol.multi_recording import read_manifest, teacher_recording_path
 
 __all__ = ["TOKEN_ENV", "build_parser", "main", "parse_args", "serve"]
 
@@ -69,7 +75,12 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     )
     s.add_argument("--model", help="model directory (vllm / transformers backends)")
     s.add_argument("--backend", choices=list(BACKENDS), default="vllm")
-    s.add_argument("--recording", help="recording file (replay backend)")
+    s.add_argument("--recording", help="recording directory (replay backend)")
+    s.add_argument(
+        "--replay-teacher",
+        metavar="NAME",
+        help="with a multi-teacher recording (replay backend): serve this teacher's rows",
+    )
     s.add_argument("--host", default="0.0.0.0", help="gRPC address")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
     s.add_argument("--http-host", help="HTTP address (default: --host)")
@@ -94,6 +105,21 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     )
     s.add_argument("--max-message-mb", type=int, default=64, help="gRPC message size limit")
     s.add_argument("--chunk-kb", type=int, default=1024, help="ScoreStream payload per message")
+    s.add_argument(
+        "--stream-max-unsent-mb",
+        type=int,
+        default=DEFAULT_STREAM_MAX_UNSENT_MB,
+        help="ScoreStream backpressure: answers one stream may hold that its client has not "
+        "read; then the stream is not read or scored further (one larger answer still goes, "
+        "alone)",
+    )
+    s.add_argument(
+        "--stream-max-unsent-requests",
+        type=int,
+        default=DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+        help="ScoreStream backpressure: requests one stream may have read but not answered",
+    )
+    _add_http_limit_flags(s)
     s.add_argument(
         "--served-model-name", help="name announced by GetInfo (default: the model's directory)"
     )
@@ -145,6 +171,52 @@ def build_parser(*, engine_flags: bool = True) -> argparse.ArgumentParser:
     return ap
 
 
+#: ``--http-*`` limit flags: (flag, HttpLimits field, type, unit scale, help).
+_HTTP_LIMIT_FLAGS: tuple[tuple[str, str, type, int, str], ...] = (
+    ("--http-max-header-kb", "max_header_bytes", int, 1024, "largest request head; 431 above"),
+    ("--http-max-body-mb", "max_body_bytes", int, 1024 * 1024, "largest request body; 413 above"),
+    ("--http-header-timeout-s", "header_timeout_s", float, 1, "a request head must arrive within"),
+    (
+        "--http-body-timeout-s",
+        "body_timeout_s",
+        float,
+        1,
+        "a request body must arrive within (408)",
+    ),
+    (
+        "--http-max-connections",
+        "max_connections",
+        int,
+        1,
+        "connections + requests at once; 503 above",
+    ),
+    ("--http-keep-alive-s", "keep_alive_s", float, 1, "an idle kept-alive connection closes after"),
+)
+
+
+def _add_http_limit_flags(s: argparse.ArgumentParser) -> None:
+    defaults = HttpLimits()
+    for flag, field, typ, scale, text in _HTTP_LIMIT_FLAGS:
+        default = getattr(defaults, field)
+        s.add_argument(
+            flag,
+            type=typ,
+            default=typ(default / scale) if scale > 1 else default,
+            help=f"HTTP: {text}",
+        )
+
+
+def _http_limits(args: argparse.Namespace) -> HttpLimits:
+    values = {}
+    for flag, field, typ, scale, _ in _HTTP_LIMIT_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        values[field] = typ(value * scale)
+    try:
+        return HttpLimits(**values)
+    except ValueError as e:
+        raise SystemExit(f"teacher-server: {e}") from None
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The vLLM engine arguments given on the command line (those that differ from vLLM's
     defaults), less the ones the server sets itself."""
@@ -186,6 +258,24 @@ def _temperature_arg(value: str) -> float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _replay_path(recording: str, teacher: str | None) -> str | Path:
+    """The recording to replay: one teacher's part of a multi-teacher recording."""
+    names = read_manifest(recording)
+    if names is None:
+        if teacher:
+            raise SystemExit(
+                f"teacher-server: --replay-teacher {teacher}: {recording} is a "
+                "single-teacher recording"
+            )
+        return recording
+    if teacher not in names:
+        raise SystemExit(
+            f"teacher-server: {recording} is a multi-teacher recording of {names}: pass "
+            f"--replay-teacher NAME (got {teacher!r})"
+        )
+    return teacher_recording_path(recording, teacher)
+
+
 def _backend_from_args(args: argparse.Namespace) -> Backend:
     temperature = args.teacher_temperature
     if args.backend == "replay":
@@ -196,7 +286,12 @@ def _backend_from_args(args: argparse.Namespace) -> Backend:
                 "teacher-server: --teacher-temperature does not apply to --backend replay, "
                 "which serves the temperature the recording was made at"
             )
-        return load_backend(args.backend, path=args.recording, max_top_k=args.max_top_k)
+        return load_backend(
+            args.backend, path=_replay_path(args.recording, args.replay_teacher),
+            max_top_k=args.max_top_k,
+        )  # fmt: skip
+    if args.replay_teacher:
+        raise SystemExit("teacher-server: --replay-teacher applies to --backend replay only")
     temperature = DEFAULT_TEACHER_TEMPERATURE if temperature is None else temperature
     if not args.model:
         raise SystemExit(f"teacher-server: --model is required with --backend {args.backend}")
@@ -271,6 +366,9 @@ def serve(argv: list[str] | None = None) -> int:
         token=_read_token(args),
         drain_timeout_s=args.drain_timeout_s,
         warmup=not args.no_warmup,
+        stream_max_unsent_mb=args.stream_max_unsent_mb,
+        stream_max_unsent_requests=args.stream_max_unsent_requests,
+        http_limits=_http_limits(args),
     )
     backend = _backend_from_args(args)
     return asyncio.run(run_server(backend, config))

@@ -40,6 +40,12 @@ def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def _serialize(message: Message | bytes) -> bytes:
+    """A response message's bytes; a large one arrives serialized already (in a worker
+    thread, ``teacher_server.offload``) and passes through."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def teacher_rpc_handler(servicer: Any) -> grpc.GenericRpcHandler:
     """The Teacher service's methods on ``servicer`` (GetInfo, Score, ScoreStream)."""
     handlers = {
@@ -51,12 +57,12 @@ def teacher_rpc_handler(servicer: Any) -> grpc.GenericRpcHandler:
         "Score": grpc.unary_unary_rpc_method_handler(
             servicer.Score,
             request_deserializer=_tolerant(pb.ScoreRequest),
-            response_serializer=pb.ScoreResponse.SerializeToString,
+            response_serializer=_serialize,
         ),
         "ScoreStream": grpc.stream_stream_rpc_method_handler(
             servicer.ScoreStream,
             request_deserializer=_tolerant(pb.ScoreRequest),
-            response_serializer=pb.ScoreResponse.SerializeToString,
+            response_serializer=_serialize,
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

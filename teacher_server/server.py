@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -21,7 +22,12 @@ from grpc_reflection.v1alpha import reflection
 from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
+from teacher_server.backpressure import (
+    DEFAULT_STREAM_MAX_UNSENT_MB,
+    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+)
 from teacher_server.http_app import build_http_app
+from teacher_server.http_limits import BodyLimitMiddleware, HttpLimits
 from teacher_server.lifecycle import (
     DEFAULT_DRAIN_TIMEOUT_S,
     ENGINE_SHUTDOWN_S,
@@ -32,6 +38,7 @@ from teacher_server.lifecycle import (
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
+from teacher_server.trl_http import TRLEndpoints
 from teacher_server.validation import Limits
 from topk_protocol import pb
 
@@ -71,6 +78,9 @@ class ServerConfig:
     token: str | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     warmup: bool = True
+    stream_max_unsent_mb: int = DEFAULT_STREAM_MAX_UNSENT_MB
+    stream_max_unsent_requests: int = DEFAULT_STREAM_MAX_UNSENT_REQUESTS
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
 
 class TeacherServer:
@@ -94,7 +104,15 @@ class TeacherServer:
             config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
         )
         self._servicer = TeacherServicer(
-            backend, self._limits, self._metrics, self.lifecycle, self._admission
+            backend,
+            self._limits,
+            self._metrics,
+            self.lifecycle,
+            self._admission,
+            stream_budget=(
+                config.stream_max_unsent_requests,
+                config.stream_max_unsent_mb * 1024 * 1024,
+            ),
         )
         self._health = health.aio.HealthServicer()
         self.lifecycle.subscribe(self._on_phase)
@@ -180,11 +198,20 @@ class TeacherServer:
 
     async def _start_http(self, tls: tuple[Path, Path] | None) -> None:
         cfg = self._config
+        trl = TRLEndpoints(self._servicer.score_rendered, self.info, lambda: self._servicer.limits)
         app = build_http_app(
-            lifecycle=self.lifecycle, info=self.info, metrics=self._metrics, token=cfg.token
+            lifecycle=self.lifecycle,
+            info=self.info,
+            metrics=self._metrics,
+            token=cfg.token,
+            trl=trl,
         )
+        limits = cfg.http_limits
         ucfg = uvicorn.Config(
-            app,
+            # Every route: the body limits wrap the whole app (teacher_server.http_limits).
+            BodyLimitMiddleware(
+                app, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s
+            ),
             host=cfg.http_host or cfg.host,
             port=cfg.http_port,
             log_level="warning",
@@ -193,6 +220,7 @@ class TeacherServer:
             # carries the bearer token.
             ssl_certfile=str(tls[0]) if tls else None,
             ssl_keyfile=str(tls[1]) if tls else None,
+            **limits.uvicorn_kwargs(),
         )
         self._http = _EmbeddedUvicorn(ucfg)
         self._http_task = asyncio.create_task(self._http.serve())
@@ -208,6 +236,7 @@ class TeacherServer:
     async def _load(self) -> None:
         try:
             await self._backend.start()
+            _freeze_startup_objects()
             info = self._backend.info
             max_len = info.max_sequence_length
             self._limits = dataclasses.replace(
@@ -221,6 +250,7 @@ class TeacherServer:
             self._servicer.set_limits(self._limits)
             if self._config.warmup:
                 await self._backend.warmup()
+            _freeze_startup_objects()
             self._info = teacher_info_message(self._backend, self._limits)
             if await self.lifecycle.advance(Phase.READY):
                 log.info("teacher ready: %s (engine dtype %s)", info, info.dtype or "n/a")
@@ -285,6 +315,16 @@ class TeacherServer:
         if self._grpc is None:
             raise RuntimeError("TeacherServer.wait_for_termination: call start() first")
         await self._grpc.wait_for_termination()
+
+
+def _freeze_startup_objects() -> None:
+    """Move every object alive now (the engine's, torch's, the modules') out of the cyclic
+    garbage collector's reach (``gc.freeze``): they live as long as the process, and a
+    full collection scanning them all held the event loop, probes included, for up to
+    1.5 s under load. vLLM's engine process does the same. No ``gc.collect()`` first: that
+    would be one such pause, on the loop; ``gc.freeze`` itself only moves lists."""
+    gc.freeze()
+    log.info("gc: %d start-up objects frozen", gc.get_freeze_count())
 
 
 def _tls_files(cfg: ServerConfig) -> tuple[Path, Path] | None:

@@ -10,29 +10,42 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
 from teacher_server.admission import AdmissionQueue, AdmissionRefused
 from teacher_server.backends.base import Backend, ScoredSequence
+from teacher_server.backpressure import (
+    DEFAULT_STREAM_MAX_UNSENT_MB,
+    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+    StreamBudget,
+)
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
-from teacher_server.payloads import encode_scored, iter_stream_responses
+from teacher_server.offload import (
+    Outgoing,
+    encode_response_off_loop,
+    gather_bounded,
+    parse_off_loop,
+    stream_responses_off_loop,
+)
 from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import (
     Limits,
     ParsedRequest,
     ParsedSequence,
     RequestError,
-    parse_request,
 )
 from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, fits_one_message, pb, pb_grpc
 
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
@@ -70,30 +83,89 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         metrics: TeacherMetrics,
         lifecycle: Lifecycle,
         admission: AdmissionQueue,
+        stream_budget: tuple[int, int] = (
+            DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+            DEFAULT_STREAM_MAX_UNSENT_MB * 1024 * 1024,
+        ),
     ) -> None:
         self._backend = backend
         self._limits = limits
         self._metrics = metrics
         self._lifecycle = lifecycle
         self._admission = admission
+        # (requests, bytes) one ScoreStream may hold unsent (teacher_server.backpressure)
+        StreamBudget(*stream_budget)  # refuses bad values now, not at the first stream
+        self._stream_budget = stream_budget
 
     def set_limits(self, limits: Limits) -> None:
         """Backend loaded: the final limits (vocab size now known)."""
         self._limits = limits
 
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    async def score_rendered(
+        self,
+        method: str,
+        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[ScoredSequence]], R]]],
+    ) -> R:
+        """One request from another front end (the HTTP routes; ``method`` names it in the
+        metrics) with the same lifecycle check, validation, admission, backend and metrics
+        as ``Score``. ``prepare()`` (in a worker thread, after the lifecycle check) parses
+        the front end's request into a ``ScoreRequest`` and a renderer; ``render(scored)``
+        runs in a worker thread while the slot is held (a drain waits for it). Raises
+        :class:`RequestError` (INTERNAL on a failure)."""
+        t0 = time.perf_counter()
+        try:
+            refusal = self._lifecycle.refusal()
+            if refusal is not None:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal)
+            request, render = await asyncio.to_thread(prepare)
+            parsed = await self._admit(request)
+        except RequestError as e:
+            self._count(method, e.code, t0)
+            raise
+        try:
+            scored = await self._score(parsed)
+            out = await asyncio.to_thread(render, scored)
+        except RequestError as e:
+            self._count(method, e.code, t0)
+            raise
+        except asyncio.CancelledError:
+            self._count(method, grpc.StatusCode.CANCELLED, t0)
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            self._count(method, grpc.StatusCode.INTERNAL, t0)
+            raise RequestError(grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}") from None
+        finally:
+            self._release()
+        self._count_payload(parsed)
+        self._count(method, grpc.StatusCode.OK, t0)
+        return out
+
     # -- admission ---------------------------------------------------------------------
-    async def _admit(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
-        """Validate, then wait for a slot; the caller must :meth:`_release` it."""
+    async def _validate(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
+        """The validated request (large ones off the event loop: ``offload``)."""
         if isinstance(request, Undecodable):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         refusal = self._lifecycle.refusal()
         if refusal is not None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, refusal)
-        parsed = parse_request(request, self._limits)
+        return await parse_off_loop(request, self._limits)
+
+    async def _acquire(self) -> None:
+        """Wait for a slot; the caller must :meth:`_release` it."""
         try:
             await self._admission.acquire()
         except AdmissionRefused as e:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, e.message) from None
+
+    async def _admit(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
+        """Validate, then wait for a slot; the caller must :meth:`_release` it."""
+        parsed = await self._validate(request)
+        await self._acquire()
         return parsed
 
     def _release(self) -> None:
@@ -114,7 +186,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 )
             return await self._backend.score(seq.token_ids, k, seq.start, seq.end)
 
-        return list(await asyncio.gather(*(one(s) for s in parsed.sequences)))
+        return await gather_bounded(one, parsed.sequences)
 
     def _count(self, method: str, code: grpc.StatusCode, t0: float) -> None:
         self._metrics.requests.labels(method, code.name).inc()
@@ -137,7 +209,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
 
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScoreResponse:
+    ) -> pb.ScoreResponse | bytes:
         t0 = time.perf_counter()
         try:
             parsed = await self._admit(request)
@@ -153,20 +225,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                     f"{self._limits.max_message_bytes}; use ScoreStream or fewer positions",
                 )
             scored = await self._score(parsed)
-            resp = pb.ScoreResponse(
-                request_id=parsed.request_id,
-                sequences=[
-                    encode_scored(
-                        s,
-                        dtype=parsed.dtype,
-                        include_sampled=parsed.include_sampled,
-                        sequence_index=i,
-                    )
-                    for i, s in enumerate(scored)
-                ],
-                final=True,
-                teacher_seconds=time.perf_counter() - t0,
-            )
+            resp = await encode_response_off_loop(parsed, scored, time.perf_counter() - t0)
         except RequestError as e:
             self._count("Score", e.code, t0)
             await context.abort(e.code, e.message)
@@ -184,19 +243,27 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         return resp
 
     async def _stream_one(
-        self, request: pb.ScoreRequest, out: asyncio.Queue[pb.ScoreResponse | Undecodable | None]
+        self, request: pb.ScoreRequest, out: asyncio.Queue[_Outgoing], budget: StreamBudget
     ) -> None:
-        """Answer one request of a stream: its chunks, or one ``Error`` message."""
+        """Answer one request of a stream: its chunks, or one ``Error`` message. Its
+        answer's bytes are reserved in ``budget`` before it is scored; the stream gives
+        them back once the final message is sent."""
         t0 = time.perf_counter()
+        held = 0
         try:
-            parsed = await self._admit(request)
+            parsed = await self._validate(request)
+            held = parsed.response_bytes()
+            await budget.take_bytes(held)
+            await self._acquire()
         except RequestError as e:
             self._count("ScoreStream", e.code, t0)
-            await out.put(_error_response(request.request_id, e.code, e.message))
+            await out.put(
+                (Outgoing(_error_response(request.request_id, e.code, e.message), True), held)
+            )
             return
         try:
             scored = await self._score(parsed)
-            responses: Iterator[pb.ScoreResponse] = iter_stream_responses(
+            responses: list[Outgoing] = await stream_responses_off_loop(
                 parsed.request_id,
                 scored,
                 top_k=parsed.top_k,
@@ -205,11 +272,14 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 chunk_bytes=min(self._limits.chunk_bytes, self._limits.max_message_bytes // 2),
                 teacher_seconds=time.perf_counter() - t0,
             )
+            del scored
             for msg in responses:
-                await out.put(msg)
+                await out.put((msg, held))
         except RequestError as e:  # refused by the backend (e.g. replay: not recorded)
             self._count("ScoreStream", e.code, t0)
-            await out.put(_error_response(parsed.request_id, e.code, e.message))
+            await out.put(
+                (Outgoing(_error_response(parsed.request_id, e.code, e.message), True), held)
+            )
             return
         except asyncio.CancelledError:
             self._count("ScoreStream", grpc.StatusCode.CANCELLED, t0)
@@ -218,8 +288,16 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             log.exception("ScoreStream request failed")
             self._count("ScoreStream", grpc.StatusCode.INTERNAL, t0)
             await out.put(
-                _error_response(
-                    parsed.request_id, grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}"
+                (
+                    Outgoing(
+                        _error_response(
+                            parsed.request_id,
+                            grpc.StatusCode.INTERNAL,
+                            f"teacher: scoring failed: {e}",
+                        ),
+                        True,
+                    ),
+                    held,
                 )
             )
             return
@@ -232,18 +310,28 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         self,
         request_iterator: AsyncIterator[pb.ScoreRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.ScoreResponse]:
-        out: asyncio.Queue[pb.ScoreResponse | Undecodable | None] = asyncio.Queue()
+    ) -> AsyncIterator[pb.ScoreResponse | bytes]:
+        # Unbounded as a queue, bounded by the budget: every item was reserved in it.
+        out: asyncio.Queue[_Outgoing] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
+        budget = StreamBudget(*self._stream_budget)
+        requests = aiter(request_iterator)
 
         async def read() -> None:
             try:
-                async for request in request_iterator:
+                while True:
+                    # Backpressure: read the next request only when this stream may hold
+                    # one more (teacher_server.backpressure).
+                    await budget.take_request()
+                    try:
+                        request = await anext(requests)
+                    except StopAsyncIteration:
+                        break
                     if isinstance(request, Undecodable):
                         # No request_id to answer it by: the stream itself is broken.
                         await out.put(request)
                         return
-                    task = asyncio.create_task(self._stream_one(request, out))
+                    task = asyncio.create_task(self._stream_one(request, out, budget))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
@@ -253,11 +341,16 @@ class TeacherServicer(pb_grpc.TeacherServicer):
 
         reader = asyncio.create_task(read())
         try:
-            while (msg := await out.get()) is not None:
-                if isinstance(msg, Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.message)
+            while (item := await out.get()) is not None:
+                if isinstance(item, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.message)
                     return  # abort raised; never reached
-                yield msg
+                msg, held = item
+                del item
+                yield msg.message  # returns once gRPC has taken it (flow control permitting)
+                if msg.final:
+                    await budget.give_back(held)
+                del msg
             await reader
         finally:
             # Client gone, cancelled or deadline expired: stop the engine work too.
@@ -266,6 +359,11 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+
+
+#: An answer message and the bytes its request holds in the stream's budget; an
+#: undecodable request (the stream is closed); None: the stream's requests are all answered.
+_Outgoing = tuple[Outgoing, int] | Undecodable | None
 
 
 def _error_response(request_id: str, code: grpc.StatusCode, message: str) -> pb.ScoreResponse:

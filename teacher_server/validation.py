@@ -21,7 +21,16 @@ from topk_protocol import (
     sequence_span,
 )
 
-__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "RequestError", "parse_request"]
+__all__ = [
+    "Limits",
+    "ParsedRequest",
+    "ParsedSequence",
+    "RequestError",
+    "check_token_ids",
+    "check_top_k",
+    "check_total_tokens",
+    "parse_request",
+]
 
 
 class RequestError(Exception):
@@ -75,12 +84,46 @@ def _invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def check_top_k(top_k: int, limits: Limits, field: str = "top_k") -> None:
+    """K within ``[1, max_top_k]``; ``field`` names it in the error (HTTP routes name
+    their own field)."""
+    if not 1 <= top_k <= limits.max_top_k:
+        raise _invalid(f"{field}: {top_k} is outside [1, {limits.max_top_k}] (max_top_k)")
+
+
+def check_total_tokens(total: int, limits: Limits, field: str = "sequences") -> None:
+    """A request's tokens in total within ``max_tokens_per_request`` (RESOURCE_EXHAUSTED)."""
+    if total > limits.max_tokens_per_request:
+        raise RequestError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{field}: {total} tokens in total exceeds max_tokens_per_request "
+            f"{limits.max_tokens_per_request}; split the batch",
+        )
+
+
+def check_token_ids(ids: npt.NDArray[np.integer], limits: Limits, field: str) -> None:
+    """One sequence's ids ``[L]``: at least one, at most ``max_sequence_length``, each in
+    the vocabulary; ``field`` names the sequence (``field[j]`` the bad token)."""
+    n = len(ids)
+    if n == 0:
+        raise _invalid(f"{field}: empty; a sequence needs at least 1 token")
+    if limits.max_sequence_length and n > limits.max_sequence_length:
+        raise _invalid(
+            f"{field}: length {n} exceeds max_sequence_length {limits.max_sequence_length}"
+        )
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= limits.vocab_size:
+        j = int(np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))[0])
+        raise _invalid(
+            f"{field}[{j}]: {int(ids[j])} is outside the vocabulary [0, {limits.vocab_size})"
+        )
+
+
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
     """Validate ``req`` against ``limits``; raise :class:`RequestError` on the first problem."""
     if not req.sequences:
         raise _invalid("sequences: empty; a request needs at least 1 sequence")
-    if not 1 <= req.top_k <= limits.max_top_k:
-        raise _invalid(f"top_k: {req.top_k} is outside [1, {limits.max_top_k}] (max_top_k)")
+    check_top_k(req.top_k, limits)
     try:
         dtype = request_dtype(req)
     except ValueError:
@@ -96,30 +139,12 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
                 f"sequences[{i}].token_ids: {n_bytes} bytes is not a multiple of 4 (int32)"
             )
         total += n_bytes // 4
-    if total > limits.max_tokens_per_request:
-        raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"sequences: {total} tokens in total exceeds max_tokens_per_request "
-            f"{limits.max_tokens_per_request}; split the batch",
-        )
+    check_total_tokens(total, limits)
     parsed: list[ParsedSequence] = []
     for i, seq in enumerate(req.sequences):
         ids = np.frombuffer(seq.token_ids, dtype="<i4")
         n = len(ids)
-        if n == 0:
-            raise _invalid(f"sequences[{i}].token_ids: empty; a sequence needs at least 1 token")
-        if limits.max_sequence_length and n > limits.max_sequence_length:
-            raise _invalid(
-                f"sequences[{i}].token_ids: length {n} exceeds max_sequence_length "
-                f"{limits.max_sequence_length}"
-            )
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= limits.vocab_size:
-            j = int(np.flatnonzero((ids < 0) | (ids >= limits.vocab_size))[0])
-            raise _invalid(
-                f"sequences[{i}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
-                f"[0, {limits.vocab_size})"
-            )
+        check_token_ids(ids, limits, f"sequences[{i}].token_ids")
         start, end = sequence_span(seq)
         if not 0 <= start <= end <= n:
             raise _invalid(

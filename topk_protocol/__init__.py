@@ -41,6 +41,7 @@ from topk_protocol.temperature import (
     DEFAULT_TEACHER_TEMPERATURE,
     check_temperature,
     teacher_temperature,
+    temperature_mismatch,
 )
 
 __all__ = [
@@ -74,4 +75,5 @@ __all__ = [
     "response_bytes",
     "sequence_span",
     "teacher_temperature",
+    "temperature_mismatch",
 ]

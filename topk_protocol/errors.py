@@ -13,9 +13,11 @@ from pathlib import Path
 import grpc
 
 __all__ = [
+    "DataLossError",
     "DeadlineExceededError",
     "InvalidRequestError",
     "NotRecordedError",
+    "RecordingDamagedError",
     "RecordingError",
     "ResourceExhaustedError",
     "TeacherError",
@@ -87,6 +89,28 @@ class RecordingError(TeacherError):
         self.offset = offset
 
 
+class DataLossError(TeacherError):
+    """Stored data is damaged (DATA_LOSS): e.g. a replayed row failed its checksum. Not
+    retried: the same row is damaged on every try."""
+
+
+class RecordingDamagedError(RecordingError, DataLossError):
+    """A recording's stored bytes are damaged, or its ``metadata.json`` and its shards
+    disagree: nothing is served from what is damaged.
+
+    ``path`` is the shard (or ``metadata.json``); ``row`` the row inside that shard
+    (``None`` when the damage is not one row's, e.g. a schema or a whole batch).
+    """
+
+    def __init__(
+        self, path: str | Path, row: int | None, message: str, offset: int | None = None
+    ) -> None:
+        where = f"row {row}: " if row is not None else ""
+        super().__init__(path, offset, where + message)
+        self.row = row
+        self.code = grpc.StatusCode.DATA_LOSS
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TeacherError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
@@ -96,6 +120,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TeacherError]] = {
     grpc.StatusCode.UNAVAILABLE: TeacherUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.NOT_FOUND: NotRecordedError,
+    grpc.StatusCode.DATA_LOSS: DataLossError,
 }
 _CODE_BY_VALUE: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 

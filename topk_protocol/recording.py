@@ -17,6 +17,7 @@ column                        Arrow type                                 meaning
 ``ids``                       ``list<fixed_size_list<int32, K>>``        ``[S, K]`` top-k ids
 ``logprobs``                  ``list<fixed_size_list<F, K>>``            ``[S, K]`` sorted desc.
 ``sampled_logprobs``          ``list<F>``, null when not recorded        ``[S]``, NaN at L-1
+``row_crc32``                 ``uint32``                                 the row's checksum
 ============================  =========================================  ==================
 
 ``S = position_end - position_start``; row ``j`` is position ``position_start + j``. ``F``
@@ -30,6 +31,14 @@ about as fast, uncompressed ones are memory-mapped without any decoding, and a s
 readable up to its last complete batch, so a writer killed at any moment leaves a
 readable file (a Parquet file without its footer is unreadable). Compression uses
 Arrow's built-in codecs (zstd, lz4), so a student-only install reads and writes them.
+
+Integrity (:mod:`topk_protocol.integrity`): every row carries a CRC-32 of what it serves,
+and every shard's schema metadata repeats ``metadata.json``'s format fields. A row is
+verified each time it is read; a row that fails, a batch or shard that does not parse, a
+shard whose schema disagrees with ``metadata.json`` is reported as a
+:class:`~topk_protocol.errors.RecordingDamagedError` naming the shard (or
+``metadata.json``) and the row, and the intact rows still replay. Shards written before
+checksums (no ``row_crc32`` column) still open, with one warning.
 
 Crash safety: the writer buffers rows and writes them as one record batch every
 ``flush_interval_s`` seconds (a background thread flushes even when no new row comes), so
@@ -58,6 +67,8 @@ import pyarrow as pa
 from google.protobuf import json_format
 
 from topk_protocol import (
+    DEFAULT_TEACHER_TEMPERATURE,
+    check_temperature,
     decode_sequence,
     dtype_from_name,
     dtype_name,
@@ -69,7 +80,16 @@ from topk_protocol import (
 )
 from topk_protocol._closeable import Closeable
 from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
-from topk_protocol.errors import RecordingError
+from topk_protocol.errors import RecordingDamagedError, RecordingError
+from topk_protocol.integrity import (
+    CHECKSUM_COLUMN,
+    CHECKSUM_NAME,
+    FORMAT_FIELDS,
+    SCHEMA_METADATA_KEY,
+    format_disagreements,
+    row_checksum,
+    shard_format,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -92,6 +112,10 @@ METADATA_FILE = "metadata.json"
 SHARD_SUFFIX = ".arrow"
 DEFAULT_FLUSH_INTERVAL_S = 2.0
 COMPRESSIONS = ("zstd", "lz4", "none", "auto")  # auto: zstd
+_DTYPES = ("float32", "float16", "bfloat16")
+#: What reading damaged Arrow bytes raises (ArrowInvalid and UnicodeDecodeError are
+#: ValueErrors).
+_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
 _KEY_DOMAIN = b"topk-distill/sequence/v2"
 
 
@@ -117,21 +141,31 @@ def _storage_type(dtype: str) -> pa.DataType:
     return pa.float16() if dtype == "float16" else pa.float32()
 
 
-def recording_schema(top_k: int, dtype: str) -> pa.Schema:
-    """The Arrow schema of a recording with ``top_k`` and log-prob ``dtype`` (name)."""
+def recording_schema(
+    top_k: int, dtype: str, fmt: dict[str, Any] | None = None, *, checksums: bool = True
+) -> pa.Schema:
+    """The Arrow schema of a recording with ``top_k`` and log-prob ``dtype`` (name).
+
+    ``fmt``: the other format fields the schema metadata repeats (``vocab_size``,
+    ``tokenizer_fingerprint``, ``temperature``); ``checksums=False``: the columns of a
+    shard written before the ``row_crc32`` column existed.
+    """
     f = _storage_type(dtype)
-    return pa.schema(
-        [
-            pa.field("key", pa.binary(), nullable=False),
-            pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
-            pa.field("position_start", pa.int32(), nullable=False),
-            pa.field("position_end", pa.int32(), nullable=False),
-            pa.field("ids", pa.list_(pa.list_(pa.int32(), top_k)), nullable=False),
-            pa.field("logprobs", pa.list_(pa.list_(f, top_k)), nullable=False),
-            pa.field("sampled_logprobs", pa.list_(f)),
-        ],
-        metadata={"topk_distill": json.dumps({"top_k": top_k, "dtype": dtype})},
-    )
+    fields = [
+        pa.field("key", pa.binary(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("position_start", pa.int32(), nullable=False),
+        pa.field("position_end", pa.int32(), nullable=False),
+        pa.field("ids", pa.list_(pa.list_(pa.int32(), top_k)), nullable=False),
+        pa.field("logprobs", pa.list_(pa.list_(f, top_k)), nullable=False),
+        pa.field("sampled_logprobs", pa.list_(f)),
+    ]
+    stated: dict[str, Any] = {"top_k": top_k, "dtype": dtype}
+    if checksums:
+        fields.append(pa.field(CHECKSUM_COLUMN, pa.uint32(), nullable=False))
+        stated.update(fmt or {})
+        stated["checksum"] = CHECKSUM_NAME
+    return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: json.dumps(stated, sort_keys=True)})
 
 
 def cast_like_teacher(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
@@ -181,14 +215,28 @@ def _sampled_column(rows: list[npt.NDArray[Any] | None], typ: pa.DataType) -> pa
     return pa.ListArray.from_arrays(offsets, pa.array(flat, type=typ), mask=mask)
 
 
-def _read_metadata(root: Path) -> dict[str, Any]:
+#: ``metadata.json`` fields the reader relies on, with the JSON types they must have.
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "teacher": (dict,),
+    "top_k": (int,),
+    "dtype": (str,),
+    "vocab_size": (int,),
+    "tokenizer_fingerprint": (str,),
+}
+
+
+def _read_metadata(root: Path) -> tuple[dict[str, Any], pb.TeacherInfo]:
+    """``metadata.json`` checked field by field, and the teacher's info it holds; every
+    problem is a :class:`RecordingError` naming ``metadata.json`` and the field."""
     path = root / METADATA_FILE
     try:
-        meta: dict[str, Any] = json.loads(path.read_text())
+        meta = json.loads(path.read_bytes())
     except FileNotFoundError:
         raise RecordingError(root, None, f"no {METADATA_FILE}: not a recording") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise RecordingError(path, None, f"unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise RecordingError(path, None, f"not a JSON object but {type(meta).__name__}")
     if meta.get("format") != FORMAT_NAME:
         raise RecordingError(path, None, f"format {meta.get('format')!r}, not {FORMAT_NAME!r}")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -197,7 +245,35 @@ def _read_metadata(root: Path) -> dict[str, Any]:
             None,
             f"format_version {meta.get('format_version')}; this reader reads {FORMAT_VERSION}",
         )
-    return meta
+    for name, types in _META_TYPES.items():
+        value = meta.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            want = " or ".join(t.__name__ for t in types)
+            raise RecordingError(path, None, f"{name}: {value!r} is not a JSON {want}")
+    meta.setdefault("temperature", DEFAULT_TEACHER_TEMPERATURE)
+    problems = []
+    if meta["top_k"] < 1:
+        problems.append(f"top_k: {meta['top_k']} is not >= 1")
+    if meta["dtype"] not in _DTYPES:
+        problems.append(f"dtype: {meta['dtype']!r} is not one of {', '.join(_DTYPES)}")
+    try:
+        meta["temperature"] = check_temperature(meta["temperature"], "temperature")
+    except (TypeError, ValueError) as e:
+        problems.append(str(e))
+    try:
+        info = json_format.ParseDict(meta["teacher"], pb.TeacherInfo(), ignore_unknown_fields=True)
+    except json_format.ParseError as e:
+        raise RecordingError(path, None, f"teacher: not a TeacherInfo ({e})") from None
+    for name, theirs in (
+        ("vocab_size", int(info.vocab_size)),
+        ("tokenizer_fingerprint", info.tokenizer_fingerprint),
+        ("temperature", teacher_temperature(info)),
+    ):
+        if meta[name] != theirs and not problems:
+            problems.append(f"{name}: {meta[name]!r}, but teacher.{name} says {theirs!r}")
+    if problems:
+        raise RecordingError(path, None, "; ".join(problems))
+    return meta, info
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -279,6 +355,11 @@ class RecordingWriter(Closeable):
                 old, new = getattr(r.info, field), getattr(self.info, field)
                 if old != new:
                     problems.append(f"{field}: recorded {old!r}, this teacher has {new!r}")
+            if r.temperature != teacher_temperature(self.info):
+                problems.append(
+                    f"temperature: recorded {r.temperature!r}, this teacher has "
+                    f"{teacher_temperature(self.info)!r}"
+                )
             for name, mine, theirs in (
                 ("top_k", self.top_k, r.top_k),
                 ("dtype", self.dtype, r.dtype),
@@ -418,11 +499,15 @@ class RecordingWriter(Closeable):
             if not self._buffer:
                 return
             assert self.top_k is not None and self.dtype is not None
-            schema = recording_schema(self.top_k, self.dtype)
+            schema = recording_schema(self.top_k, self.dtype, self._format())
             if self._stream is None:
                 self._open_shard(schema)
             rows = [r for _, r in self._buffer]
             f = _storage_type(self.dtype)
+            checksums = [
+                row_checksum(k, r.token_ids, r.start, r.end, r.ids, r.logprobs, r.sampled_logprobs)
+                for k, r in self._buffer
+            ]
             batch = pa.record_batch(
                 [
                     pa.array([k for k, _ in self._buffer], pa.binary()),
@@ -432,6 +517,7 @@ class RecordingWriter(Closeable):
                     _list_column([r.ids for r in rows], pa.int32(), self.top_k),
                     _list_column([r.logprobs for r in rows], f, self.top_k),
                     _sampled_column([r.sampled_logprobs for r in rows], f),
+                    pa.array(checksums, pa.uint32()),
                 ],
                 schema=schema,
             )
@@ -440,6 +526,14 @@ class RecordingWriter(Closeable):
             self._file.flush()
             self.rows_written += len(rows)
             self._buffer.clear()
+
+    def _format(self) -> dict[str, Any]:
+        """The format fields (besides K and dtype) every shard's schema repeats."""
+        return {
+            "vocab_size": int(self.info.vocab_size),
+            "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
+            "temperature": teacher_temperature(self.info),
+        }
 
     def _open_shard(self, schema: pa.Schema) -> None:
         n = len(_shards(self.path))
@@ -477,10 +571,17 @@ class _Copy:
 
 
 class _Chunk:
-    """numpy views of one record batch's columns (no copy for uncompressed shards)."""
+    """numpy views of one record batch's columns (no copy for uncompressed shards).
 
-    def __init__(self, batch: pa.RecordBatch, top_k: int) -> None:
+    ``shard`` and ``first_row`` (the batch's first row within the shard) say where each
+    row is, for the error that names a damaged one.
+    """
+
+    def __init__(self, batch: pa.RecordBatch, top_k: int, shard: Path, first_row: int) -> None:
+        self.shard = shard
+        self.first_row = first_row
         self.num_rows = batch.num_rows
+        self.keys: list[bytes] = batch.column("key").to_pylist()
         self.starts = batch.column("position_start").to_numpy()
         self.ends = batch.column("position_end").to_numpy()
         tok = batch.column("token_ids")
@@ -490,24 +591,109 @@ class _Chunk:
         self.row_offsets = ids.offsets.to_numpy()
         self.ids = ids.values.flatten().to_numpy().reshape(-1, top_k)
         self.lps = lps.values.flatten().to_numpy().reshape(-1, top_k)
+        self.lps_offsets = lps.offsets.to_numpy()
         sp = batch.column("sampled_logprobs")
         self.has_sampled = sp.is_valid().to_numpy(zero_copy_only=False)
         self.sp_offsets = sp.offsets.to_numpy()
         self.sp_values = sp.values.to_numpy()
+        names = batch.schema.names
+        self.checksums = (
+            batch.column(CHECKSUM_COLUMN).to_numpy() if CHECKSUM_COLUMN in names else None
+        )
 
-    def row(self, r: int) -> RecordedSequence:
+    def row(self, r: int, vocab_size: int) -> RecordedSequence:
+        """Row ``r``, verified: its checksum (when the shard has them), that its arrays
+        have the lengths its positions say, and that its ids lie in the vocabulary.
+        Raises :class:`RecordingDamagedError` naming the shard and the row otherwise."""
         a, b = self.row_offsets[r], self.row_offsets[r + 1]
         sp = None
         if self.has_sampled[r]:
             sp = self.sp_values[self.sp_offsets[r] : self.sp_offsets[r + 1]]
-        return RecordedSequence(
+        row = RecordedSequence(
             token_ids=self.tok_values[self.tok_offsets[r] : self.tok_offsets[r + 1]],
             ids=self.ids[a:b],
-            logprobs=self.lps[a:b],
+            logprobs=self.lps[self.lps_offsets[r] : self.lps_offsets[r + 1]],
             sampled_logprobs=sp,
             start=int(self.starts[r]),
             end=int(self.ends[r]),
         )
+        problem = self._problem(r, row, vocab_size)
+        if problem is not None:
+            raise RecordingDamagedError(self.shard, self.first_row + r, problem)
+        return row
+
+    def _problem(self, r: int, row: RecordedSequence, vocab_size: int) -> str | None:
+        s = row.end - row.start
+        if not 0 <= row.start <= row.end <= len(row.token_ids):
+            return (
+                f"positions [{row.start}, {row.end}) are not inside its "
+                f"{len(row.token_ids)} tokens: the shard is damaged"
+            )
+        lengths = {len(row.ids), len(row.logprobs)}
+        if row.sampled_logprobs is not None:
+            lengths.add(len(row.sampled_logprobs))
+        if lengths != {s}:
+            return f"its arrays hold {sorted(lengths)} rows for {s} positions: the shard is damaged"
+        if self.checksums is not None:
+            crc = row_checksum(
+                self.keys[r],
+                row.token_ids,
+                row.start,
+                row.end,
+                row.ids,
+                row.logprobs,
+                row.sampled_logprobs,
+            )
+            if crc != int(self.checksums[r]):
+                return (
+                    f"checksum mismatch ({CHECKSUM_COLUMN} {int(self.checksums[r]):#010x}, the "
+                    f"row's bytes give {crc:#010x}): the shard is damaged; this row is not served"
+                )
+        for name, arr in (("token_ids", row.token_ids), ("ids", row.ids)):
+            if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+                return (
+                    f"{name} [{int(arr.min())}, {int(arr.max())}] are outside the vocabulary "
+                    f"[0, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} is damaged"
+                )
+        return None
+
+
+@dataclass(frozen=True)
+class _ShardCheck:
+    """What a shard's schema says about it: ``damage`` (its columns or schema metadata
+    are not a recording's), or how it ``disagrees`` with ``metadata.json``."""
+
+    damage: str | None = None
+    disagrees: tuple[str, ...] = ()
+    checksums: bool = False
+
+
+def _check_schema(schema: pa.Schema, meta: dict[str, Any]) -> _ShardCheck:
+    """Compare a shard's schema with what a recording's must be, and with ``meta``."""
+    try:
+        return _compare_schema(schema, meta)
+    except (ValueError, pa.ArrowException) as e:  # e.g. a field name that is not UTF-8
+        return _ShardCheck(damage=f"its schema does not decode ({type(e).__name__}: {e})")
+
+
+def _compare_schema(schema: pa.Schema, meta: dict[str, Any]) -> _ShardCheck:
+    fmt = shard_format(schema.metadata)
+    if isinstance(fmt, str):
+        return _ShardCheck(damage=fmt)
+    top_k, dtype = fmt.get("top_k"), fmt.get("dtype")
+    if not isinstance(top_k, int) or top_k < 1 or dtype not in _DTYPES:
+        return _ShardCheck(damage=f"its schema states top_k {top_k!r}, dtype {dtype!r}")
+    checksums = CHECKSUM_COLUMN in schema.names
+    want = recording_schema(top_k, str(dtype), checksums=checksums).remove_metadata()
+    if not schema.remove_metadata().equals(want):
+        return _ShardCheck(
+            damage=f"its columns are not those of a K = {top_k} {dtype} recording: "
+            + ", ".join(f"{f.name}: {f.type}" for f in schema)
+        )
+    if checksums and not set(FORMAT_FIELDS) <= set(fmt):
+        missing = sorted(set(FORMAT_FIELDS) - set(fmt))
+        return _ShardCheck(damage=f"its schema metadata lacks {', '.join(missing)}")
+    return _ShardCheck(disagrees=tuple(format_disagreements(meta, fmt)), checksums=checksums)
 
 
 class RecordingReader(Closeable):
@@ -519,65 +705,125 @@ class RecordingReader(Closeable):
         top_k, dtype: what the recording stores.
         temperature: the teacher's temperature when recorded.
         skipped: one line per thing not read (a batch cut by a killed writer, an empty
-            shard), naming the shard; also logged and warned.
+            shard, a damaged batch or shard), naming the shard; also logged and warned.
+        damaged: the :class:`RecordingDamagedError` of every shard or batch found damaged
+            when opened (rows are verified when read: see :meth:`row`).
+        unverified: shards without checksums (written before they existed).
 
-    Uncompressed shards are memory-mapped (rows are views); compressed ones are
-    decompressed into memory when opened. Thread-safe for reads; works after ``fork``.
+    Raises :class:`RecordingError` naming ``metadata.json`` when it is not a recording's,
+    and :class:`RecordingDamagedError` naming it when it disagrees with every shard's
+    schema (K, dtype, vocabulary, tokenizer, temperature). Uncompressed shards are
+    memory-mapped (rows are views); compressed ones are decompressed into memory when
+    opened. Thread-safe for reads; works after ``fork``.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.metadata = _read_metadata(self.path)
-        self.info = json_format.ParseDict(
-            self.metadata["teacher"], pb.TeacherInfo(), ignore_unknown_fields=True
-        )
+        self.metadata, self.info = _read_metadata(self.path)
         self.top_k = int(self.metadata["top_k"])
         self.dtype = str(self.metadata["dtype"])
-        self.temperature = float(self.metadata.get("temperature", 1.0))
+        self.temperature = float(self.metadata["temperature"])
+        self._vocab_size = int(self.metadata["vocab_size"])
         self.skipped: list[str] = []
+        self.damaged: list[RecordingDamagedError] = []
+        self.unverified: list[str] = []
         self._maps: list[pa.MemoryMappedFile] = []
         self._chunks: list[_Chunk] = []
-        keys: list[bytes] = []
+        disagreeing: list[tuple[Path, tuple[str, ...]]] = []
+        agreeing = 0
         for shard in _shards(self.path):
-            for batch in self._read_shard(shard):
-                self._chunks.append(_Chunk(batch, self.top_k))
-                keys.extend(batch.column("key").to_pylist())
+            stream = self._open_shard(shard)
+            if stream is None:
+                continue
+            check = _check_schema(stream.schema, self.metadata)
+            if check.damage is not None:
+                self._damage(shard, None, f"{check.damage}; none of its rows are served")
+                continue
+            if check.disagrees:
+                disagreeing.append((shard, check.disagrees))
+                continue
+            agreeing += 1
+            if not check.checksums:
+                self.unverified.append(shard.name)
+            for first_row, batch in self._read_batches(shard, stream):
+                self._chunks.append(_Chunk(batch, self.top_k, shard, first_row))
+        if disagreeing and not agreeing:
+            # Every shard says otherwise: it is metadata.json that is wrong.
+            shard, what = disagreeing[0]
+            raise RecordingDamagedError(
+                self.path / METADATA_FILE,
+                None,
+                f"disagrees with every shard's schema ({len(disagreeing)}), e.g. "
+                f"{shard.name}: " + "; ".join(what),
+            )
+        for shard, what in disagreeing:
+            self._damage(shard, None, f"{'; '.join(what)}; none of its rows are served")
         self._chunk_start = np.cumsum([0] + [c.num_rows for c in self._chunks])
-        self._keys = keys
+        self._keys = [k for c in self._chunks for k in c.keys]
         self._copies: dict[bytes, list[_Copy]] | None = None
         for line in self.skipped:
             log.warning("%s", line)
             warnings.warn(line, stacklevel=2)
+        if self.unverified:
+            line = (
+                f"recording {self.path}: {len(self.unverified)} shard(s) written without "
+                f"checksums ({', '.join(self.unverified)}): their rows are served unverified "
+                "(K, dtype and the vocabulary are still checked)"
+            )
+            log.warning("%s", line)
+            warnings.warn(line, stacklevel=2)
 
-    def _read_shard(self, shard: Path) -> Iterator[pa.RecordBatch]:
+    def _damage(self, shard: Path, row: int | None, message: str) -> None:
+        err = RecordingDamagedError(shard, row, message)
+        self.damaged.append(err)
+        self.skipped.append(str(err))
+
+    def _open_shard(self, shard: Path) -> pa.ipc.RecordBatchStreamReader | None:
         size = shard.stat().st_size
         if size == 0:
             self.skipped.append(f"recording {self.path}: {shard.name} is empty (0 bytes)")
-            return
+            return None
         source = pa.memory_map(str(shard))
         self._maps.append(source)
         try:
-            stream = pa.ipc.open_stream(source)
-        except (pa.ArrowInvalid, OSError) as e:
-            self.skipped.append(f"recording {self.path}: {shard.name}: no readable schema ({e})")
-            return
-        if stream.schema.field("ids").type.value_type.list_size != self.top_k:
-            raise RecordingError(shard, None, f"ids: K differs from the recorded {self.top_k}")
-        n = 0
+            return pa.ipc.open_stream(source)
+        except _READ_ERRORS as e:
+            self._damage(shard, None, f"no readable schema ({e}); none of its rows are served")
+            return None
+
+    def _read_batches(
+        self, shard: Path, stream: pa.ipc.RecordBatchStreamReader
+    ) -> Iterator[tuple[int, pa.RecordBatch]]:
+        """``(first row in the shard, batch)`` of the shard's batches that parse and
+        validate; a batch that does not validate is reported and passed over, one that
+        does not parse ends the shard."""
+        n = rows = 0
         while True:
             try:
                 batch = stream.read_next_batch()
             except StopIteration:
                 return
-            except (pa.ArrowInvalid, OSError) as e:
+            except _READ_ERRORS as e:
+                left = shard.stat().st_size - self._maps[-1].tell()
                 self.skipped.append(
                     f"recording {self.path}: {shard.name}: kept {n} complete batches; skipped "
-                    f"the {size - source.tell()} bytes after them (a batch cut short, e.g. by "
-                    f"a killed writer: {e})"
+                    f"the {left} bytes after them (a batch cut short, e.g. by a killed "
+                    f"writer, or damaged: {e})"
                 )
                 return
             n += 1
-            yield batch
+            try:
+                batch.validate(full=True)
+            except _READ_ERRORS as e:
+                self._damage(
+                    shard,
+                    None,
+                    f"batch {n} (rows {rows} to {rows + batch.num_rows - 1}) does not "
+                    f"validate ({e}); its rows are not served",
+                )
+            else:
+                yield rows, batch
+            rows += batch.num_rows
 
     # -- access ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -589,11 +835,12 @@ class RecordingReader(Closeable):
         return int(sum(int((c.ends - c.starts).sum()) for c in self._chunks))
 
     def row(self, i: int) -> RecordedSequence:
-        """Row ``i`` (in shard order)."""
+        """Row ``i`` (in shard order), verified (checksum, lengths, vocabulary); raises
+        :class:`RecordingDamagedError` naming its shard and row when damaged."""
         if not 0 <= i < len(self._keys):
             raise IndexError(f"row {i} of a recording with {len(self._keys)} rows")
         c = int(np.searchsorted(self._chunk_start, i, side="right")) - 1
-        return self._chunks[c].row(i - int(self._chunk_start[c]))
+        return self._chunks[c].row(i - int(self._chunk_start[c]), self._vocab_size)
 
     def key(self, i: int) -> bytes:
         return self._keys[i]
@@ -601,7 +848,18 @@ class RecordingReader(Closeable):
     def __iter__(self) -> Iterator[RecordedSequence]:
         for chunk in self._chunks:
             for r in range(chunk.num_rows):
-                yield chunk.row(r)
+                yield chunk.row(r, self._vocab_size)
+
+    def verify(self) -> list[RecordingDamagedError]:
+        """Read every row: the damage found when opening and in every row that fails."""
+        found = list(self.damaged)
+        for chunk in self._chunks:
+            for r in range(chunk.num_rows):
+                try:
+                    chunk.row(r, self._vocab_size)
+                except RecordingDamagedError as e:
+                    found.append(e)
+        return found
 
     def copies(self) -> dict[bytes, list[_Copy]]:
         """key -> every recorded row of that sequence (built on first use)."""
@@ -621,10 +879,15 @@ class RecordingReader(Closeable):
 
     def find(self, token_ids: bytes, start: int, end: int, sampled: bool) -> RecordedSequence | str:
         """The recorded row holding positions ``[start, end)`` of this sequence (with
-        sampled log-probs when ``sampled``), or a sentence saying what is missing."""
-        found = self.copies().get(sequence_key(token_ids))
+        sampled log-probs when ``sampled``), or a sentence saying what is missing.
+
+        Copies that fail verification are passed over for an intact one; when every
+        copy is damaged, raises the first one's :class:`RecordingDamagedError`.
+        """
+        key = sequence_key(token_ids)
+        found = self.copies().get(key)
         if not found:
-            return "the sequence is not recorded"
+            return "the sequence is not recorded" + self._damage_note()
         covering = [c for c in found if c.start <= start and end <= c.end]
         if not covering:
             have = ", ".join(f"[{c.start}, {c.end})" for c in found)
@@ -633,7 +896,24 @@ class RecordingReader(Closeable):
             covering = [c for c in covering if c.has_sampled]
             if not covering:
                 return "its sampled log-probs are not recorded (recorded without them)"
-        return self.row(covering[0].row)
+        first: RecordingDamagedError | None = None
+        tokens = np.frombuffer(token_ids, dtype="<i4")
+        for c in covering:
+            try:
+                row = self.row(c.row)
+            except RecordingDamagedError as e:
+                first = first or e
+                continue
+            if np.array_equal(row.token_ids, tokens):
+                return row
+        if first is not None:
+            raise first
+        return "the sequence is not recorded" + self._damage_note()
+
+    def _damage_note(self) -> str:
+        if not self.damaged and not self.skipped:
+            return ""
+        return f" (the recording has unreadable parts: {self.skipped[0]})"
 
     def close(self) -> None:
         self._chunks.clear()

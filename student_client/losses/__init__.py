@@ -3,7 +3,9 @@
 Entry points: `topk_kl_loss` (function) and `TopKKLLoss` (module), both chunked over rows,
 vocab-parallel aware, with an analytic backward; `fused_topk_kl_loss`, the same loss from the
 last hidden states and the lm_head weight without forming the logits, and
-`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM. `LossOptions` holds
+`causal_lm_hidden_and_head` to get those from a Hugging Face causal LM;
+`lm_head_topk_kl_loss`, the fused loss on an FSDP2 / tensor-parallel lm_head module
+(`local_vocab_shard` for the logits path). `LossOptions` holds
 every option (the divergence among them: `get_divergence`, `DIVERGENCES`).
 `topk_kl_reference` is the dense slow path (forward KL). `onpolicy.py`: the per-token
 on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
@@ -22,6 +24,7 @@ from student_client.losses.onpolicy import (
 )
 from student_client.losses.options import LossOptions
 from student_client.losses.reference import topk_kl_reference
+from student_client.losses.sharded_head import lm_head_topk_kl_loss, local_vocab_shard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
     LOSS_MODES,
@@ -51,6 +54,8 @@ __all__ = [
     "fused_topk_kl_loss",
     "get_divergence",
     "kl_estimators",
+    "lm_head_topk_kl_loss",
+    "local_vocab_shard",
     "policy_gradient_loss",
     "reverse_kl_advantage",
     "sampled_token_logprobs",

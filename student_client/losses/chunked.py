@@ -32,22 +32,10 @@ from student_client.losses.functional import (
 from student_client.losses.parallel import VocabShard, gather_columns, put_columns
 from student_client.losses.types import RowTerms
 
-__all__ = [
-    "ChunkPass",
-    "ChunkedSettings",
-    "ChunkedTopKKLFunction",
-    "TeacherColumns",
-    "center_",
-    "chunk_bounds",
-    "chunked_topk_kl_rows",
-    "localized_columns",
-    "logit_gradient_",
-    "recompute_logit_gradient_",
-    "reduce_chunk",
-    "statistics_dtype",
-    "terms_from_reductions",
-    "working_dtype",
-]
+# What users call lives in `sizing.py` (chunk sizes) and `api.py`; everything here (settings,
+# the autograd function, the per-chunk kernels that `fused.py` and `api.py` import by name)
+# is this package's internals.
+__all__: list[str] = []
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

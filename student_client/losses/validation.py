@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,12 +14,14 @@ __all__ = [
     "LOGIT_DTYPES",
     "LOGPROB_TOLERANCE",
     "check_linear",
+    "check_local_tensor",
     "check_mask_values",
     "check_options",
     "check_sampled",
     "check_sampled_values",
     "check_teacher_values",
     "check_tensors",
+    "dtensor_type",
 ]
 
 LOGPROB_TOLERANCE = 1e-3
@@ -94,6 +97,7 @@ def check_tensors(
     ):
         if not isinstance(value, Tensor):
             raise _fail(name, f"must be a torch.Tensor, got {type(value).__name__}")
+        check_local_tensor(name, value)
     if logits.dtype not in LOGIT_DTYPES:
         raise _fail(student_name, f"dtype must be one of {LOGIT_DTYPES}, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
@@ -147,6 +151,9 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise _fail("hidden", f"dtype must be one of {LOGIT_DTYPES}, got {hidden.dtype}")
     if not isinstance(weight, Tensor):
         raise _fail("weight", f"must be a torch.Tensor, got {type(weight).__name__}")
+    for name, value in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if value is not None:
+            check_local_tensor(name, value)
     if weight.dim() != 2 or weight.shape[0] < 1:
         raise _fail(
             "weight", f"must have shape [V_local, H] with V_local >= 1, got {_shape(weight)}"
@@ -272,3 +279,39 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
 def _shape(tensor: Tensor) -> list[int]:
     """Shape as a plain list, for messages."""
     return list(tensor.shape)
+
+
+def dtensor_type() -> type | None:
+    """`torch.distributed.tensor.DTensor`, or None on a torch without it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+_LOCAL_FIX = {
+    "logits": "pass logits.to_local() with process_group=<the TP group> (a ColwiseParallel "
+    "lm_head returns local logits with its default use_local_output=True)",
+    "weight": "tensor parallel: pass weight.to_local() with process_group=<the TP group>; "
+    "FSDP2: fully_shard(lm_head) the head module itself and call "
+    "lm_head_topk_kl_loss(lm_head, hidden, ...), which runs the loss inside its unshard",
+}
+_LOCAL_FIX["bias"] = _LOCAL_FIX["weight"].replace("weight.to_local()", "bias.to_local()")
+
+
+def check_local_tensor(name: str, value: Tensor) -> None:
+    """Refuse a DTensor: the losses take local tensors and a `process_group`, and a DTensor's
+    shape is the global one, so using it as local would compute against the wrong shard
+    (docs/scaling.md)."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(value, dtensor):
+        return
+    sharded: Any = value  # a DTensor (mypy cannot narrow to a runtime type)
+    fix = _LOCAL_FIX.get(name, f"pass a plain tensor (the full {name}: {name}.full_tensor())")
+    raise _fail(
+        name,
+        f"is a DTensor (placements {tuple(sharded.placements)} on a mesh of shape "
+        f"{tuple(sharded.device_mesh.shape)}); the losses take local tensors: {fix} "
+        f"(docs/scaling.md)",
+    )

@@ -7,6 +7,8 @@ recorded row covering its positions, with sampled log-probs when they are asked 
 row without them is passed over for another copy that has them), K' <= the recorded K
 and a dtype the recorded values reproduce exactly. Otherwise the answer is NOT_FOUND
 naming every sequence and what is missing: never NaN or zeros in place of requested data.
+A recorded row that fails its checksum (every copy of it) is DATA_LOSS naming the shard
+and the row; the intact rows are served.
 The recorded values go out through the server's own encoding, so answers are
 byte-identical to the teacher's. GetInfo announces the recorded teacher's temperature.
 """
@@ -24,6 +26,7 @@ import numpy.typing as npt
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.validation import RequestError
 from topk_protocol import dtype_name, teacher_temperature
+from topk_protocol.errors import RecordingDamagedError
 from topk_protocol.recording import RecordedSequence, RecordingReader, can_serve_dtype
 
 if TYPE_CHECKING:
@@ -104,12 +107,17 @@ class ReplayBackend(Backend):
         for i, seq in enumerate(parsed.sequences):
             if seq.start == seq.end:
                 continue
-            found = reader.find(
-                np.asarray(seq.token_ids, dtype="<i4").tobytes(),
-                seq.start,
-                seq.end,
-                parsed.include_sampled,
-            )
+            try:
+                found = reader.find(
+                    np.asarray(seq.token_ids, dtype="<i4").tobytes(),
+                    seq.start,
+                    seq.end,
+                    parsed.include_sampled,
+                )
+            except RecordingDamagedError as e:  # every recorded copy is damaged
+                raise RequestError(
+                    grpc.StatusCode.DATA_LOSS, f"replay: sequences[{i}]: {e}"
+                ) from None
             if isinstance(found, str):
                 problems.append(f"sequences[{i}] ({_describe(seq.token_ids)}): {found}")
         if problems:
@@ -121,9 +129,12 @@ class ReplayBackend(Backend):
         ids = np.asarray(token_ids, dtype="<i4").tobytes()
         # A copy with sampled log-probs first; one without serves requests not asking for
         # them (check_request refused the others before any scoring).
-        found = self.reader.find(ids, start, end, True)
-        if isinstance(found, str):
-            found = self.reader.find(ids, start, end, False)
+        try:
+            found = self.reader.find(ids, start, end, True)
+            if isinstance(found, str):
+                found = self.reader.find(ids, start, end, False)
+        except RecordingDamagedError as e:
+            raise RequestError(grpc.StatusCode.DATA_LOSS, f"replay: {e}") from None
         if isinstance(found, str) or top_k > self.reader.top_k:
             raise self._not_found(
                 f"{_describe(token_ids)} at top_k {top_k}, positions [{start}, {end})"

@@ -14,7 +14,7 @@ import torch
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.client import TeacherClient
-from student_client.errors import NotRecordedError
+from student_client.errors import DataLossError, NotRecordedError
 from student_client.replay import ReplayClient
 from topk_protocol.recording import RecordingWriter
 
@@ -64,3 +64,25 @@ def test_replay_server_serves_recorded_values_or_not_found(
             client.score([a_tok], 1).ids[0, :, 0], torch.from_numpy(a.ids[:, 0]).long()
         )
     assert np.isnan(a.sampled_logprobs[-1])
+
+
+def test_replay_server_answers_a_damaged_row_with_data_loss_and_serves_the_others(
+    tmp_path: Path, teacher_factory: Callable[..., Any]
+) -> None:
+    path = tmp_path / "rec"
+    a_tok, a = teacher_answer(20, seed=3)
+    b_tok, b = teacher_answer(22, seed=4)
+    with RecordingWriter(path, INFO, top_k=K, dtype="float32", compression="none") as w:
+        w.add(a_tok, a.ids, a.logprobs, a.sampled_logprobs, start=0, dtype="float32")
+        w.add(b_tok, b.ids, b.logprobs, b.sampled_logprobs, start=0, dtype="float32")
+    (shard,) = path.glob("*.arrow")
+    data = bytearray(shard.read_bytes())
+    data[bytes(data).index(b.logprobs.tobytes()) + 5] ^= 0x10  # one bit of row 1
+    shard.write_bytes(bytes(data))
+    server = teacher_factory(["--backend", "replay", "--recording", str(path)])
+    with TeacherClient(server.target) as client:
+        with pytest.raises(DataLossError, match=rf"{shard.name}: row 1: checksum mismatch"):
+            client.score([a_tok, b_tok], 4)
+        got = client.score([a_tok], 4)  # the intact row is served, and the server goes on
+        want = live_payload({a_tok.tobytes(): a}, [a_tok], 4)
+        assert_bit_equal(want, got)

@@ -1,0 +1,206 @@
+"""The losses on a distributed student's lm_head: FSDP2, tensor parallel, both (docs/scaling.md).
+
+The losses take local tensors: logits `[..., V_local]` or an lm_head weight `[V_local, H]`,
+plus the tensor-parallel group that holds the vocabulary's other shards (`process_group`).
+A distributed student's lm_head weight is a `DTensor` instead:
+
+- tensor parallel (`ColwiseParallel` on the lm_head): `Shard(0)` on the TP mesh, always
+  materialised. The loss gets `weight.to_local()` `[V / tp, H]` (differentiable: the
+  shard's gradient lands in the DTensor parameter) and the mesh's group.
+- FSDP2 (`fully_shard(lm_head)`): outside the head's forward the weight is sharded over
+  the data-parallel mesh; FSDP all-gathers it in the module's pre-forward hook and
+  reduce-scatters its gradient after backward. `lm_head_topk_kl_loss` therefore runs the
+  fused loss *inside the head's forward*: it registers a loss method of the head as an
+  FSDP forward method (`register_fsdp_forward_method`, FSDP's public API for this), so
+  FSDP's own hooks unshard the weight before the loss, all-gather it again before
+  backward when it was resharded after forward (the recomputing backward of reduction
+  "none" / `grad_in_forward=False` reads it), and reduce-scatter the gradient once the
+  hidden states' gradient is through. Chosen over `FSDPModule.unshard()`, which would
+  leave the reduce-scatter to FSDP's end-of-backward callback, queued only when another
+  FSDP module's backward ran: a student whose only FSDP unit is the head would keep an
+  unreduced gradient and a stale shard.
+- FSDP2 + tensor parallel (a 2-D mesh): inside the forward the weight is the TP DTensor.
+
+A DTensor handed to the losses directly raises a `ValueError` naming these fixes
+(`validation.check_local_tensor`); nothing computes against a shard silently.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from student_client.losses.api import fused_topk_kl_loss
+from student_client.losses.options import LossOptions
+from student_client.losses.types import LossMode, TopKKLStats
+from student_client.losses.validation import dtensor_type
+
+__all__ = ["lm_head_topk_kl_loss", "local_vocab_shard"]
+
+_LOSS_METHOD = "_topk_distill_fused_loss"
+"""Name of the loss method attached to an FSDP lm_head (registered as a forward method)."""
+
+
+def _group_ranks(group: Any) -> list[int]:
+    return list(dist.get_process_group_ranks(group))
+
+
+def local_vocab_shard(tensor: Tensor, process_group: Any, *, name: str, dim: int) -> Tensor:
+    """The local vocabulary shard of `tensor` for the losses.
+
+    Args:
+        tensor: a plain tensor (returned as is: already local) or a DTensor sharded along
+            `dim` (the vocabulary dim: 0 for an lm_head weight `[V, H]` / bias `[V]`, -1
+            for logits `[..., V]`) on a 1-D mesh whose ranks are `process_group`'s.
+        process_group: the tensor-parallel group passed on to the loss.
+        name: the argument's name, for errors.
+        dim: the vocabulary dim.
+
+    Returns:
+        `tensor.to_local()` (`[V / tp, H]`, `[..., V / tp]`), differentiable.
+
+    Raises:
+        ValueError: a DTensor without `process_group`, on another mesh, with another
+            placement, or with a vocabulary that does not split evenly.
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return tensor
+    sharded_tensor: Any = tensor  # a DTensor (mypy cannot narrow to a runtime type)
+    mesh = sharded_tensor.device_mesh
+    placements = tuple(sharded_tensor.placements)
+    where = f"{name}: a DTensor with placements {placements} on a mesh of shape {tuple(mesh.shape)}"
+    if process_group is None:
+        raise ValueError(
+            f"{where} and no process_group: tensor parallel: pass process_group=<the TP "
+            f"group> (tp_mesh.get_group()); FSDP2: fully_shard(lm_head) the head module "
+            f"itself, so that lm_head_topk_kl_loss runs inside its unshard"
+        )
+    vocab_dim = dim % tensor.dim()
+    sharded = (
+        mesh.ndim == 1
+        and len(placements) == 1
+        and placements[0].is_shard()
+        and getattr(placements[0], "dim", None) in (dim, vocab_dim)
+    )
+    if not sharded:
+        raise ValueError(
+            f"{where}: only a vocabulary-sharded tensor (ColwiseParallel: Shard({dim}) on a "
+            f"1-D tensor-parallel mesh) is supported; a 2-D (FSDP x TP) weight must be "
+            f"used inside the FSDP unshard (lm_head_topk_kl_loss on a fully_shard(lm_head))"
+        )
+    mesh_ranks, group_ranks = _group_ranks(mesh.get_group()), _group_ranks(process_group)
+    if mesh_ranks != group_ranks:
+        raise ValueError(
+            f"{where}: its mesh holds ranks {mesh_ranks}, process_group ranks {group_ranks}; "
+            f"pass the lm_head's TP group (an FSDP-sharded weight outside its unshard? "
+            f"fully_shard(lm_head) and call lm_head_topk_kl_loss)"
+        )
+    vocab, world = tensor.shape[vocab_dim], mesh.size()
+    if vocab % world:
+        raise ValueError(
+            f"{where}: vocabulary {vocab} does not split evenly over {world} ranks; the "
+            f"losses need equal shards (pad the vocabulary to a multiple of {world})"
+        )
+    return cast(Tensor, sharded_tensor.to_local())
+
+
+@dataclass(frozen=True)
+class _HeadCall:
+    """Everything of one loss call but the hidden states, kept out of FSDP's view (its
+    forward hooks would cast the teacher's float tensors under a mixed-precision policy).
+    `options` holds the TP group (`options.process_group`)."""
+
+    teacher_ids: Tensor
+    teacher_logprobs: Tensor
+    options: LossOptions
+    mask: Tensor | None
+    sampled_ids: Tensor | None
+    sampled_logprobs: Tensor | None
+
+
+def _fused_loss_on(head: nn.Module, hidden: Tensor, call: _HeadCall) -> tuple[Tensor, TopKKLStats]:
+    """`fused_topk_kl_loss` on `head`'s (local, unsharded) weight and bias."""
+    group = call.options.process_group
+    weight = local_vocab_shard(cast(Tensor, head.weight), group, name="weight", dim=0)
+    bias = getattr(head, "bias", None)
+    if bias is not None:
+        bias = local_vocab_shard(bias, group, name="bias", dim=0)
+    return fused_topk_kl_loss(
+        hidden,
+        weight,
+        call.teacher_ids,
+        call.teacher_logprobs,
+        bias=bias,
+        mask=call.mask,
+        options=call.options,
+        sampled_ids=call.sampled_ids,
+        sampled_logprobs=call.sampled_logprobs,
+    )
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def _in_forward(head: nn.Module) -> Any:
+    """The head's loss method, registered once as an FSDP forward method."""
+    method = head.__dict__.get(_LOSS_METHOD)
+    if method is None:
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        object.__setattr__(head, _LOSS_METHOD, types.MethodType(_fused_loss_on, head))
+        register_fsdp_forward_method(head, _LOSS_METHOD)
+        method = head.__dict__[_LOSS_METHOD]
+    return method
+
+
+def lm_head_topk_kl_loss(
+    head: nn.Module,
+    hidden: Tensor,
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    mode: LossMode | None = None,
+    mask: Tensor | None = None,
+    options: LossOptions | None = None,
+    sampled_ids: Tensor | None = None,
+    sampled_logprobs: Tensor | None = None,
+    **overrides: Any,
+) -> tuple[Tensor, TopKKLStats]:
+    """`fused_topk_kl_loss` on an lm_head module, whatever shards its weight.
+
+    Args:
+        head: the lm_head, a linear layer (`weight` `[V, H]`, optional `bias` `[V]`): plain,
+            `fully_shard`-ed itself (FSDP2: the loss runs inside its forward, see the
+            module docstring), `ColwiseParallel`-ed (TP), or both.
+        hidden: last hidden states `[..., H]`, the same on every rank of `process_group`.
+        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
+            **overrides: as in `fused_topk_kl_loss`. `process_group` (an option): the
+            tensor-parallel group over which the head's vocabulary is sharded
+            (`tp_mesh.get_group()`); None without tensor parallelism.
+
+    Returns:
+        `(loss, stats)` as `fused_topk_kl_loss`. Gradients: `hidden`'s is complete on
+        every TP rank; the weight's goes to the head's parameter (its TP shard; under
+        FSDP2, reduce-scattered by FSDP as for any module).
+
+    Raises:
+        ValueError: a sharded weight this cannot use (no TP group; FSDP on an ancestor
+            module only, so the head's forward does not unshard it), naming the fix.
+    """
+    opts = LossOptions.build(options, mode=mode, **overrides)
+    call = _HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is not None and isinstance(head, fsdp_module):
+        result: tuple[Tensor, TopKKLStats] = _in_forward(head)(hidden, call)
+        return result
+    return _fused_loss_on(head, hidden, call)

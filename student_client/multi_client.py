@@ -1,0 +1,359 @@
+"""Several named teachers, one student: route each sequence to its teacher service.
+
+    from student_client.multi_client import MultiTeacherClient
+
+    with MultiTeacherClient({"math": "dns:///math:50051", "code": "h1:50051,h2:50051"}) as c:
+        payload = c.score(seqs, 16, teacher=["math", "code", "code"])   # [B, S, K]
+        payload.teachers                                                 # ('math', 'code', 'code')
+        for p in c.stream([ScoreBatch(ids, attention_mask=m, teacher=names), ...], 16):
+            ...
+
+Each name is a full target of the one client core (:class:`AsyncTeacherClient`): its
+own replicas, round robin, fail-over, retries, TLS and token. This module composes one
+core per teacher and adds only the routing (:mod:`student_client.routing`):
+
+- at connect (the first call, or :meth:`AsyncMultiTeacherClient.connect`) every
+  teacher's ``GetInfo`` is fetched and checked against ``expect_*`` and against the
+  others (vocabulary size, tokenizer fingerprint, temperature); a mismatch is refused
+  before any request, naming the teacher;
+- a batch is split by teacher, the parts are scored concurrently (each by its teacher's
+  core, which retries and fails over on its own: a slow or restarting teacher delays
+  only its own parts), and the answers are put back in input order into one payload
+  whose ``teachers`` names the teacher of each row;
+- ``stream`` keeps ``depth`` batches in flight ahead of the one the caller holds
+  (prefetch depth counts batches, whatever their teachers);
+- ``record_to=DIR`` records each teacher's rows into ``DIR/<name>``
+  (:mod:`topk_protocol.multi_recording`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from student_client.aio_client import AsyncTeacherClient, ScoreBatch, _as_async, decoded
+from student_client.client import TeacherClient
+from student_client.errors import TeacherError
+from student_client.payload import TeacherPayload
+from student_client.routing import check_agreement, merge_payloads, name_error, plan_routes
+from topk_protocol import TeacherInfo
+from topk_protocol.multi_recording import (
+    check_teacher_name,
+    teacher_recording_path,
+    write_manifest,
+)
+
+__all__ = ["AsyncMultiTeacherClient", "MultiTeacherClient", "RoutedAnswer"]
+
+#: A teacher: a target (``"host:port"``, ``"dns:///..."``, ``"h1:p,h2:p"`` or a list),
+#: or a dict ``{"target": ..., **AsyncTeacherClient options}`` (its own token, TLS, ...).
+TeacherSpec = str | Sequence[str] | Mapping[str, Any]
+#: Options that apply to every teacher's recording or expectations: set them once.
+_SHARED_ONLY = (
+    "record_to",
+    "record_compression",
+    "record_metadata",
+    "expect_vocab_size",
+    "expect_tokenizer_fingerprint",
+    "expect_temperature",
+)
+
+
+@dataclass(frozen=True)
+class RoutedAnswer:
+    """The complete answer to one routed batch: each route's rows and payload (on the
+    CPU), and the teacher of every row; :meth:`AsyncMultiTeacherClient.decode` merges it."""
+
+    parts: list[tuple[list[int], TeacherPayload]]
+    teachers: list[str]
+
+
+class AsyncMultiTeacherClient:
+    """asyncio client over named teachers (see the module docstring).
+
+    Args:
+        teachers: ``{name: target or {"target": ..., options}}``; names as
+            :func:`~topk_protocol.multi_recording.check_teacher_name` allows.
+        expect_vocab_size, expect_tokenizer_fingerprint, expect_temperature: checked
+            against every teacher (and every replica) before its first request.
+        record_to: record each teacher's answered rows into ``record_to/<name>``.
+        record_compression, record_metadata: as :class:`AsyncTeacherClient`.
+        **options: :class:`AsyncTeacherClient` options for every teacher (``token``,
+            ``tls``, ``timeout_s``, ``retries``, ``backoff_s``, ...); a teacher's own dict
+            overrides them.
+    """
+
+    def __init__(
+        self,
+        teachers: Mapping[str, TeacherSpec],
+        *,
+        record_to: str | Path | None = None,
+        record_compression: str = "auto",
+        record_metadata: dict[str, Any] | None = None,
+        expect_vocab_size: int | None = None,
+        expect_tokenizer_fingerprint: str | None = None,
+        expect_temperature: float | None = None,
+        **options: Any,
+    ) -> None:
+        if not isinstance(teachers, Mapping) or not teachers:
+            raise ValueError("teachers: expected a non-empty {name: target} mapping")
+        self.names = [check_teacher_name(n) for n in teachers]
+        shared = {
+            "expect_vocab_size": expect_vocab_size,
+            "expect_tokenizer_fingerprint": expect_tokenizer_fingerprint,
+            "expect_temperature": expect_temperature,
+            "record_compression": record_compression,
+        }
+        self._clients: dict[str, AsyncTeacherClient] = {}
+        for name, spec in teachers.items():
+            own: dict[str, Any] = dict(spec) if isinstance(spec, Mapping) else {"target": spec}
+            if "target" not in own:
+                raise ValueError(f"teachers[{name!r}]: a dict needs 'target'")
+            clash = [k for k in _SHARED_ONLY if k in own]
+            if clash:
+                raise ValueError(
+                    f"teachers[{name!r}]: {clash} apply to every teacher; pass them once"
+                )
+            target = own.pop("target")
+            recording = None if record_to is None else teacher_recording_path(record_to, name)
+            try:
+                self._clients[name] = AsyncTeacherClient(
+                    target,
+                    **{**options, **own, **shared},
+                    record_to=recording,
+                    record_metadata={**(record_metadata or {}), "teacher": name},
+                )
+            except ValueError as e:
+                raise ValueError(f"teachers[{name!r}]: {e}") from None
+        if record_to is not None:
+            write_manifest(record_to, self.names)
+        self._infos: dict[str, TeacherInfo] | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    @property
+    def targets(self) -> dict[str, list[str]]:
+        """Each teacher's targets."""
+        return {n: list(c.targets) for n, c in self._clients.items()}
+
+    @property
+    def current_target(self) -> dict[str, str]:
+        """The target each teacher's latest call went to."""
+        return {n: c.current_target for n, c in self._clients.items()}
+
+    def client(self, name: str) -> AsyncTeacherClient:
+        """The core of teacher ``name``."""
+        if name not in self._clients:
+            raise KeyError(f"teacher: {name!r} is not one of {self.names}")
+        return self._clients[name]
+
+    # -- connect -----------------------------------------------------------------------
+    async def connect(self) -> dict[str, TeacherInfo]:
+        """Fetch and check every teacher's ``GetInfo`` (once): each against ``expect_*``
+        and all against each other (:func:`~student_client.routing.check_agreement`)."""
+        if self._infos is not None:
+            return self._infos
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._infos is None:
+                infos = await self._gather({n: c.info() for n, c in self._clients.items()})
+                check_agreement(infos, self.targets)
+                self._infos = infos
+        return self._infos
+
+    async def info(self) -> dict[str, TeacherInfo]:
+        """Every teacher's ``GetInfo``, checked (see :meth:`connect`)."""
+        return await self.connect()
+
+    async def _gather(self, calls: Mapping[str, Any]) -> dict[str, Any]:
+        """Run ``{name: coroutine}`` concurrently; the first failure cancels the rest and
+        is raised with the teacher's name in its message."""
+
+        async def named(name: str, coro: Any) -> Any:
+            try:
+                return await coro
+            except TeacherError as e:
+                raise name_error(name, e) from None
+
+        tasks = {n: asyncio.ensure_future(named(n, c)) for n, c in calls.items()}
+        try:
+            await asyncio.gather(*tasks.values())
+        except BaseException:
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            raise
+        return {n: t.result() for n, t in tasks.items()}
+
+    # -- score -------------------------------------------------------------------------
+    async def _answer(
+        self,
+        item: ScoreBatch,
+        top_k: int,
+        options: dict[str, Any],
+    ) -> RoutedAnswer:
+        """Score one batch: its routes concurrently, each by its teacher's core."""
+        await self.connect()
+        teachers, routes = plan_routes(item, self.names)
+        calls = {
+            r.teacher: self._clients[r.teacher].score(
+                r.batch.sequences,
+                top_k,
+                positions=r.batch.positions,
+                attention_mask=r.batch.attention_mask,
+                **options,
+            )
+            for r in routes
+        }
+        done = await self._gather(calls)
+        return RoutedAnswer([(r.rows, done[r.teacher]) for r in routes], teachers)
+
+    def decode(self, answer: RoutedAnswer, device: torch.device | str) -> TeacherPayload:
+        """A routed answer as one payload in input order (``teachers`` set), on ``device``."""
+        payload = merge_payloads(answer.parts, answer.teachers)
+        return payload if str(device) == "cpu" else payload.to(device)
+
+    async def score(
+        self,
+        sequences: Any,
+        top_k: int,
+        *,
+        teacher: Any = None,
+        dtype: str = "float16",
+        positions: Sequence[tuple[int, int]] | None = None,
+        include_sampled: bool = True,
+        device: torch.device | str = "cpu",
+        timeout_s: float | None = None,
+        attention_mask: Any = None,
+    ) -> TeacherPayload:
+        """Score one batch, each sequence by its ``teacher`` (a name per sequence, one
+        name, or indices into :attr:`names`); the other arguments and the ``[B, S, K]``
+        payload as :meth:`AsyncTeacherClient.score`, with ``payload.teachers`` set."""
+        options = {"dtype": dtype, "include_sampled": include_sampled, "timeout_s": timeout_s}
+        item = ScoreBatch(sequences, positions, attention_mask, teacher)
+        return self.decode(await self._answer(item, top_k, options), device)
+
+    # -- stream ------------------------------------------------------------------------
+    def stream(
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int,
+        *,
+        device: torch.device | str = "cpu",
+        **options: Any,
+    ) -> AsyncIterator[TeacherPayload]:
+        """Payloads of ``batches`` in input order (see :meth:`stream_answers`)."""
+        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
+
+    def stream_answers(
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int,
+        *,
+        depth: int = 4,
+        dtype: str = "float16",
+        include_sampled: bool = True,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[RoutedAnswer]:
+        """The answers to ``batches`` (:class:`ScoreBatch` items with ``teacher``; plain
+        batches only with a single teacher), in input order, with ``depth`` batches in
+        flight ahead of the one the caller holds. A batch that failed raises (its
+        teacher named) when the caller reaches it, which ends the iteration."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+        options = {"dtype": dtype, "include_sampled": include_sampled, "timeout_s": timeout_s}
+        return self._run_stream(_as_async(batches), top_k, depth, options)
+
+    async def _run_stream(
+        self,
+        source: AsyncIterator[Any],
+        top_k: int,
+        depth: int,
+        options: dict[str, Any],
+    ) -> AsyncIterator[RoutedAnswer]:
+        window: deque[asyncio.Future[RoutedAnswer]] = deque()
+        exhausted = False
+
+        async def fill(limit: int) -> None:
+            nonlocal exhausted
+            while not exhausted and len(window) < limit:
+                batch = await anext(source, None)
+                if batch is None:
+                    exhausted = True
+                    return
+                item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
+                window.append(asyncio.ensure_future(self._answer(item, top_k, options)))
+
+        try:
+            await self.connect()
+            while True:
+                await fill(depth + 1)  # the caller's next batch and ``depth`` ahead
+                if not window:
+                    return
+                answer = await window.popleft()
+                yield answer
+        finally:
+            for task in window:
+                task.cancel()
+            for task in window:
+                with contextlib.suppress(BaseException):
+                    await task
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def close(self) -> None:
+        """Close every teacher's channels and recording."""
+        for c in self._clients.values():
+            await c.close()
+
+    async def __aenter__(self) -> AsyncMultiTeacherClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class MultiTeacherClient(TeacherClient):
+    """Blocking client over named teachers: :class:`AsyncMultiTeacherClient` run on a
+    background event loop by :class:`~student_client.client.TeacherClient`'s facade.
+
+    :meth:`score` and :meth:`stream` take and give what the asyncio client's do
+    (``teacher=``, :class:`ScoreBatch` with ``teacher``); :meth:`info` returns
+    ``{name: TeacherInfo}``.
+    """
+
+    _aio: AsyncMultiTeacherClient
+
+    def __init__(self, teachers: Mapping[str, TeacherSpec], **options: Any) -> None:
+        super().__init__(teachers, **options)  # type: ignore[arg-type]
+
+    def _make_core(self, target: Any, **options: Any) -> Any:
+        return AsyncMultiTeacherClient(target, **options)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._aio.names)
+
+    @property
+    def targets(self) -> dict[str, list[str]]:  # type: ignore[override]
+        return self._aio.targets
+
+    @property
+    def current_target(self) -> dict[str, str]:  # type: ignore[override]
+        return self._aio.current_target
+
+    def connect(self) -> dict[str, TeacherInfo]:
+        """Fetch and check every teacher's ``GetInfo`` now (else: at the first call)."""
+        return self._run(self._aio.connect())

@@ -1,0 +1,172 @@
+"""Per-stream backpressure: the budget itself (asyncio), and two clients that stop reading
+their ScoreStream on the real vLLM teacher: bounded memory, nothing more scored for them,
+another client not delayed, memory back once they go."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from student_client.client import TeacherClient
+from teacher_server.backpressure import (
+    DEFAULT_STREAM_MAX_UNSENT_MB,
+    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
+    StreamBudget,
+)
+from topk_protocol import build_request, pb, pb_grpc
+
+MIB = 1024 * 1024
+
+
+def test_budget_waits_for_requests_and_bytes_and_lets_one_large_answer_through() -> None:
+    async def main() -> None:
+        b = StreamBudget(max_requests=2, max_bytes=100)
+        await b.take_request()
+        await b.take_request()
+        third = asyncio.create_task(b.take_request())
+        await asyncio.sleep(0.01)
+        assert not third.done()  # two requests unsent: the third is not read
+        await b.take_bytes(500)  # alone: larger than the budget, still goes
+        more = asyncio.create_task(b.take_bytes(1))
+        await asyncio.sleep(0.01)
+        assert not more.done() and not third.done()
+        await b.give_back(500)
+        await asyncio.wait_for(asyncio.gather(third, more), 1)
+        assert (b.requests, b.bytes) == (2, 1)
+
+    asyncio.run(main())
+
+
+def test_budget_refuses_bad_values_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="stream_max_unsent_requests: must be >= 1"):
+        StreamBudget(0, 1)
+    with pytest.raises(ValueError, match="stream_max_unsent_bytes: must be >= 1"):
+        StreamBudget(1, 0)
+
+
+def _rss(pid: int) -> int:
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def _stream_requests_scored(http: str) -> float:
+    """ScoreStream requests answered so far, from /metrics (all codes)."""
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    pattern = r'topk_teacher_requests_total\{code="[A-Z_]+",method="ScoreStream"\} ([0-9.e+]+)'
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
+def _p99_latency_s(client: TeacherClient, tokens: np.ndarray, n: int = 40) -> float:
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client.score([tokens], 16)
+        lat.append(time.perf_counter() - t0)
+    return float(np.percentile(lat, 99))
+
+
+def _big_requests(n: int, seed: int) -> Iterator[pb.ScoreRequest]:
+    """n requests of 8 x 256 tokens at K = 64, float32: about 1 MiB of answer each."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        seqs = [rng.integers(0, 512, 256).astype(np.int32) for _ in range(8)]
+        req = build_request(seqs, 64, dtype="float32")
+        req.request_id = f"slow-{seed}-{i}"
+        yield req
+
+
+def test_two_clients_that_stop_reading_hold_bounded_memory_and_delay_no_one(
+    vllm_teacher,  # type: ignore[no-untyped-def]
+) -> None:
+    """The issue's slow reader: 2 clients send 200 ScoreStream requests of ~1 MiB of
+    answer each (400 MiB in all) and read nothing. Bound: the server process grows by
+    at most 2 x (8 MiB budget + one 1 MiB answer) plus gRPC's buffers and allocator
+    slack: 48 MiB; another client's p99 latency stays within 2x its baseline (the worse
+    of the baselines measured before and after, in this run); 30 s after they go, RSS is
+    within 50 MiB of where it started."""
+    server = vllm_teacher
+    pid = server.proc.pid
+    tokens = np.random.default_rng(0).integers(0, 512, 64).astype(np.int32)
+    with TeacherClient(server.target) as good:
+        base_before = _p99_latency_s(good, tokens)
+        rss0 = _rss(pid)
+        scored0 = _stream_requests_scored(server.http)
+        channels = [grpc.insecure_channel(server.target) for _ in range(2)]
+        calls = [
+            pb_grpc.TeacherStub(ch).ScoreStream(_big_requests(200, seed=i))
+            for i, ch in enumerate(channels)
+        ]  # never read: their answers pile up on the server, up to the budget
+        # Let the slow streams fill their budgets and stall.
+        peak = rss0
+        deadline = time.monotonic() + 15
+        last, still_since = -1.0, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            peak = max(peak, _rss(pid))
+            scored = _stream_requests_scored(server.http) - scored0
+            if scored != last:
+                last, still_since = scored, time.monotonic()
+            elif time.monotonic() - still_since > 3:
+                break  # nothing scored for 3 s: both streams wait for their readers
+        during = _p99_latency_s(good, tokens)
+        peak = max(peak, _rss(pid))
+        stalled_scored = _stream_requests_scored(server.http) - scored0
+        for call in calls:
+            call.cancel()
+        for ch in channels:
+            ch.close()
+        t_gone = time.monotonic()
+        rss_after = _rss(pid)
+        while time.monotonic() - t_gone < 30 and rss_after > rss0 + 50 * MIB:
+            time.sleep(1)
+            rss_after = _rss(pid)
+        base_after = _p99_latency_s(good, tokens)
+    baseline = max(base_before, base_after)
+    growth = (peak - rss0) / MIB
+    print(
+        f"slow readers: {stalled_scored:.0f} of 400 requests scored before they stalled; RSS "
+        f"+{growth:.1f} MiB peak, +{(rss_after - rss0) / MIB:.1f} MiB "
+        f"{time.monotonic() - t_gone:.0f} s after they went; good client p99 "
+        f"{during * 1e3:.1f} ms vs baseline {base_before * 1e3:.1f} / {base_after * 1e3:.1f} ms"
+    )
+    per_stream = DEFAULT_STREAM_MAX_UNSENT_REQUESTS + 2  # + the one being read, + in flight
+    assert stalled_scored <= 2 * per_stream, "a stream that stops reading must stop being scored"
+    budget = f"budget {DEFAULT_STREAM_MAX_UNSENT_MB} MiB per stream"
+    assert growth <= 48, f"RSS grew {growth:.1f} MiB (bound 48; {budget})"
+    assert during <= 2 * baseline, f"p99 {during:.3f} s vs baseline {baseline:.3f} s"
+    assert rss_after <= rss0 + 50 * MIB
+
+
+def test_a_stalled_stream_resumes_when_its_client_reads(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
+    """Backpressure only pauses: once the client reads, every answer arrives, in full."""
+    with grpc.insecure_channel(vllm_teacher.target) as ch:
+        reqs = list(_big_requests(40, seed=7))
+        it = pb_grpc.TeacherStub(ch).ScoreStream(iter(reqs))
+        time.sleep(3)  # the stream stalls with the budget full
+        finals: set[str] = set()
+        got: dict[str, int] = {}
+
+        def read() -> None:
+            for msg in it:
+                assert not msg.HasField("error"), msg.error
+                got[msg.request_id] = got.get(msg.request_id, 0) + sum(
+                    len(s.ids) for s in msg.sequences
+                )
+                if msg.final:
+                    finals.add(msg.request_id)
+                    if len(finals) == len(reqs):
+                        return
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(120)
+        assert len(finals) == len(reqs)
+        assert all(n == 8 * 256 * 64 * 4 for n in got.values())  # ids bytes: 8 x 256 x K x 4
