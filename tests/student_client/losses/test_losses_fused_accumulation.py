@@ -91,4 +91,4 @@ def test_float32_weight_ignores_the_choice() -> None:
 def test_unknown_accumulation_names_the_argument() -> None:
     hidden, weight, ids, logprobs = _problem(torch.bfloat16)
     with pytest.raises(ValueError, match=r"^grad_weight_accumulation: .*'weight'"):
-        fused_topk_kl_loss(hidden, weight, ids, logprobs, grad_weight_accumulation="fp8")  # type: ignore[arg-type]
+        fused_topk_kl_loss(hidden, weight, ids, logprobs, grad_weight_accumulation="fp8")
