@@ -81,6 +81,9 @@ class DistillConfig:
     loss_mode: LossMode = "tail"
     divergence: str = "forward"
     beta: float | None = None
+    # The fused lm_head loss by default, as the rule of docs/losses.md ("Which path") says:
+    # it never needs more memory than the logits path, and with N = 16 x 256 positions per
+    # step and a byte vocabulary the logits fit one chunk (no extra pass over [V, H]).
     fused: bool = True
     teacher_temperature: float = 1.0
 

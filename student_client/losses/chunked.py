@@ -32,19 +32,10 @@ from student_client.losses.functional import (
 from student_client.losses.parallel import VocabShard, gather_columns, put_columns
 from student_client.losses.types import RowTerms
 
-# What users call; the rest (settings, the autograd function, the per-chunk kernels that
-# `fused.py` and `api.py` import by name) is this package's internals.
-__all__ = ["DEFAULT_CHUNK_BYTES", "auto_chunk_rows"]
-
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""Default size of the fp32 work block of one chunk (64 MiB)."""
-
-
-def auto_chunk_rows(
-    local_vocab: int, *, element_bytes: int = 4, budget_bytes: int = DEFAULT_CHUNK_BYTES
-) -> int:
-    """Rows per chunk so that one `[rows, local_vocab]` work block fits `budget_bytes` (>= 1)."""
-    return max(1, budget_bytes // max(1, local_vocab * element_bytes))
+# What users call lives in `sizing.py` (chunk sizes) and `api.py`; everything here (settings,
+# the autograd function, the per-chunk kernels that `fused.py` and `api.py` import by name)
+# is this package's internals.
+__all__: list[str] = []
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:
