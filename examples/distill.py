@@ -3,12 +3,15 @@
 The student (a fresh Qwen2, smaller than the teacher) reads byte windows of the Python
 standard library's sources; for every window the teacher's top-k next-byte distribution
 comes through :class:`~student_client.client.TeacherClient` with prefetch, and the student
-minimises the tail-aware (or, with ``--loss-mode truncated``, the truncated) top-k KL, by
-default through the fused lm_head loss (``fused_topk_kl_loss`` on the last hidden states:
-the student's logits are never formed; ``--no-fused`` computes logits and uses
-``topk_kl_loss``). Before and after, on held-out files, it
-measures the student's cross-entropy and the full-vocabulary KL(teacher || student) (the
-teacher's weights are read locally for that, from ``--teacher-dir``), next to the
+minimises a divergence of the coarse-grained top-k distributions (``--divergence
+forward|reverse|jsd [--beta B]``, default the forward KL; ``--mode tail|truncated|
+tail_actual``, default the tail-aware K+1 categories; ``tail_actual`` gives the actual next
+byte its own category), by default through the fused lm_head loss (``fused_topk_kl_loss``
+on the last hidden states: the student's logits are never formed; ``--no-fused`` computes
+logits and uses ``topk_kl_loss``). Before and after, on held-out files, it
+measures the student's cross-entropy and the full-vocabulary KL(teacher || student) and
+KL(student || teacher) (the teacher's weights are read locally for that, from
+``--teacher-dir``), next to the
 teacher's own cross-entropy, prints a table, and writes a PNG of the training curves.
 
     python -m examples.distill --teacher 127.0.0.1:50051 [--steps 300] [--out runs/distill]
@@ -16,6 +19,7 @@ teacher's own cross-entropy, prints a table, and writes a PNG of the training cu
     python -m examples.distill --replay runs/recording
     python -m examples.distill --dataset runs/recording    # shuffled DataLoader, many epochs
     python -m examples.distill --teacher 127.0.0.1:50051 --loss-mode truncated --no-fused
+    python -m examples.distill --teacher HOST:PORT --divergence jsd --beta 0.5 --mode tail_actual
 
 With ``--teacher-temperature T`` (the teacher serving at ``T``: ``teacher-server serve
 --teacher-temperature T``) the client refuses a teacher at another temperature, the loss
@@ -43,10 +47,13 @@ import torch
 from examples.data import ByteCorpus, WindowSampler, fixed_windows, load_stdlib_corpus
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
 from student_client.losses import (
+    DIVERGENCES,
     LossMode,
+    LossOptions,
     TopKKLStats,
     causal_lm_hidden_and_head,
     fused_topk_kl_loss,
+    get_divergence,
     topk_kl_loss,
 )
 
@@ -72,6 +79,11 @@ class DistillConfig:
     num_layers: int = 1
     threads: int = 2
     loss_mode: LossMode = "tail"
+    divergence: str = "forward"
+    beta: float | None = None
+    # The fused lm_head loss by default, as the rule of docs/losses.md ("Which path") says:
+    # it never needs more memory than the logits path, and with N = 16 x 256 positions per
+    # step and a byte vocabulary the logits fit one chunk (no extra pass over [V, H]).
     fused: bool = True
     teacher_temperature: float = 1.0
 
@@ -83,6 +95,7 @@ class EvalResult:
     student_ce: float
     kl_teacher_student: float
     teacher_ce: float
+    kl_student_teacher: float = math.nan
 
 
 @dataclass
@@ -121,9 +134,10 @@ def student_model(vocab_size: int, cfg: DistillConfig) -> Any:
 @torch.inference_mode()
 def evaluate(student: Any, teacher: Any, windows: torch.Tensor, batch: int = 8) -> EvalResult:
     """Held-out metrics on ``windows`` ``[N, T]``: cross-entropy of x[t+1] for both models
-    and the full-vocabulary KL(teacher || student) at every position."""
+    and the full-vocabulary KL(teacher || student) and KL(student || teacher) at every
+    position."""
     student.eval()
-    ce_s = ce_t = kl = 0.0
+    ce_s = ce_t = kl = reverse = 0.0
     n_ce = n_kl = 0
     for i in range(0, len(windows), batch):
         x = windows[i : i + batch]
@@ -136,18 +150,18 @@ def evaluate(student: Any, teacher: Any, windows: torch.Tensor, batch: int = 8) 
         ce_t -= lt[:, :-1].gather(-1, target).sum().item()
         n_ce += target.numel()
         kl += (lt.exp() * (lt - ls)).sum().item()
+        reverse += (ls.exp() * (ls - lt)).sum().item()
         n_kl += x.numel()
     student.train()
-    return EvalResult(ce_s / n_ce, kl / n_kl, ce_t / n_ce)
+    return EvalResult(ce_s / n_ce, kl / n_kl, ce_t / n_ce, reverse / n_kl)
 
 
 def distill_loss(student: Any, x: torch.Tensor, payload: Any, cfg: DistillConfig) -> Any:
     """The step's loss and stats: fused on the last hidden states, or on the logits."""
     options: dict[str, Any] = {
-        "mode": cfg.loss_mode,
+        "options": loss_options(cfg),
         "mask": payload.mask,
-        "overlap": True,
-        "temperature": cfg.teacher_temperature,
+        **actual_tokens(x, payload, cfg.loss_mode),
     }
     if cfg.fused:
         head = causal_lm_hidden_and_head(student, input_ids=x)  # [B, T, H], [V, H]
@@ -157,6 +171,27 @@ def distill_loss(student: Any, x: torch.Tensor, payload: Any, cfg: DistillConfig
         return result
     logits = student(input_ids=x).logits  # [B, T, V]
     return topk_kl_loss(logits, payload.ids, payload.logprobs, **options)
+
+
+def loss_options(cfg: DistillConfig) -> LossOptions:
+    """The run's loss options: divergence (with ``beta`` for the JSD), mode, temperature."""
+    params = {} if cfg.beta is None else {"beta": cfg.beta}
+    return LossOptions(
+        divergence=get_divergence(cfg.divergence, **params),
+        mode=cfg.loss_mode,
+        overlap=True,
+        temperature=cfg.teacher_temperature,
+    )
+
+
+def actual_tokens(x: torch.Tensor, payload: Any, mode: str) -> dict[str, torch.Tensor]:
+    """Mode ``tail_actual``: the next byte of each position (``x`` shifted left; the last
+    position has none, its sampled log-prob is NaN) and the teacher's log-prob of it."""
+    if mode != "tail_actual":
+        return {}
+    if payload.sampled_logprobs is None:
+        raise SystemExit("--mode tail_actual: the payload has no sampled log-probs")
+    return {"sampled_ids": torch.roll(x, -1, dims=-1), "sampled_logprobs": payload.sampled_logprobs}
 
 
 def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:
@@ -290,7 +325,7 @@ def run_distill(args: argparse.Namespace, cfg: DistillConfig) -> RunResult:
     return result
 
 
-_LOSS_LABELS = {"tail": "tail-aware", "truncated": "truncated"}
+_LOSS_LABELS = {"tail": "tail-aware", "truncated": "truncated", "tail_actual": "tail + actual"}
 
 
 def heldout_table(before: EvalResult, after: EvalResult, windows: int, length: int) -> list[str]:
@@ -306,8 +341,17 @@ def heldout_table(before: EvalResult, after: EvalResult, windows: int, length: i
         f"| student cross-entropy | {b.student_ce:.3f} | {a.student_ce:.3f} |",
         f"| KL(teacher \\|\\| student), full vocabulary | {b.kl_teacher_student:.3f} | "
         f"{a.kl_teacher_student:.3f} ({drop:.0f}% lower) |",
+        f"| KL(student \\|\\| teacher), full vocabulary | {b.kl_student_teacher:.3f} | "
+        f"{a.kl_student_teacher:.3f} |",
         f"| teacher cross-entropy (reference) | {b.teacher_ce:.3f} | {a.teacher_ce:.3f} |",
     ]
+
+
+def describe_divergence(cfg: DistillConfig) -> str:
+    """``forward KL``, ``reverse KL``, ``JSD(beta=0.5)``."""
+    if cfg.divergence == "jsd":
+        return f"JSD(beta={0.5 if cfg.beta is None else cfg.beta:g})"
+    return f"{cfg.divergence} KL"
 
 
 def format_table(result: RunResult, cfg: DistillConfig) -> str:
@@ -316,7 +360,8 @@ def format_table(result: RunResult, cfg: DistillConfig) -> str:
         *heldout_table(result.before, result.after, cfg.eval_windows, cfg.seq_len),
         "",
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} positions, top-{cfg.top_k} "
-        f"{_LOSS_LABELS[cfg.loss_mode]} KL ({'fused lm_head' if cfg.fused else 'on logits'}; "
+        f"{_LOSS_LABELS[cfg.loss_mode]} {describe_divergence(cfg)} "
+        f"({'fused lm_head' if cfg.fused else 'on logits'}; "
         f"teacher top-{cfg.top_k} mass {result.teacher_mass:.2f}), prefetch "
         f"depth {cfg.depth}: {result.seconds:.0f} s, {result.positions_per_s:,.0f} positions/s",
     ]
@@ -384,10 +429,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument(
+        "--mode",
         "--loss-mode",
+        dest="loss_mode",
         choices=list(_LOSS_LABELS),
         default=d.loss_mode,
-        help="tail-aware (K+1 categories) or truncated (verl) top-k KL",
+        help="tail (K+1 categories), truncated (verl; forward KL only) or tail_actual "
+        "(K+2: the actual next byte's own category)",
+    )
+    ap.add_argument(
+        "--divergence",
+        choices=list(DIVERGENCES),
+        default=d.divergence,
+        help="forward KL(teacher || student), reverse KL(student || teacher), or "
+        "generalized JSD (see --beta)",
+    )
+    ap.add_argument(
+        "--beta",
+        type=float,
+        default=d.beta,
+        help="JSD only: mixture weight of the teacher, m = beta p + (1 - beta) q "
+        "(0: forward KL, 1: reverse KL; default 0.5)",
     )
     ap.add_argument(
         "--fused",
@@ -420,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         lr=args.lr,
         loss_mode=args.loss_mode,
+        divergence=args.divergence,
+        beta=args.beta,
         fused=args.fused,
         teacher_temperature=args.teacher_temperature,
     )

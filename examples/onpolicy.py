@@ -5,8 +5,17 @@ training files (``generate``, sampling at temperature 1): prompts of random leng
 left-padded, so the batch is a Hugging Face ``input_ids`` + ``attention_mask`` pair. The
 teacher scores only the response positions (a sub-range given as columns of the padded
 batch: padding and prompt rows are never sent back), the payload comes back aligned to
-the padded batch (:mod:`student_client.alignment`), and the tail-aware top-k KL runs on
-the response positions only. Before and after, the held-out metrics of
+the padded batch (:mod:`student_client.alignment`), and the tail-aware top-k loss runs on
+the response positions only.
+
+The loss is the reverse KL ``KL(student || teacher)`` over the K+1 categories by default
+(``--divergence forward|reverse|jsd``). On-policy the positions are the student's own
+samples, and the reverse KL is the objective whose per-token estimate on them is the OPD
+signal ``log p_teacher(y) - log q_student(y)`` (Thinking Machines' on-policy distillation,
+GKD): mode-seeking, it penalises the student for putting mass where the teacher puts
+little, which is what its own samples expose, instead of asking a small student to
+cover every mode of the teacher (the forward KL's mean-seeking pull). docs/losses.md has
+the comparison. Before and after, the held-out metrics of
 :mod:`examples.distill` (full-vocabulary KL(teacher || student) on held-out files,
 teacher-forced) say what the student learned; the payload bytes received are compared
 with what full-sequence requests would have carried.
@@ -37,7 +46,7 @@ import torch
 from examples.data import PAD_ID, ByteCorpus, fixed_windows, load_stdlib_corpus
 from examples.distill import DistillConfig, EvalResult, evaluate, heldout_table, student_model
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
-from student_client.losses import topk_kl_loss
+from student_client.losses import DIVERGENCES, get_divergence, topk_kl_loss
 from topk_protocol import build_request, response_bytes
 
 __all__ = ["OnPolicyConfig", "OnPolicyResult", "main", "run_onpolicy", "sample_prompts"]
@@ -62,6 +71,8 @@ class OnPolicyConfig:
     hidden_size: int = 64
     num_layers: int = 1
     threads: int = 2
+    divergence: str = "reverse"
+    beta: float | None = None
 
 
 @dataclass
@@ -115,6 +126,7 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
     corpus: ByteCorpus = load_stdlib_corpus()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     vocab = int(teacher.config.vocab_size)
+    divergence = get_divergence(cfg.divergence, **({} if cfg.beta is None else {"beta": cfg.beta}))
     student = student_model(
         vocab,
         DistillConfig(
@@ -158,7 +170,7 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
             input_ids=seqs, attention_mask=mask, position_ids=_position_ids(mask)
         ).logits
         loss, _stats = topk_kl_loss(
-            logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
+            logits, payload.ids, payload.logprobs, mask=payload.mask, divergence=divergence
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -193,7 +205,8 @@ def format_table(result: OnPolicyResult, cfg: OnPolicyConfig) -> str:
             "",
             f"{cfg.steps} steps x {cfg.batch_size} samples: prompts of {cfg.min_prompt}-"
             f"{cfg.max_prompt} bytes, {cfg.response} sampled response bytes, top-{cfg.top_k} "
-            f"tail-aware KL on the response positions only; {result.seconds:.0f} s "
+            f"tail-aware {cfg.divergence} divergence on the response positions only; "
+            f"{result.seconds:.0f} s "
             f"({result.generate_seconds:.0f} s generating)",
             f"teacher traffic: {result.payload_bytes:,} payload bytes for "
             f"{result.response_rows:,} response rows; full-sequence requests would carry "
@@ -236,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     ):  # fmt: skip
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument(
+        "--divergence",
+        choices=list(DIVERGENCES),
+        default=d.divergence,
+        help="reverse KL(student || teacher) (default: see the module doc), forward KL, or JSD",
+    )
+    ap.add_argument("--beta", type=float, default=d.beta, help="JSD only (default 0.5)")
     return ap
 
 

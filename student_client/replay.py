@@ -181,7 +181,8 @@ class ReplayClient(Closeable):
         if info.max_top_k:
             check_top_k(int(request.top_k), info.max_top_k)
         for i, seq in enumerate(request.sequences):
-            check_token_ids(i, np.frombuffer(seq.token_ids, dtype="<i4"), info.vocab_size)
+            ids = np.frombuffer(seq.token_ids, dtype="<i4")
+            check_token_ids(ids, info.vocab_size, f"sequences[{i}].token_ids")
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
         self._check(request)

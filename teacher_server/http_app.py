@@ -3,6 +3,12 @@
 ``GET /healthz`` alive; ``GET /readyz`` 200 once the engine is loaded and warmed up, 503
 before and while draining; ``GET /metrics`` Prometheus text; ``GET /v1/info`` GetInfo as
 JSON (needs the bearer token when one is configured).
+
+With ``trl`` (:class:`~teacher_server.trl_http.TRLEndpoints`), the calls Hugging Face
+TRL's teacher client makes: ``GET /health`` (200 once ready) and ``GET /v1/models``
+(open: TRL's client reads them before it can send a token), ``POST /v1/completions``
+(TRL 1.11+) and ``POST /get_sequence_logprobs/`` (TRL 1.10), which need the bearer token
+when one is configured (docs/trl.md).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from teacher_server.auth import token_matches
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
+from teacher_server.trl_http import HTTPAnswer, TRLEndpoints
 from topk_protocol import pb
 
 __all__ = ["build_http_app"]
@@ -29,6 +36,7 @@ def build_http_app(
     info: Callable[[], pb.TeacherInfo | None],
     metrics: TeacherMetrics,
     token: str | None = None,
+    trl: TRLEndpoints | None = None,
 ) -> FastAPI:
     """The HTTP app; ``lifecycle`` and ``info()`` are read on every request.
 
@@ -51,12 +59,17 @@ def build_http_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/info")
-    async def v1_info(request: Request) -> Response:
+    def unauthorized(request: Request) -> Response | None:
         if token and not token_matches(request.headers.get("authorization"), token):
             return JSONResponse(
                 {"error": "authorization: missing or wrong bearer token"}, status_code=401
             )
+        return None
+
+    @app.get("/v1/info")
+    async def v1_info(request: Request) -> Response:
+        if (denied := unauthorized(request)) is not None:
+            return denied
         msg = info()
         if msg is None:
             return JSONResponse({"status": "loading"}, status_code=503)
@@ -65,4 +78,41 @@ def build_http_app(
         )
         return JSONResponse(body)
 
+    if trl is not None:
+        _add_trl_routes(app, trl, lifecycle, unauthorized)
     return app
+
+
+def _json(answer: HTTPAnswer) -> Response:
+    return Response(answer.body, status_code=answer.status, media_type="application/json")
+
+
+def _add_trl_routes(
+    app: FastAPI,
+    trl: TRLEndpoints,
+    lifecycle: Lifecycle,
+    unauthorized: Callable[[Request], Response | None],
+) -> None:
+    """TRL's teacher calls (thin: the logic is in :mod:`teacher_server.trl_http`)."""
+
+    @app.get("/health")
+    @app.get("/health/")
+    async def health() -> Response:
+        ready = lifecycle.phase is Phase.READY
+        return JSONResponse({"status": lifecycle.phase.value}, status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def v1_models() -> Response:
+        return _json(trl.models())
+
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Response:
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        return _json(await trl.completions(await request.body()))
+
+    @app.post("/get_sequence_logprobs/")
+    async def get_sequence_logprobs(request: Request) -> Response:
+        if (denied := unauthorized(request)) is not None:
+            return denied
+        return _json(await trl.sequence_logprobs(await request.body()))

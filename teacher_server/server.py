@@ -33,6 +33,7 @@ from teacher_server.lifecycle import (
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
+from teacher_server.trl_http import TRLEndpoints
 from teacher_server.validation import Limits
 from topk_protocol import pb
 
@@ -162,8 +163,13 @@ class TeacherServer:
 
     async def _start_http(self, tls: tuple[Path, Path] | None) -> None:
         cfg = self._config
+        trl = TRLEndpoints(self._servicer.score_rendered, self.info, lambda: self._servicer.limits)
         app = build_http_app(
-            lifecycle=self.lifecycle, info=self.info, metrics=self._metrics, token=cfg.token
+            lifecycle=self.lifecycle,
+            info=self.info,
+            metrics=self._metrics,
+            token=cfg.token,
+            trl=trl,
         )
         limits = cfg.http_limits or HttpLimits()
         ucfg = uvicorn.Config(

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -48,6 +49,8 @@ from topk_protocol.status import REASON_KEY, status_of
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 
 def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
@@ -102,6 +105,50 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     def set_limits(self, limits: Limits) -> None:
         """Backend loaded: the final limits (vocab size now known)."""
         self._limits = limits
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    async def score_rendered(
+        self,
+        method: str,
+        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[ScoredSequence]], R]]],
+    ) -> R:
+        """One request from another front end (the HTTP routes; ``method`` names it in the
+        metrics) with the same lifecycle check, validation, admission, backend and metrics
+        as ``Score``. ``prepare()`` (in a worker thread, after the lifecycle check) parses
+        the front end's request into a ``ScoreRequest`` and a renderer; ``render(scored)``
+        runs in a worker thread while the slot is held (a drain waits for it). Raises the
+        typed error of a refusal (a plain ``TeacherError`` on a failure: INTERNAL)."""
+        t0 = time.perf_counter()
+        try:
+            refusal = self._lifecycle.refusal()
+            if refusal is not None:
+                raise TeacherUnavailableError(refusal)
+            request, render = await asyncio.to_thread(prepare)
+            parsed = await self._admit(request)
+        except TeacherError as e:
+            self._count(method, status_of(e)[0], t0)
+            raise
+        try:
+            scored = await self._score(parsed)
+            out = await asyncio.to_thread(render, scored)
+        except TeacherError as e:
+            self._count(method, status_of(e)[0], t0)
+            raise
+        except asyncio.CancelledError:
+            self._count(method, grpc.StatusCode.CANCELLED, t0)
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            self._count(method, grpc.StatusCode.INTERNAL, t0)
+            raise TeacherError(f"teacher: scoring failed: {e}") from None
+        finally:
+            self._release()
+        self._count_payload(parsed)
+        self._count(method, grpc.StatusCode.OK, t0)
+        return out
 
     # -- admission ---------------------------------------------------------------------
     async def _validate(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:

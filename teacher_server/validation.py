@@ -16,9 +16,18 @@ import numpy.typing as npt
 from teacher_server.config import MIB, ServerConfig
 from topk_protocol import RequestOptions, pb, sequence_span
 from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
-from topk_protocol.requests import check_token_ids, check_top_k
+from topk_protocol.requests import check_token_ids as check_vocabulary
+from topk_protocol.requests import check_top_k as check_k
 
-__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
+__all__ = [
+    "Limits",
+    "ParsedRequest",
+    "ParsedSequence",
+    "check_token_ids",
+    "check_top_k",
+    "check_total_tokens",
+    "parse_request",
+]
 
 
 @dataclass(frozen=True)
@@ -71,11 +80,39 @@ class ParsedRequest:
         return self.num_positions * self.options.bytes_per_row()
 
 
+def check_top_k(top_k: int, limits: Limits, field: str = "top_k") -> None:
+    """K within ``[1, max_top_k]``; ``field`` names it in the error (HTTP routes name
+    their own field)."""
+    check_k(int(top_k), limits.max_top_k, field)
+
+
+def check_total_tokens(total: int, limits: Limits, field: str = "sequences") -> None:
+    """A request's tokens in total within ``max_tokens_per_request``."""
+    if total > limits.max_tokens_per_request:
+        raise ResourceExhaustedError(
+            f"{field}: {total} tokens in total exceeds max_tokens_per_request "
+            f"{limits.max_tokens_per_request}; split the batch"
+        )
+
+
+def check_token_ids(ids: npt.NDArray[np.integer], limits: Limits, field: str) -> None:
+    """One sequence's ids ``[L]``: at least one, at most ``max_sequence_length``, each in
+    the vocabulary; ``field`` names the sequence (``field[j]`` the bad token)."""
+    n = len(ids)
+    if n == 0:
+        raise InvalidRequestError(f"{field}: empty; a sequence needs at least 1 token")
+    if limits.max_sequence_length and n > limits.max_sequence_length:
+        raise InvalidRequestError(
+            f"{field}: length {n} exceeds max_sequence_length {limits.max_sequence_length}"
+        )
+    check_vocabulary(ids, limits.vocab_size, field)
+
+
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
     """Validate ``req`` against ``limits``; raise the typed error of the first problem."""
     if not req.sequences:
         raise InvalidRequestError("sequences: empty; a request needs at least 1 sequence")
-    check_top_k(int(req.top_k), limits.max_top_k)
+    check_top_k(req.top_k, limits)
     options = RequestOptions.from_proto(req)
     total = 0
     for i, seq in enumerate(req.sequences):
@@ -85,25 +122,12 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
                 f"sequences[{i}].token_ids: {n_bytes} bytes is not a multiple of 4 (int32)"
             )
         total += n_bytes // 4
-    if total > limits.max_tokens_per_request:
-        raise ResourceExhaustedError(
-            f"sequences: {total} tokens in total exceeds max_tokens_per_request "
-            f"{limits.max_tokens_per_request}; split the batch"
-        )
+    check_total_tokens(total, limits)
     parsed: list[ParsedSequence] = []
     for i, seq in enumerate(req.sequences):
         ids = np.frombuffer(seq.token_ids, dtype="<i4")
         n = len(ids)
-        if n == 0:
-            raise InvalidRequestError(
-                f"sequences[{i}].token_ids: empty; a sequence needs at least 1 token"
-            )
-        if limits.max_sequence_length and n > limits.max_sequence_length:
-            raise InvalidRequestError(
-                f"sequences[{i}].token_ids: length {n} exceeds max_sequence_length "
-                f"{limits.max_sequence_length}"
-            )
-        check_token_ids(i, ids, limits.vocab_size)
+        check_token_ids(ids, limits, f"sequences[{i}].token_ids")
         start, end = sequence_span(seq)
         if not 0 <= start <= end <= n:
             raise InvalidRequestError(

@@ -42,6 +42,7 @@ from topk_protocol.temperature import (
     DEFAULT_TEACHER_TEMPERATURE,
     check_temperature,
     teacher_temperature,
+    temperature_mismatch,
 )
 
 __all__ = [
@@ -76,4 +77,5 @@ __all__ = [
     "response_bytes",
     "sequence_span",
     "teacher_temperature",
+    "temperature_mismatch",
 ]

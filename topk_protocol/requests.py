@@ -281,24 +281,24 @@ def build_request(
 
 
 # -- the request against the teacher ------------------------------------------------------
-def check_top_k(top_k: int, max_top_k: int) -> None:
-    """Raise :class:`InvalidRequestError` unless ``1 <= top_k <= max_top_k`` (the
-    teacher's ``TeacherInfo.max_top_k``)."""
+def check_top_k(top_k: int, max_top_k: int, field: str = "top_k") -> None:
+    """Raise :class:`InvalidRequestError` (naming ``field``) unless ``1 <= top_k <=
+    max_top_k`` (the teacher's ``TeacherInfo.max_top_k``)."""
     if not 1 <= top_k <= max_top_k:
-        raise InvalidRequestError(f"top_k: {top_k} is outside [1, {max_top_k}] (max_top_k)")
+        raise InvalidRequestError(f"{field}: {top_k} is outside [1, {max_top_k}] (max_top_k)")
 
 
-def check_token_ids(index: int, ids: npt.NDArray[np.int32], vocab_size: int) -> None:
-    """Raise :class:`InvalidRequestError` naming the first id of ``sequences[index]``
-    (``ids`` ``[L]``) outside the teacher's vocabulary ``[0, vocab_size)``."""
+def check_token_ids(ids: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
+    """Raise :class:`InvalidRequestError` naming the first id of ``ids`` ``[L]`` (the
+    sequence ``field``, e.g. ``sequences[0].token_ids``) outside the teacher's vocabulary
+    ``[0, vocab_size)``."""
     if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < vocab_size:
         return
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
         j = int(bad[0])
         raise InvalidRequestError(
-            f"sequences[{index}].token_ids[{j}]: {int(ids[j])} is outside the vocabulary "
-            f"[0, {vocab_size})"
+            f"{field}[{j}]: {int(ids[j])} is outside the vocabulary [0, {vocab_size})"
         )
 
 

@@ -11,7 +11,12 @@ import math
 
 from topk_protocol._generated import teacher_pb2 as pb
 
-__all__ = ["DEFAULT_TEACHER_TEMPERATURE", "check_temperature", "teacher_temperature"]
+__all__ = [
+    "DEFAULT_TEACHER_TEMPERATURE",
+    "check_temperature",
+    "teacher_temperature",
+    "temperature_mismatch",
+]
 
 #: The temperature of a teacher whose ``TeacherInfo`` does not carry one.
 DEFAULT_TEACHER_TEMPERATURE = 1.0
@@ -33,3 +38,16 @@ def teacher_temperature(info: pb.TeacherInfo) -> float:
     if info.HasField("teacher_temperature"):
         return float(info.teacher_temperature)
     return DEFAULT_TEACHER_TEMPERATURE
+
+
+def temperature_mismatch(requested: float, served: float) -> str | None:
+    """``None`` when a request's ``temperature`` is the served one (to 1e-9 relative), else
+    the refusal naming both: a top-k answer cannot be re-tempered exactly."""
+    if math.isclose(float(requested), float(served), rel_tol=1e-9):
+        return None
+    return (
+        f"temperature: the request asks for {float(requested):g}, the teacher serves "
+        f"teacher_temperature {float(served):g} (--teacher-temperature); a top-k answer "
+        f"cannot be re-tempered: ask for {float(served):g}, or serve a teacher at "
+        f"{float(requested):g}"
+    )

@@ -12,7 +12,6 @@ on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
 """
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
-from student_client.losses.chunked import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.divergences import DIVERGENCES, Divergence, get_divergence
 from student_client.losses.lm_head import LMHeadInputs, causal_lm_hidden_and_head
 from student_client.losses.module import TopKKLLoss
@@ -26,6 +25,7 @@ from student_client.losses.onpolicy import (
 from student_client.losses.options import LossOptions
 from student_client.losses.reference import topk_kl_reference
 from student_client.losses.sharded_head import lm_head_topk_kl_loss, local_vocab_shard
+from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
     LOSS_MODES,
     REDUCTIONS,

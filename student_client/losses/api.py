@@ -10,17 +10,11 @@ from torch import Tensor
 
 from student_client.losses.chunked import (
     ChunkedSettings,
-    auto_chunk_rows,
     chunked_topk_kl_rows,
     localized_columns,
     statistics_dtype,
 )
-from student_client.losses.fused import (
-    DEFAULT_FUSED_WORK_BYTES,
-    FusedLinearTopKKLFunction,
-    FusedSettings,
-    auto_fused_chunk_rows,
-)
+from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings
 from student_client.losses.masking import (
     append_actual_column,
     prepare_teacher_rows,
@@ -29,6 +23,7 @@ from student_client.losses.masking import (
 )
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
+from student_client.losses.sizing import auto_chunk_rows, fused_chunks
 from student_client.losses.types import LossMode, RowTerms, TopKKLStats
 from student_client.losses.validation import check_linear, check_sampled, check_tensors
 
@@ -157,15 +152,17 @@ def fused_topk_kl_loss(
             as in `topk_kl_loss`.
         bias: optional lm_head bias `[V_local]`.
         **overrides: fields of `LossOptions`, as in `topk_kl_loss`. Here `chunk_size` is
-            the rows of one `[chunk, V_local]` logits block in the weight's dtype (None: a
-            64 MiB block; the loss math runs on fp32 sub-blocks of 16 MiB), and
+            the rows of one `[chunk, V_local]` logits block in the weight's dtype (None: the
+            rows in five equal chunks, each block within 64 MiB - 1 GiB,
+            `sizing.fused_chunks`; the loss math runs on fp32 sub-blocks of 16 MiB on CPU);
             `grad_in_forward` (default True) computes the gradients during forward for
             "mean" / "sum" (three matmuls per chunk; measured faster on CPU,
             docs/losses.md); False recomputes the chunk logits in backward (four). "none"
-            always recomputes. Under `process_group` every rank passes the same `hidden`,
-            teacher tensors and mask; the gradient of `hidden` is already summed over the
-            ranks (do not all-reduce it again); `weight.grad` / `bias.grad` are those of
-            the rank's shard.
+            always recomputes. `grad_weight_accumulation` (default "weight") says how a
+            bf16 / fp16 `grad_weight` is summed over the row chunks. Under `process_group`
+            every rank passes the same `hidden`, teacher tensors and mask; the gradient of
+            `hidden` is already summed over the ranks (do not all-reduce it again);
+            `weight.grad` / `bias.grad` are those of the rank's shard.
 
     Returns:
         `(loss, stats)` as `topk_kl_loss`; `loss` is differentiable w.r.t. `hidden`,
@@ -197,18 +194,17 @@ def fused_topk_kl_loss(
         teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, hidden
     )
     teacher = localized_columns(ids, logprobs, present, shard, statistics_dtype(hidden.device))
-    local_vocab = weight.shape[0]
+    chunks = fused_chunks(
+        flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
+    )
     grad_enabled = torch.is_grad_enabled()
     settings = FusedSettings(
-        loss=_chunked_settings(
-            opts, shard, auto_chunk_rows(local_vocab, budget_bytes=DEFAULT_FUSED_WORK_BYTES)
-        ),
-        chunk_rows=opts.chunk_size
-        if opts.chunk_size is not None
-        else auto_fused_chunk_rows(local_vocab, weight.element_size()),
+        loss=_chunked_settings(opts, shard, chunks.work_rows),
+        chunk_rows=chunks.block_rows,
         clamp_min=opts.clamp_min,
         reduction=opts.reduction,
         grad_in_forward=opts.grad_in_forward,
+        accumulation=opts.grad_weight_accumulation,
         needs_grad=(
             grad_enabled and hidden.requires_grad,
             grad_enabled and weight.requires_grad,

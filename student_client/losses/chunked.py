@@ -32,34 +32,10 @@ from student_client.losses.functional import (
 from student_client.losses.parallel import VocabShard, gather_columns, put_columns
 from student_client.losses.types import RowTerms
 
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "ChunkPass",
-    "ChunkedSettings",
-    "ChunkedTopKKLFunction",
-    "TeacherColumns",
-    "auto_chunk_rows",
-    "center_",
-    "chunk_bounds",
-    "chunked_topk_kl_rows",
-    "localized_columns",
-    "logit_gradient_",
-    "recompute_logit_gradient_",
-    "reduce_chunk",
-    "statistics_dtype",
-    "terms_from_reductions",
-    "working_dtype",
-]
-
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""Default size of the fp32 work block of one chunk (64 MiB)."""
-
-
-def auto_chunk_rows(
-    local_vocab: int, *, element_bytes: int = 4, budget_bytes: int = DEFAULT_CHUNK_BYTES
-) -> int:
-    """Rows per chunk so that one `[rows, local_vocab]` work block fits `budget_bytes` (>= 1)."""
-    return max(1, budget_bytes // max(1, local_vocab * element_bytes))
+# What users call lives in `sizing.py` (chunk sizes) and `api.py`; everything here (settings,
+# the autograd function, the per-chunk kernels that `fused.py` and `api.py` import by name)
+# is this package's internals.
+__all__: list[str] = []
 
 
 def working_dtype(dtype: torch.dtype) -> torch.dtype:

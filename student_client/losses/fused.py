@@ -16,9 +16,11 @@ When the gradient is computed (docs/losses.md, "Fused lm_head", has the measurem
   `grad_in_forward=False`): forward keeps per-row statistics only; backward computes the
   chunk logits again (a fourth matmul) and rebuilds `exp(s - max)` from the saved row max.
 
-Memory: one `[chunk, V_local]` block in the weight's dtype, one fp32 sub-block, the fp32
-`grad_weight` accumulator `[V_local, H]` (for a bf16/fp16 weight; it is rounded once at the
-end), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row values. Nothing of size `[N, V]`.
+Memory: one `[chunk, V_local]` block in the weight's dtype (five equal row chunks by
+default, `sizing.fused_chunks`), one fp32 sub-block, `grad_weight` `[V_local, H]` in the
+weight's dtype (summed with one rounding per row chunk; a compensated or fp32 sum on
+request, `_GradientSink`), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row values.
+Nothing of size `[N, V]`.
 
 Vocab-parallel: every rank holds a weight shard; the per-chunk collectives are those of
 `reduce_chunk`; each rank's `G @ W_shard` is a partial sum of `grad_hidden`, all-reduced
@@ -46,32 +48,10 @@ from student_client.losses.chunked import (
 )
 from student_client.losses.functional import GradientCoefficients, TeacherMass, teacher_mass
 from student_client.losses.masking import reduce_positions
-from student_client.losses.types import Reduction
+from student_client.losses.sizing import FUSED_WEIGHT_SLICE_BYTES
+from student_client.losses.types import GradAccumulation, Reduction
 
-__all__ = [
-    "DEFAULT_FUSED_BLOCK_BYTES",
-    "DEFAULT_FUSED_WORK_BYTES",
-    "FusedLinearTopKKLFunction",
-    "FusedSettings",
-    "auto_fused_chunk_rows",
-]
-
-DEFAULT_FUSED_BLOCK_BYTES = 64 * 2**20
-"""Default size of one chunk's logits block in the weight's dtype (64 MiB)."""
-
-DEFAULT_FUSED_WORK_BYTES = 16 * 2**20
-"""Default size of the fp32 work sub-block the loss math runs on (16 MiB)."""
-
-_WEIGHT_SLICE_BYTES = 4 * 2**20
-"""`grad_weight` is accumulated in vocabulary slices of this many bytes of the weight's
-dtype (one reused temporary; torch has no bf16 x bf16 -> fp32 matmul on CPU)."""
-
-
-def auto_fused_chunk_rows(
-    local_vocab: int, element_bytes: int, budget_bytes: int = DEFAULT_FUSED_BLOCK_BYTES
-) -> int:
-    """Rows per chunk so that one `[rows, local_vocab]` logits block fits `budget_bytes`."""
-    return max(1, budget_bytes // max(1, local_vocab * element_bytes))
+__all__ = ["FusedLinearTopKKLFunction", "FusedSettings"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +71,7 @@ class FusedSettings:
     reduction: Reduction
     grad_in_forward: bool
     needs_grad: tuple[bool, bool, bool]
+    accumulation: GradAccumulation = "weight"
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
@@ -101,7 +82,23 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tens
 
 
 class _GradientSink:
-    """Accumulates `grad_hidden`, `grad_weight`, `grad_bias` chunk by chunk."""
+    """Accumulates `grad_hidden`, `grad_weight`, `grad_bias` chunk by chunk.
+
+    `grad_weight` `[V_local, H]` is a sum over the row chunks; how it is accumulated
+    (`settings.accumulation`, docs/losses.md "Weight-gradient accumulation"):
+
+    - "weight": in the weight's dtype, `grad_weight.addmm_(G.T, h)` per chunk: the matmul
+      sums the chunk in fp32 and adds the running sum before its one rounding, so the
+      result is rounded once per row chunk. No memory beyond the gradient itself.
+    - "compensated": the same into a second buffer in the weight's dtype that holds the
+      running sum's rounding error (hi + lo, renormalized in fp32 per vocabulary slice),
+      rounded once at the end: 2x the gradient's memory.
+    - "float32": an fp32 accumulator; each chunk's product is a matmul in the weight's dtype
+      (rounded once), upcast and added; rounded once at the end: 3x the gradient's memory
+      at the end (the fp32 sum and its rounded copy).
+
+    For an fp32 / fp64 weight the three are the same (the working dtype is the weight's).
+    """
 
     def __init__(
         self, hidden: Tensor, weight: Tensor, bias: Tensor | None, settings: FusedSettings
@@ -116,16 +113,26 @@ class _GradientSink:
             # Sharded: each rank holds a partial sum, all-reduced in the working dtype.
             dtype = work_dtype if self.shard.is_sharded else hidden.dtype
             self.grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype)
+        self.accumulation = settings.accumulation if work_dtype != weight.dtype else "weight"
         self.grad_weight = None
-        self.weight_slice: Tensor | None = None
-        self.weight_slice_work: Tensor | None = None
+        self.compensation: Tensor | None = None
+        self.slice_rows = 0
+        self.slice_buffers: tuple[Tensor, Tensor] | None = None
         if needs_weight:
-            self.grad_weight = torch.zeros(weight.shape, dtype=work_dtype, device=weight.device)
-            if work_dtype != weight.dtype:
+            dtype = work_dtype if self.accumulation == "float32" else weight.dtype
+            self.grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+            if self.accumulation == "compensated":
+                self.compensation = torch.zeros_like(weight)
+            if self.accumulation != "weight":
                 row_bytes = max(1, weight.shape[1] * weight.element_size())
-                rows = min(max(1, _WEIGHT_SLICE_BYTES // row_bytes), weight.shape[0])
-                self.weight_slice = weight.new_empty((rows, weight.shape[1]))
-                self.weight_slice_work = weight.new_empty((rows, weight.shape[1]), dtype=work_dtype)
+                self.slice_rows = min(
+                    max(1, FUSED_WEIGHT_SLICE_BYTES // row_bytes), weight.shape[0]
+                )
+                shape = (self.slice_rows, weight.shape[1])
+                self.slice_buffers = (
+                    weight.new_empty(shape, dtype=work_dtype),
+                    weight.new_empty(shape, dtype=work_dtype),
+                )
         self.grad_bias = None
         if needs_bias and bias is not None:
             self.grad_bias = torch.zeros(bias.shape, dtype=work_dtype, device=bias.device)
@@ -145,29 +152,44 @@ class _GradientSink:
                 target.copy_(grad_logits @ self.weight)
         if self.grad_weight is None:
             return
-        if self.weight_slice is None or self.weight_slice_work is None:
+        if self.accumulation == "weight":
             self.grad_weight.addmm_(grad_logits.t(), hidden)
             return
-        # bf16/fp16: each slice's product is a bf16 matmul (fp32 inside), then summed in fp32.
-        # (Upcast first: a mixed-dtype `add_` takes torch's slow unvectorized CPU path.)
-        for columns in chunk_bounds(self.grad_weight.shape[0], self.weight_slice.shape[0]):
+        assert self.slice_buffers is not None
+        first, second = self.slice_buffers
+        for columns in chunk_bounds(self.grad_weight.shape[0], self.slice_rows):
             size = columns.stop - columns.start
-            part = self.weight_slice[:size]
-            torch.mm(grad_logits[:, columns].t(), hidden, out=part)
-            upcast = self.weight_slice_work[:size]
-            upcast.copy_(part)
-            self.grad_weight[columns].add_(upcast)
+            gradient = grad_logits[:, columns].t()
+            if self.compensation is None:  # "float32"
+                # (Upcast first: a mixed-dtype `add_` takes torch's slow unvectorized CPU path.)
+                first[:size].copy_(gradient @ hidden)  # one rounding, then exact in fp32
+                self.grad_weight[columns].add_(first[:size])
+                continue
+            high, low = self.grad_weight[columns], self.compensation[columns]
+            low.addmm_(gradient, hidden)  # lo <- round(lo + this chunk's product)
+            total, rounded = first[:size], second[:size]
+            total.copy_(high)
+            rounded.copy_(low)
+            total.add_(rounded)  # hi + lo in fp32
+            high.copy_(total)  # hi <- round(hi + lo)
+            rounded.copy_(high)
+            total.sub_(rounded)
+            low.copy_(total)  # lo <- what that rounding dropped
 
     def finish(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """The gradients in the inputs' dtypes (`grad_hidden` summed over the vocab shards)."""
-        self.weight_slice = self.weight_slice_work = None
+        self.slice_buffers = None
         grad_hidden = self.grad_hidden
         if grad_hidden is not None and self.shard.is_sharded:
             grad_hidden = self.shard.all_reduce_sum_(grad_hidden).to(self.hidden_dtype)
-        grad_weight = self.grad_weight
-        self.grad_weight = None
+        grad_weight, compensation = self.grad_weight, self.compensation
+        self.grad_weight = self.compensation = None
+        if grad_weight is not None and compensation is not None:
+            for columns in chunk_bounds(grad_weight.shape[0], max(1, self.slice_rows)):
+                grad_weight[columns] = grad_weight[columns].float() + compensation[columns].float()
+            del compensation
         if grad_weight is not None:
-            grad_weight = grad_weight.to(self.weight.dtype)  # the only rounding
+            grad_weight = grad_weight.to(self.weight.dtype)  # float32: the only rounding
         grad_bias = self.grad_bias
         if grad_bias is not None:
             grad_bias = grad_bias.to(self.weight.dtype)

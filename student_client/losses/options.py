@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from student_client.losses.divergences import Divergence, get_divergence
-from student_client.losses.types import LossMode, Reduction
+from student_client.losses.types import GRAD_ACCUMULATIONS, GradAccumulation, LossMode, Reduction
 from student_client.losses.validation import check_options
 
 __all__ = ["LossOptions"]
@@ -33,7 +33,7 @@ class LossOptions:
         reduction: "mean" over counted positions (0 when none count), "sum", or "none"
             for the per-position loss `[...]` (0 where not counted).
         chunk_size: rows per chunk; None picks it from the memory budget (`topk_kl_loss`:
-            64 MiB of fp32 per chunk; fused: a 64 MiB logits block).
+            64 MiB of fp32 per chunk; fused: five equal row chunks, `sizing.py`).
         temperature: student temperature `T > 0` (the teacher's log-probs are used as
             they come; the loss is not multiplied by `T**2`).
         tail_mass_eps: guard of the student's tail mass (and, for the reverse KL, of the
@@ -47,6 +47,11 @@ class LossOptions:
         overlap: compute `stats.overlap` (a `topk` per block); False: it is NaN.
         grad_in_forward: fused loss only: compute the gradients in forward for "mean" /
             "sum" (three matmuls per chunk); False recomputes the logits in backward.
+        grad_weight_accumulation: fused loss only: how a bf16 / fp16 `grad_weight` is
+            summed over the row chunks: "weight" (in the weight's dtype, rounded once per
+            chunk, no memory beyond the gradient), "compensated" (a second buffer of the
+            gradient's size keeps the rounding error), "float32" (an fp32 accumulator: 2x
+            the gradient, 3x while rounding). docs/losses.md, "Weight-gradient accumulation".
     """
 
     divergence: str | Divergence = "forward"
@@ -60,6 +65,7 @@ class LossOptions:
     validate: bool = True
     overlap: bool = False
     grad_in_forward: bool = True
+    grad_weight_accumulation: GradAccumulation = "weight"
 
     def __post_init__(self) -> None:
         resolved = get_divergence(self.divergence)
@@ -74,6 +80,11 @@ class LossOptions:
             truncatable=resolved.truncatable,
             divergence_name=resolved.name,
         )
+        if self.grad_weight_accumulation not in GRAD_ACCUMULATIONS:
+            raise ValueError(
+                "grad_weight_accumulation: must be one of "
+                f"{', '.join(map(repr, GRAD_ACCUMULATIONS))}, got {self.grad_weight_accumulation!r}"
+            )
 
     @property
     def resolved_divergence(self) -> Divergence:

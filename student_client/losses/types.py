@@ -9,9 +9,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GRAD_ACCUMULATIONS",
     "LOSS_MODES",
     "REDUCTIONS",
     "STAT_FIELDS",
+    "GradAccumulation",
     "LossMode",
     "Reduction",
     "RowTerms",
@@ -20,6 +22,10 @@ __all__ = [
 
 LossMode = Literal["tail", "truncated", "tail_actual"]
 Reduction = Literal["mean", "sum", "none"]
+
+GradAccumulation = Literal["weight", "compensated", "float32"]
+"""Fused loss: how a bf16 / fp16 `grad_weight` is summed over the row chunks."""
+GRAD_ACCUMULATIONS: tuple[GradAccumulation, ...] = ("weight", "compensated", "float32")
 
 LOSS_MODES: tuple[LossMode, ...] = ("tail", "truncated", "tail_actual")
 """K+1 categories (top-k + tail), the top-k terms alone, or K+2 (the actual next token's

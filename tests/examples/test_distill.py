@@ -121,6 +121,9 @@ def test_onpolicy_reduces_heldout_kl_with_response_only_traffic(
     result = _result(tmp_path)
     before, after = result["before"], result["after"]
     assert after["kl_teacher_student"] < 0.9 * before["kl_teacher_student"], (before, after)
+    config = json.loads((tmp_path / "result.json").read_text())["config"]
+    assert config["divergence"] == "reverse"  # the example's default
+    assert after["kl_student_teacher"] < before["kl_student_teacher"], (before, after)
     assert len(result["train_loss"]) == 12
     # 32 response rows per sample are scored; full sequences would be 48-64 rows.
     assert result["response_rows"] == 12 * 8 * 32

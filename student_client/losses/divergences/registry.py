@@ -17,6 +17,7 @@ __all__ = ["DIVERGENCES", "get_divergence"]
 DIVERGENCES: dict[str, str] = {
     "forward": "student_client.losses.divergences.forward_kl:ForwardKL",
     "reverse": "student_client.losses.divergences.reverse_kl:ReverseKL",
+    "jsd": "student_client.losses.divergences.jsd:GeneralizedJSD",
 }
 
 

@@ -28,12 +28,14 @@ __all__ = [
 DIVERGENCE_CASES: list[tuple[str, dict[str, Any]]] = [
     ("forward", {}),
     ("reverse", {}),
+    ("jsd", {"beta": 0.3}),
 ]
 
 #: The modes each divergence runs in.
 MODES_OF: dict[str, tuple[str, ...]] = {
     "forward": ("tail", "truncated", "tail_actual"),
     "reverse": ("tail", "tail_actual"),
+    "jsd": ("tail", "tail_actual"),
 }
 
 _NAMED_FLOOR = 1e-30  # the reverse KL's floor of a named category's teacher probability
@@ -54,6 +56,10 @@ def coarse_divergence(
     if name == "reverse":
         floored = p if floor is None else torch.maximum(p, floor)
         return (torch.xlogy(q, q) - q * torch.log(floored)).sum(-1)
+    if name == "jsd":  # GKD: m = beta p + (1 - beta) q
+        beta = params.get("beta", 0.5)
+        m = beta * p + (1 - beta) * q
+        return (beta * _xlogy_ratio(p, m) + (1 - beta) * _xlogy_ratio(q, m)).sum(-1)
     raise AssertionError(f"no oracle for divergence {name!r}")
 
 

@@ -108,7 +108,9 @@ def _check(rank: int, world: int) -> tuple[int, int]:
             assert value == pytest.approx(
                 want_stats.as_dict()[key], rel=rel, abs=abs_, nan_ok=True
             ), (label, key)
-        rtol, atol = (2e-2, 2e-3) if dtype == torch.bfloat16 else (1e-5, 1e-6)
+        # The shard's logits come from another matmul call (other fp32 blocking); the
+        # reverse KL's and the JSD's gradients hold log-ratios that move with them.
+        rtol, atol = (2e-2, 2e-3) if dtype == torch.bfloat16 else (5e-5, 1e-5)
         for grad, reference in zip(got, [want[0], want[1][columns], want[2][columns]], strict=True):
             scale = float(reference.abs().max())
             torch.testing.assert_close(grad, reference, rtol=rtol, atol=atol * scale, msg=label)

@@ -8,6 +8,8 @@ One spawn of 4 processes runs both layouts (spawning dominates the cost).
   FSDP forward; its recomputing backward, so the weight is all-gathered again) and the logits
   path (`topk_kl_loss` on `lm_head(hidden)`); every gathered (`full_tensor()`) gradient
   equals that of one process computing the mean of the ranks' losses on an unsharded copy.
+- The FSDP2 recipe of docs/scaling.md on a tiny Qwen2, 2 processes: fused-loss gradients
+  equal one process's.
 - DP 2 x TP 2 on 4 processes: the same student with its lm_head `ColwiseParallel` over the
   `tp` mesh dim and `fully_shard` over `dp`; the fused loss and the logits path get the
   local shard and the TP group.
@@ -154,11 +156,55 @@ def _run_layout(rank: int, layout: str) -> dict[str, Any]:
     return report
 
 
+def _hf_fsdp_max_error(rank: int) -> float:
+    """docs/scaling.md's FSDP2 recipe on a tiny Qwen2 (every decoder layer, the lm_head,
+    the base model and the root each `fully_shard`-ed over rank pairs; the base model run
+    standalone, then `lm_head_topk_kl_loss`): the largest gradient error relative to each
+    parameter's largest reference gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from student_client.losses import causal_lm_hidden_and_head
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("run", "dp"))["dp"]
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN * 2, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    reference = Qwen2ForCausalLM(config)
+    model = copy.deepcopy(reference)
+    for module in [*model.model.layers, model.lm_head, model.model, model]:
+        fully_shard(module, mesh=mesh)
+    x, ids, logprobs, mask = _batch(mesh.get_local_rank(), 0)
+    hidden = model.model(input_ids=x).last_hidden_state
+    lm_head_topk_kl_loss(model.lm_head, hidden, ids, logprobs, mask=mask)[0].backward()
+    total = torch.zeros(())
+    for replica in range(mesh.size()):
+        x, ids, logprobs, mask = _batch(replica, 0)
+        head = causal_lm_hidden_and_head(reference, input_ids=x)
+        total = total + fused_topk_kl_loss(head.hidden, head.weight, ids, logprobs, mask=mask)[0]
+    (total / mesh.size()).backward()
+    want = dict(reference.named_parameters())
+    errors = []
+    for name, param in model.named_parameters():
+        ref_grad = want[name].grad
+        assert param.grad is not None and ref_grad is not None, name
+        scale = float(ref_grad.abs().max())
+        assert scale > 0, name
+        errors.append(float((_full(param.grad) - ref_grad).abs().max()) / scale)
+    return max(errors)
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        report = {layout: _run_layout(rank, layout) for layout in ("fsdp", "fsdp_tp")}
+        report: dict[str, Any] = {
+            layout: _run_layout(rank, layout) for layout in ("fsdp", "fsdp_tp")
+        }
+        report["hf_fsdp_error"] = _hf_fsdp_max_error(rank)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -183,6 +229,7 @@ def test_fsdp2_fused_and_logits_match_one_process(reports: dict[int, dict[str, A
         assert fsdp["fused"] == fsdp["logits"] == STEPS * PARAMS
         (fsdp_error,) = fsdp["errors"]
         assert FSDP_FIX.match(fsdp_error), fsdp_error
+        assert report["hf_fsdp_error"] < 1e-5
 
 
 def test_dp2_x_tp2_fused_and_logits_match_one_process(reports: dict[int, dict[str, Any]]) -> None:
