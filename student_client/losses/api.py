@@ -153,7 +153,7 @@ def fused_topk_kl_loss(
         bias: optional lm_head bias `[V_local]`.
         **overrides: fields of `LossOptions`, as in `topk_kl_loss`. Here `chunk_size` is
             the rows of one `[chunk, V_local]` logits block in the weight's dtype (None: the
-            rows in five equal chunks, each block within 64 MiB - 1 GiB,
+            rows in six equal chunks, each block within 64 MiB - 1 GiB,
             `sizing.fused_chunks`; the loss math runs on fp32 sub-blocks of 16 MiB on CPU);
             `grad_in_forward` (default True) computes the gradients during forward for
             "mean" / "sum" (three matmuls per chunk; measured faster on CPU,

@@ -16,11 +16,12 @@ When the gradient is computed (docs/losses.md, "Fused lm_head", has the measurem
   `grad_in_forward=False`): forward keeps per-row statistics only; backward computes the
   chunk logits again (a fourth matmul) and rebuilds `exp(s - max)` from the saved row max.
 
-Memory: one `[chunk, V_local]` block in the weight's dtype (five equal row chunks by
+Memory: one `[chunk, V_local]` block in the weight's dtype (six equal row chunks by
 default, `sizing.fused_chunks`), one fp32 sub-block, `grad_weight` `[V_local, H]` in the
 weight's dtype (summed with one rounding per row chunk; a compensated or fp32 sum on
-request, `_GradientSink`), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row values.
-Nothing of size `[N, V]`.
+request, `_GradientSink`; a low-precision weight's teacher columns are summed in fp32 and
+rounded once, `split_columns`), `grad_hidden` `[N, H]`, and `[N]` / `[N, K]` per-row
+values. Nothing of size `[N, V]`.
 
 Vocab-parallel: every rank holds a weight shard; the per-chunk collectives are those of
 `reduce_chunk`; each rank's `G @ W_shard` is a partial sum of `grad_hidden`, all-reduced
@@ -48,7 +49,9 @@ from student_client.losses.chunked import (
 )
 from student_client.losses.functional import GradientCoefficients, TeacherMass, teacher_mass
 from student_client.losses.masking import reduce_positions
+from student_client.losses.parallel import gather_columns
 from student_client.losses.sizing import FUSED_WEIGHT_SLICE_BYTES
+from student_client.losses.split_columns import column_entries, column_sums, zero_columns_
 from student_client.losses.types import GradAccumulation, Reduction
 
 __all__ = ["FusedLinearTopKKLFunction", "FusedSettings"]
@@ -98,13 +101,24 @@ class _GradientSink:
       at the end (the fp32 sum and its rounded copy).
 
     For an fp32 / fp64 weight the three are the same (the working dtype is the weight's).
+
+    With a bf16 / fp16 weight, whatever the choice, the teacher columns of each chunk's `G`
+    are kept in fp32 (`[N, K]`) and zeroed in the block after `grad_hidden` used it; `finish`
+    adds their share in fp32 before the last rounding (`split_columns`): only the dense
+    rest of the sum is rounded per chunk.
     """
 
     def __init__(
-        self, hidden: Tensor, weight: Tensor, bias: Tensor | None, settings: FusedSettings
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        teacher: tuple[Tensor, Tensor | None],
+        settings: FusedSettings,
     ) -> None:
         needs_hidden, needs_weight, needs_bias = settings.needs_grad
         self.weight = weight
+        self.hidden = hidden
         self.shard = settings.loss.shard
         self.hidden_dtype = hidden.dtype
         work_dtype = working_dtype(weight.dtype)
@@ -115,12 +129,15 @@ class _GradientSink:
             self.grad_hidden = hidden.new_empty(hidden.shape, dtype=dtype)
         self.accumulation = settings.accumulation if work_dtype != weight.dtype else "weight"
         self.grad_weight = None
+        self.weight_written = False
         self.compensation: Tensor | None = None
         self.slice_rows = 0
         self.slice_buffers: tuple[Tensor, Tensor] | None = None
         if needs_weight:
             dtype = work_dtype if self.accumulation == "float32" else weight.dtype
-            self.grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+            # "weight": the first chunk writes it (no zeroing, no read of zeros).
+            make = torch.empty if self.accumulation == "weight" else torch.zeros
+            self.grad_weight = make(weight.shape, dtype=dtype, device=weight.device)
             if self.accumulation == "compensated":
                 self.compensation = torch.zeros_like(weight)
             if self.accumulation != "weight":
@@ -136,6 +153,20 @@ class _GradientSink:
         self.grad_bias = None
         if needs_bias and bias is not None:
             self.grad_bias = torch.zeros(bias.shape, dtype=work_dtype, device=bias.device)
+        # A low-precision grad_weight takes the teacher columns in fp32 (`split_columns`).
+        self.index, self.owned = teacher
+        self.teacher_grad: Tensor | None = None
+        if needs_weight and weight.dtype != work_dtype:
+            self.teacher_grad = torch.zeros(
+                self.index.shape, dtype=work_dtype, device=weight.device
+            )
+
+    def keep_teacher_columns(self, part: slice, grad_logits: Tensor) -> None:
+        """Keep the teacher columns of rows `part`'s logit gradient `[n, V_local]` (working
+        dtype, before any rounding) for the fp32 share of `grad_weight`."""
+        if self.teacher_grad is not None:
+            owned = None if self.owned is None else self.owned[part]
+            self.teacher_grad[part] = gather_columns(grad_logits, self.index[part], owned)
 
     def add_bias(self, grad_logits: Tensor) -> None:
         """`grad_logits` `[n, V_local]` in the working dtype (before any rounding)."""
@@ -152,8 +183,16 @@ class _GradientSink:
                 target.copy_(grad_logits @ self.weight)
         if self.grad_weight is None:
             return
+        if self.teacher_grad is not None:  # their share is added in fp32 by `finish`
+            zero_columns_(
+                grad_logits, self.index[rows], None if self.owned is None else self.owned[rows]
+            )
         if self.accumulation == "weight":
-            self.grad_weight.addmm_(grad_logits.t(), hidden)
+            if self.weight_written:
+                self.grad_weight.addmm_(grad_logits.t(), hidden)
+            else:
+                torch.mm(grad_logits.t(), hidden, out=self.grad_weight)
+                self.weight_written = True
             return
         assert self.slice_buffers is not None
         first, second = self.slice_buffers
@@ -184,6 +223,10 @@ class _GradientSink:
             grad_hidden = self.shard.all_reduce_sum_(grad_hidden).to(self.hidden_dtype)
         grad_weight, compensation = self.grad_weight, self.compensation
         self.grad_weight = self.compensation = None
+        if grad_weight is not None and self.accumulation == "weight" and not self.weight_written:
+            grad_weight.zero_()  # no rows
+        if grad_weight is not None:
+            self._add_teacher_columns(grad_weight, compensation)
         if grad_weight is not None and compensation is not None:
             for columns in chunk_bounds(grad_weight.shape[0], max(1, self.slice_rows)):
                 grad_weight[columns] = grad_weight[columns].float() + compensation[columns].float()
@@ -194,6 +237,25 @@ class _GradientSink:
         if grad_bias is not None:
             grad_bias = grad_bias.to(self.weight.dtype)
         return grad_hidden, grad_weight, grad_bias
+
+    def _add_teacher_columns(self, grad_weight: Tensor, compensation: Tensor | None) -> None:
+        """Add the kept teacher columns' `grad_weight` share, `[V_local, H]` rows in fp32,
+        to the running sum before its last rounding (`split_columns`)."""
+        if self.teacher_grad is None:
+            return
+        entries = column_entries(self.index, self.owned, self.teacher_grad)
+        self.teacher_grad = None
+        batch = max(1, FUSED_WEIGHT_SLICE_BYTES // max(1, 4 * grad_weight.shape[1]))
+        for columns, sums in column_sums(entries, self.hidden, batch):
+            if grad_weight.dtype == sums.dtype:  # "float32": the fp32 sum itself
+                grad_weight.index_add_(0, columns, sums)
+                continue
+            # (Upcast first: a mixed-dtype `add_` takes torch's slow unvectorized CPU path.)
+            sums.add_(grad_weight.index_select(0, columns).float())
+            if compensation is not None:  # hi + lo + sums, kept in hi (lo <- 0)
+                sums.add_(compensation.index_select(0, columns).float())
+                compensation.index_fill_(0, columns, 0)
+            grad_weight.index_copy_(0, columns, sums.to(grad_weight.dtype))
 
 
 def _row_scale(
@@ -313,6 +375,7 @@ def _forward_chunks(
                 _row_scale(unit, clamped[part], counted[part], divisor, settings),
             )
             sink.add_bias(work)
+            sink.keep_teacher_columns(part, work)
             if work is not logits:
                 logits.copy_(work)  # the gradient, rounded once to the weight's dtype
         if sink is not None:
@@ -342,7 +405,11 @@ class FusedLinearTopKKLFunction(torch.autograd.Function):
     ) -> tuple[Tensor, ...]:
         needs_any = any(settings.needs_grad)
         grads_now = needs_any and settings.grad_in_forward and settings.reduction != "none"
-        sink = _GradientSink(hidden, weight, bias, settings) if grads_now else None
+        sink = (
+            _GradientSink(hidden, weight, bias, (teacher.index, teacher.owned), settings)
+            if grads_now
+            else None
+        )
         results = _forward_chunks(
             hidden,
             weight,
@@ -408,12 +475,12 @@ def _recomputed_gradients(
     saved: tuple[Tensor, ...], grad_loss: Tensor, settings: FusedSettings
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of the recompute mode: the chunk logits again, then the same gradient."""
-    hidden, weight, bias, _index, _owned, counted, clamped = saved[:7]
+    hidden, weight, bias, index, owned, counted, clamped = saved[:7]
     divisor = counted.sum().clamp_min(1)
     scale = _row_scale(
         grad_loss.to(working_dtype(weight.dtype)), clamped, counted, divisor, settings
     )
-    sink = _GradientSink(hidden, weight, bias, settings)
+    sink = _GradientSink(hidden, weight, bias, (index, owned), settings)
     _backward_chunks(saved, scale, settings, sink)
     return sink.finish()
 
@@ -444,6 +511,7 @@ def _backward_chunks(
                 settings.loss,
             )
             sink.add_bias(work)
+            sink.keep_teacher_columns(part, work)
             if work is not logits:
                 logits.copy_(work)
         sink.add_chunk(rows, block, hidden[rows])

@@ -33,7 +33,7 @@ class LossOptions:
         reduction: "mean" over counted positions (0 when none count), "sum", or "none"
             for the per-position loss `[...]` (0 where not counted).
         chunk_size: rows per chunk; None picks it from the memory budget (`topk_kl_loss`:
-            64 MiB of fp32 per chunk; fused: five equal row chunks, `sizing.py`).
+            64 MiB of fp32 per chunk; fused: six equal row chunks, `sizing.py`).
         temperature: student temperature `T > 0` (the teacher's log-probs are used as
             they come; the loss is not multiplied by `T**2`).
         tail_mass_eps: guard of the student's tail mass (and, for the reverse KL, of the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -303,8 +304,13 @@ _LOCAL_FIX["bias"] = _LOCAL_FIX["weight"].replace("weight.to_local()", "bias.to_
 def check_local_tensor(name: str, value: Tensor) -> None:
     """Refuse a DTensor: the losses take local tensors and a `process_group`, and a DTensor's
     shape is the global one, so using it as local would compute against the wrong shard
-    (docs/scaling.md)."""
-    dtensor = dtensor_type()
+    (docs/scaling.md).
+
+    Only looked up if `torch.distributed.tensor` is already imported (no DTensor can exist
+    before): importing it just to check would add about 26 MiB of modules to the process.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
     if dtensor is None or not isinstance(value, dtensor):
         return
     sharded: Any = value  # a DTensor (mypy cannot narrow to a runtime type)

@@ -34,7 +34,7 @@ def test_fused_rows_split_into_equal_chunks_at_large_vocabulary() -> None:
 def test_fused_block_stays_within_its_byte_range() -> None:
     low, high = FUSED_BLOCK_BYTES_RANGE
     row_bytes = 32768 * 2
-    small = fused_chunks(1000, 32768, 2, CPU)  # a fifth would be 13 MiB: the floor wins
+    small = fused_chunks(1000, 32768, 2, CPU)  # a sixth would be 10 MiB: the floor wins
     assert small.block_rows == 1000 // -(-1000 // (low // row_bytes))
     assert small.block_rows * row_bytes <= low
     huge = fused_chunks(10**6, 32768, 2, CPU)
