@@ -83,7 +83,8 @@ class DistillConfig:
     beta: float | None = None
     # The fused lm_head loss by default, as the rule of docs/losses.md ("Which path") says:
     # it never needs more memory than the logits path, and with N = 16 x 256 positions per
-    # step and a byte vocabulary the logits fit one chunk (no extra pass over [V, H]).
+    # step and a byte vocabulary the logits (2NV, about 2 MiB) fit one 64 MiB block: the
+    # rule's one-block case (no extra pass over [V, H], less elementwise work).
     fused: bool = True
     teacher_temperature: float = 1.0
 
