@@ -6,7 +6,7 @@ workload: default 8 x 2048 random token ids, K = 64, the default log-prob path).
 round, round-robin, ``--reps`` rounds after one of warm-up:
 
 * ``plain``: score the workload;
-* ``trimmed``: trim the engine process (``VLLMBackend.trim_memory``, as the server does)
+* ``trimmed``: trim vLLM's worker process (``VLLMBackend.trim_memory``, as the server does)
   and this process, then score the workload: the trim's call plus the page faults of
   memory that it gave back and the next batch takes again. A server trims only after
   ``--memory-trim-idle-s`` without requests, not before every batch as here: this is

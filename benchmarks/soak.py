@@ -3,9 +3,9 @@
 One vLLM teacher on the tiny model (CPU). ``--clients`` (4) threads send a mix of
 ``Score`` and ``ScoreStream`` requests with K from 1 to 64 and all three dtypes, checking
 every answer's size. Every ``--sample-s`` (10) the RSS of the server process and of its
-children (vLLM's engine process, also by kind of mapping) is sampled, with what the
-server's memory trim (``--memory-trim-idle-s``: only when idle, so not under this load)
-gave back so far (``/metrics``).
+descendants (vLLM's engine-core and worker processes, also by kind of mapping) is
+sampled, with what the server's memory trim (``--memory-trim-idle-s``: only when idle,
+so not under this load) gave back so far (``/metrics``).
 
 Soak (default): for ``--minutes`` (10); reported: the RSS slope in MiB/min after
 ``--warmup-min`` (2) by a least-squares fit, per process and for the whole tree, against
@@ -249,7 +249,7 @@ def report_soak(rows: list[tuple[float, int, int, dict[str, int], dict[str, floa
     ts = [r[0] for r in after]
     parts = {
         "server process": [r[1] for r in after],
-        "engine process(es)": [r[2] for r in after],
+        "vLLM processes (engine core + worker)": [r[2] for r in after],
         "whole tree": [r[1] + r[2] for r in after],
     }
     for kind in KINDS:

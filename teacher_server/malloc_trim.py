@@ -5,17 +5,18 @@ the top, and blocks below the dynamic mmap threshold (which rises to the largest
 freed so far, up to 32 MiB) come from that heap. A process whose peak moves up once (a
 larger batch than any before) keeps the new high-water mark resident although it is
 free. That was the soak's only growth: one step of 17 MiB within 30 s in the ``[heap]``
-of vLLM's engine process, flat before and after (docs/operations.md, memory over time).
+of vLLM's processes, flat before and after (docs/operations.md, memory over time).
 ``malloc_trim(0)`` hands every whole free page of every arena back (``madvise``).
 
 Under steady load that memory is the engine's working set: a soak that trimmed every 30 s
-saw each trim give back about 270 MiB of vLLM's engine process, taken again within 10 s
+saw each trim give back about 270 MiB of vLLM's worker process, taken again within 10 s
 (re-faulted page by page). So the server trims only once it has been idle (no request
 holding an admission slot) for ``--memory-trim-idle-s``, once per idle spell
 (:func:`trim_when_idle`): after a burst, a storm of clients or a day's training, the
 memory goes back to the machine; under load nothing is trimmed and nothing re-faulted.
-It trims its own process and, through the backend, vLLM's engine process (the worker
-extension's method, run between engine steps).
+It trims its own process and, through the backend, vLLM's worker processes (the worker
+extension's method, run between engine steps; on CPU the one worker is a child of vLLM's
+engine-core process, which schedules and is not trimmed).
 
 Written here rather than set through glibc's tunables
 (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...``):

@@ -287,8 +287,8 @@ class VLLMBackend(Backend):
         return VLLM_TOPK
 
     async def trim_memory(self) -> int:
-        """``malloc_trim`` every worker's process (vLLM's engine process on CPU, where
-        the one worker runs in it) between engine steps; the bytes given back, summed.
+        """``malloc_trim`` every worker's process (the model, its buffers: where the
+        engine's memory is) between engine steps; the bytes given back, summed.
         0 when the worker extension slot is the caller's."""
         if self._engine is None or not self._own_extension:
             return 0

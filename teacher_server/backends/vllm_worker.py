@@ -149,8 +149,8 @@ class TeacherWorkerExtension:
         return route_gather_logprobs(getattr(runner, "sampler", None), use_kernel)
 
     def topk_distill_malloc_trim(self) -> int:
-        """``malloc_trim(0)`` in this worker's process (vLLM's engine process for one
-        worker on CPU); returns the resident bytes given back."""
+        """``malloc_trim(0)`` in this worker's process; returns the resident bytes given
+        back."""
         from teacher_server.malloc_trim import malloc_trim
 
         return malloc_trim()

@@ -112,7 +112,8 @@ def _engine_trimmed_bytes(http: str) -> float:
 
 
 def _engine_rss(server_pid: int) -> int:
-    """RSS of vLLM's engine process: the server's largest child."""
+    """RSS of vLLM's worker process (the model, the KV cache): the server's largest
+    descendant."""
     children = psutil.Process(server_pid).children(recursive=True)
     return max(int(c.memory_info().rss) for c in children)
 
@@ -120,9 +121,9 @@ def _engine_rss(server_pid: int) -> int:
 @pytest.mark.vllm
 @glibc_only
 def test_an_idle_teacher_gives_the_engines_freed_memory_back(vllm_teacher: TeacherProcess) -> None:
-    """A burst of large requests leaves freed memory in vLLM's engine process (glibc keeps
+    """A burst of large requests leaves freed memory in vLLM's worker process (glibc keeps
     it); once the server has been idle for ``--memory-trim-idle-s`` it trims: ``/metrics``
-    counts what came back, and the engine's RSS falls by about as much. The same burst
+    counts what came back, and the worker's RSS falls by about as much. The same burst
     again, trimmed again: the engine holds at most 8 MiB more than after the first (what
     the same work leaves behind is not kept: no leak per request)."""
     server = vllm_teacher
