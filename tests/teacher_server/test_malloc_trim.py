@@ -130,7 +130,8 @@ def test_an_idle_teacher_gives_the_engines_freed_memory_back(vllm_teacher: Teach
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 512, 2048).astype(np.int32) for _ in range(8)]
     rounds = []
-    with grpc.insecure_channel(server.target) as ch:
+    opts = [("grpc.max_receive_message_length", 64 * MIB)]  # one answer is 8 MiB
+    with grpc.insecure_channel(server.target, options=opts) as ch:
         stub = pb_grpc.TeacherStub(ch)
         for _ in range(2):
             trimmed0 = _engine_trimmed_bytes(server.http)
