@@ -6,7 +6,10 @@ between two separate runs of :mod:`benchmarks.bench_teacher`. Here both servers 
 at the same time (each its own vLLM engine; an idle engine costs no CPU), and every round
 sends the same ``ScoreStream`` request to one and then to the other, the order
 alternating between rounds. Each round's ratio is paired (same moment, same load), and
-the median of the ratios is reported with its spread.
+the median of the ratios is reported with its spread. CPU time is less noisy than wall
+time on a shared machine: each server's front-end process (gRPC, validation, packing:
+this project's code) and its vLLM engine processes are also reported in CPU
+milliseconds per request (``psutil``, user + system; means over the rounds).
 
     git worktree add --detach /tmp/base <old-commit>
     python -m benchmarks.bench_teacher_ab --baseline-src /tmp/base [--batch 8]
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 
 from benchmarks.bench_teacher import add_workload_args, workload
 from devtools.launch import TeacherProcess, start_teacher
@@ -58,6 +62,14 @@ def one_request(stub: pb_grpc.TeacherStub, req: pb.ScoreRequest, positions: int)
     return time.perf_counter() - t0
 
 
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(front end, engine) CPU seconds so far of server ``pid`` and of its children."""
+    proc = psutil.Process(pid)
+    own = sum(proc.cpu_times()[:2])
+    children = sum(sum(c.cpu_times()[:2]) for c in proc.children(recursive=True))
+    return own, children
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
@@ -83,6 +95,7 @@ def main() -> None:
     servers = [start_from(src, model, args.k, log) for src, log in zip(srcs, logs, strict=True)]
     opts = [("grpc.max_receive_message_length", 64 << 20)]
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     try:
         channels = [grpc.insecure_channel(s.target, options=opts) for s in servers]
         stubs = [pb_grpc.TeacherStub(ch) for ch in channels]
@@ -91,7 +104,10 @@ def main() -> None:
         for r in range(args.rounds):
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for i in order:
+                before = cpu_s(servers[i].proc.pid)
                 times[names[i]].append(one_request(stubs[i], req, positions))
+                after = cpu_s(servers[i].proc.pid)
+                cpu[names[i]].append((after[0] - before[0], after[1] - before[1]))
         for ch in channels:
             ch.close()
     finally:
@@ -101,10 +117,14 @@ def main() -> None:
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     print(f"# {args.batch} x {args.seq_len} tokens, K = {args.k}, {args.rounds} rounds; logs {tmp}")
     print(f"# baseline:  {srcs[0]}\n# candidate: {srcs[1]}")
-    print("| server | scored positions/s (median) |")
-    print("|---|---:|")
+    print("| server | scored positions/s | front-end CPU, ms/request | engine CPU, ms/request |")
+    print("|---|---:|---:|---:|")
     for n in names:
-        print(f"| {n} | {positions / statistics.median(times[n]):,.0f} |")
+        # Means: the clock's tick (10 ms) is coarse against one request.
+        front = statistics.fmean(c[0] for c in cpu[n]) * 1e3
+        engine = statistics.fmean(c[1] for c in cpu[n]) * 1e3
+        speed = positions / statistics.median(times[n])
+        print(f"| {n} | {speed:,.0f} | {front:.1f} | {engine:.1f} |")
     print(
         f"candidate / baseline throughput, paired per round: median {q[1]:.3f}x "
         f"(quartiles {q[0]:.3f}x-{q[2]:.3f}x, range {ratios[0]:.3f}x-{ratios[-1]:.3f}x)"
