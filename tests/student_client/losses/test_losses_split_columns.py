@@ -9,6 +9,8 @@ running sum: equal with one chunk, 2.5x with 64).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from losses_oracle import oracle_loss
@@ -83,22 +85,35 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm())
 
 
+def _weight_gradient(
+    loss_of: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor
+) -> torch.Tensor:
+    """d loss_of(w) / dw at `weight` (a fresh leaf)."""
+    leaf = weight.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(loss_of(leaf), leaf)
+    assert grad.dtype == weight.dtype
+    return grad
+
+
 def test_bf16_grad_weight_loses_less_with_the_teacher_columns_in_fp32() -> None:
     hidden, weight, ids, logprobs = _problem()
-    leaf = weight.double().requires_grad_(True)
-    oracle_loss(hidden.double() @ leaf.T, ids, logprobs, mode="tail").backward()
-    assert leaf.grad is not None
-    want = leaf.grad
-    logits_leaf = weight.clone().requires_grad_(True)
-    topk_kl_loss(hidden @ logits_leaf.T, ids, logprobs)[0].backward()
-    assert logits_leaf.grad is not None
-    logits_error = _relative_error(logits_leaf.grad, want)
-    errors = {}
-    for chunk_size in (None, 4):  # one chunk; 64 chunks
-        fused_leaf = weight.clone().requires_grad_(True)
-        loss, _ = fused_topk_kl_loss(hidden, fused_leaf, ids, logprobs, chunk_size=chunk_size)
-        loss.backward()
-        assert fused_leaf.grad is not None and fused_leaf.grad.dtype == torch.bfloat16
-        errors[chunk_size] = _relative_error(fused_leaf.grad, want)
+    want = _weight_gradient(
+        lambda w: oracle_loss(hidden.double() @ w.T, ids, logprobs, mode="tail"), weight.double()
+    )
+    logits_error = _relative_error(
+        _weight_gradient(lambda w: topk_kl_loss(hidden @ w.T, ids, logprobs)[0], weight), want
+    )
+    errors = {
+        chunk_size: _relative_error(
+            _weight_gradient(
+                lambda w, rows=chunk_size: fused_topk_kl_loss(
+                    hidden, w, ids, logprobs, chunk_size=rows
+                )[0],
+                weight,
+            ),
+            want,
+        )
+        for chunk_size in (None, 4)  # one chunk; 64 chunks
+    }
     assert errors[None] < logits_error
     assert errors[4] < 2 * logits_error
