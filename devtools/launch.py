@@ -94,9 +94,11 @@ def start_teacher(
     *,
     ready_timeout_s: float = 600,
     env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
 ) -> TeacherProcess:
     """Start ``python -m teacher_server serve ARGS`` on free loopback ports and wait until
-    ``/readyz`` answers 200. ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 GiB. Raises
+    ``/readyz`` answers 200 (in ``cwd``, default this process's: ``-m`` imports from the
+    working directory first). ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 GiB. Raises
     ``RuntimeError`` (with the log's tail) if the process exits or is not ready in time."""
     port, http_port = free_port(), free_port()
     cmd = [
@@ -108,7 +110,7 @@ def start_teacher(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
     tls_cert = Path(args[args.index("--tls-cert") + 1]) if "--tls-cert" in args else None
     server = TeacherProcess(proc, port, http_port, log_path, tls_cert)
     deadline = time.monotonic() + ready_timeout_s

@@ -44,7 +44,7 @@ from student_client.client import TeacherClient
 from student_client.errors import TeacherError
 from student_client.payload import TeacherPayload
 from student_client.routing import check_agreement, merge_payloads, name_error, plan_routes
-from topk_protocol import TeacherInfo
+from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol.multi_recording import (
     check_teacher_name,
     teacher_recording_path,
@@ -195,10 +195,7 @@ class AsyncMultiTeacherClient:
 
     # -- score -------------------------------------------------------------------------
     async def _answer(
-        self,
-        item: ScoreBatch,
-        top_k: int,
-        options: dict[str, Any],
+        self, item: ScoreBatch, options: RequestOptions, timeout_s: float | None
     ) -> RoutedAnswer:
         """Score one batch: its routes concurrently, each by its teacher's core."""
         await self.connect()
@@ -206,10 +203,10 @@ class AsyncMultiTeacherClient:
         calls = {
             r.teacher: self._clients[r.teacher].score(
                 r.batch.sequences,
-                top_k,
+                options,
                 positions=r.batch.positions,
                 attention_mask=r.batch.attention_mask,
-                **options,
+                timeout_s=timeout_s,
             )
             for r in routes
         }
@@ -224,28 +221,29 @@ class AsyncMultiTeacherClient:
     async def score(
         self,
         sequences: Any,
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
         teacher: Any = None,
-        dtype: str = "float16",
         positions: Sequence[tuple[int, int]] | None = None,
-        include_sampled: bool = True,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        **options: Any,
     ) -> TeacherPayload:
         """Score one batch, each sequence by its ``teacher`` (a name per sequence, one
-        name, or indices into :attr:`names`); the other arguments and the ``[B, S, K]``
-        payload as :meth:`AsyncTeacherClient.score`, with ``payload.teachers`` set."""
-        options = {"dtype": dtype, "include_sampled": include_sampled, "timeout_s": timeout_s}
+        name, or indices into :attr:`names`); the other arguments (the request options:
+        ``top_k`` or a :class:`~topk_protocol.RequestOptions`, and keywords) and the
+        ``[B, S, K]`` payload as :meth:`AsyncTeacherClient.score`, with
+        ``payload.teachers`` set."""
+        opts = RequestOptions.of(top_k, **options)
         item = ScoreBatch(sequences, positions, attention_mask, teacher)
-        return self.decode(await self._answer(item, top_k, options), device)
+        return self.decode(await self._answer(item, opts, timeout_s), device)
 
     # -- stream ------------------------------------------------------------------------
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
         device: torch.device | str = "cpu",
         **options: Any,
@@ -256,28 +254,28 @@ class AsyncMultiTeacherClient:
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int,
+        top_k: int | RequestOptions,
         *,
         depth: int = 4,
-        dtype: str = "float16",
-        include_sampled: bool = True,
         timeout_s: float | None = None,
+        **options: Any,
     ) -> AsyncIterator[RoutedAnswer]:
         """The answers to ``batches`` (:class:`ScoreBatch` items with ``teacher``; plain
         batches only with a single teacher), in input order, with ``depth`` batches in
         flight ahead of the one the caller holds. A batch that failed raises (its
-        teacher named) when the caller reaches it, which ends the iteration."""
+        teacher named) when the caller reaches it, which ends the iteration. ``top_k``
+        and the request ``options``: as :meth:`AsyncTeacherClient.stream_answers`."""
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
-        options = {"dtype": dtype, "include_sampled": include_sampled, "timeout_s": timeout_s}
-        return self._run_stream(_as_async(batches), top_k, depth, options)
+        opts = RequestOptions.of(top_k, **options)
+        return self._run_stream(_as_async(batches), opts, depth, timeout_s)
 
     async def _run_stream(
         self,
         source: AsyncIterator[Any],
-        top_k: int,
+        options: RequestOptions,
         depth: int,
-        options: dict[str, Any],
+        timeout_s: float | None,
     ) -> AsyncIterator[RoutedAnswer]:
         window: deque[asyncio.Future[RoutedAnswer]] = deque()
         exhausted = False
@@ -290,7 +288,7 @@ class AsyncMultiTeacherClient:
                     exhausted = True
                     return
                 item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
-                window.append(asyncio.ensure_future(self._answer(item, top_k, options)))
+                window.append(asyncio.ensure_future(self._answer(item, options, timeout_s)))
 
         try:
             await self.connect()

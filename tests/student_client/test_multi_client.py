@@ -39,7 +39,7 @@ from student_client.payload import TeacherPayload
 from student_client.record_cli import main as record_main
 from student_client.replay import ReplayClient
 from student_client.routing import check_agreement
-from topk_protocol import TeacherInfo
+from topk_protocol import RequestOptions, TeacherInfo
 
 pytestmark = pytest.mark.vllm
 
@@ -180,10 +180,15 @@ def test_stream_in_input_order_with_depth(
         batches.append(ScoreBatch(seqs, teacher=route))
     out = list(multi.stream(batches, 4, depth=3, dtype="float32"))
     assert [p.teachers for p in out] == [tuple(b.teacher) for b in batches]
+    # The same request options as one RequestOptions (as the single-teacher client takes).
+    opts = RequestOptions(4, dtype="float32", include_sampled=False)
     for p, b in zip(out, batches, strict=True):
         want = multi.score(b.sequences, 4, teacher=b.teacher, dtype="float32")
         assert p.dtype == "float32" and p.top_k == 4
         assert torch.equal(p.ids, want.ids) and torch.equal(p.logprobs, want.logprobs)
+        by_options = multi.score(b.sequences, opts, teacher=b.teacher)
+        assert by_options.sampled_logprobs is None and by_options.dtype == "float32"
+        assert torch.equal(by_options.logprobs, want.logprobs)
 
 
 def test_async_client_routes_concurrently(
@@ -210,6 +215,8 @@ def test_bad_routing_names_the_field(
         multi.score([[1, 2], [3, 4]], K, teacher=["vllm"])
     with pytest.raises(InvalidRequestError, match="teacher: missing"):
         list(multi.stream([[[1, 2]]], K))
+    with pytest.raises(TypeError, match="dtpye: not a request option; the options are"):
+        multi.score([[1, 2]], K, teacher="other", dtpye="float32")
     assert multi.score([[1, 2]], K, teacher="other").teachers == ("other",)
 
 
