@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 
 __all__ = ["AdmissionQueue", "AdmissionRefused"]
@@ -51,6 +52,7 @@ class AdmissionQueue:
         self._closed: str | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self._idle_since: float | None = time.monotonic()
 
     @property
     def in_flight(self) -> int:
@@ -60,11 +62,20 @@ class AdmissionQueue:
     def queued(self) -> int:
         return len(self._waiters)
 
+    @property
+    def idle_since(self) -> float | None:
+        """``time.monotonic()`` when the last request let go of its slot (or when the
+        queue was made), ``None`` while a request holds one."""
+        return self._idle_since
+
     def _changed(self) -> None:
         if self._in_flight:
             self._idle.clear()
+            self._idle_since = None
         else:
             self._idle.set()
+            if self._idle_since is None:
+                self._idle_since = time.monotonic()
         if self._on_change is not None:
             self._on_change(self._in_flight, len(self._waiters))
 

@@ -18,6 +18,7 @@ from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
 )
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S
 from topk_protocol import DEFAULT_MAX_MESSAGE_MB
 
 if TYPE_CHECKING:  # the HTTP stack is imported by the server, not by every user of this
@@ -68,6 +69,10 @@ class ServerConfig:
     alone)"""
     stream_max_unsent_requests: int = DEFAULT_STREAM_MAX_UNSENT_REQUESTS
     """ScoreStream backpressure: requests one stream may have read but not answered"""
+    memory_trim_idle_s: float = DEFAULT_MEMORY_TRIM_IDLE_S
+    """once no request has been in flight for this many seconds, give the memory that the
+    server's and the engine's processes hold freed back to the OS (glibc's malloc_trim;
+    once per idle spell; 0: never)"""
     http_limits: HttpLimits | None = field(default=None, metadata={"flag": False})
     """the HTTP side's limits (None: HttpLimits' defaults; the CLI's --http-* flags)"""
 
@@ -75,8 +80,9 @@ class ServerConfig:
         for name in ("max_top_k", "max_tokens_per_request", "max_message_mb", "chunk_kb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "memory_trim_idle_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
     @property
     def max_message_bytes(self) -> int:

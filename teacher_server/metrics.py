@@ -47,6 +47,13 @@ class TeacherMetrics:
             "Score requests waiting for a slot (at most --max-queued-requests).",
             registry=self.registry,
         )
+        self.memory_trimmed = Counter(
+            "topk_teacher_memory_trimmed_bytes",
+            "Resident bytes that malloc_trim gave back to the OS (--memory-trim-idle-s), by "
+            "process (server, engine).",
+            ["process"],
+            registry=self.registry,
+        )
 
     def set_load(self, in_flight: int, queued: int) -> None:
         """Admission's counts: requests working and requests waiting for a slot."""

@@ -30,6 +30,7 @@ from teacher_server.lifecycle import (
     Lifecycle,
     Phase,
 )
+from teacher_server.malloc_trim import trim_when_idle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
@@ -85,6 +86,7 @@ class TeacherServer:
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._info: pb.TeacherInfo | None = None
         self.port = config.port
@@ -217,6 +219,15 @@ class TeacherServer:
                 await self._backend.warmup()
             _freeze_startup_objects()
             self._info = teacher_info_message(self._backend, self._limits)
+            if self._config.memory_trim_idle_s > 0:
+                self._trim_task = asyncio.create_task(
+                    trim_when_idle(
+                        self._config.memory_trim_idle_s,
+                        lambda: self._admission.idle_since,
+                        self._backend.trim_memory,
+                        lambda process, n: self._metrics.memory_trimmed.labels(process).inc(n),
+                    )
+                )
             if await self.lifecycle.advance(Phase.READY):
                 log.info("teacher ready: %s (engine dtype %s)", info, info.dtype or "n/a")
         except asyncio.CancelledError:
@@ -249,6 +260,10 @@ class TeacherServer:
             return max(deadline - loop.time(), 0.0)
 
         await self.lifecycle.advance(Phase.DRAINING)
+        if self._trim_task is not None:
+            self._trim_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._trim_task
         log.info("draining: %d requests in flight, %.0f s budget", self.in_flight, left())
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._admission.wait_idle(), left())

@@ -128,6 +128,12 @@ class Backend(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine."""
 
+    async def trim_memory(self) -> int:
+        """``malloc_trim`` the engine's own processes (:mod:`teacher_server.malloc_trim`);
+        returns the resident bytes given back. Default 0: an engine in the server's
+        process is trimmed with it."""
+        return 0
+
     def check_request(self, parsed: ParsedRequest) -> None:  # noqa: B027 - optional hook
         """Refuse a whole request (raise a typed error of :mod:`topk_protocol.errors`)
         before any sequence is scored. Default: accept."""

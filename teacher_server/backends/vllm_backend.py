@@ -38,6 +38,7 @@ from teacher_server.backends.vllm_worker import (
     ENGINE_TOPK_METHOD,
     EXTENSION_QUALNAME,
     KERNEL,
+    MALLOC_TRIM_METHOD,
     SET_TEMPERATURE_METHOD,
     VLLM_TOPK,
 )
@@ -284,6 +285,15 @@ class VLLMBackend(Backend):
             raise RuntimeError(f"engine_topk kernel: the CPU top-k kernel cannot be used: {why}")
         log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
         return VLLM_TOPK
+
+    async def trim_memory(self) -> int:
+        """``malloc_trim`` every worker's process (the model, its buffers: where the
+        engine's memory is) between engine steps; the bytes given back, summed.
+        0 when the worker extension slot is the caller's."""
+        if self._engine is None or not self._own_extension:
+            return 0
+        answers = await self._engine.collective_rpc(MALLOC_TRIM_METHOD)
+        return sum(int(a) for a in answers)
 
     async def close(self) -> None:
         if self._engine is not None:

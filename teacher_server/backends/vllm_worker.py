@@ -23,6 +23,10 @@ top-K and the actual token's log-prob and rank, for prompt rows and sampled rows
 copied from vLLM's log-probs, so they are bit-identical; only the order of exactly equal
 log-probs can differ (lower id first). It is installed only after a self-check against
 vLLM's own function on the installed vLLM.
+
+**Memory.** :meth:`TeacherWorkerExtension.topk_distill_malloc_trim` hands the freed heap
+memory of the worker's process back to the OS (:mod:`teacher_server.malloc_trim`); the
+server calls it once it has been idle for ``--memory-trim-idle-s``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "ENGINE_TOPK_METHOD",
     "EXTENSION_QUALNAME",
     "KERNEL",
+    "MALLOC_TRIM_METHOD",
     "SET_TEMPERATURE_METHOD",
     "VLLM_TOPK",
     "TeacherWorkerExtension",
@@ -143,9 +148,17 @@ class TeacherWorkerExtension:
         runner = getattr(worker, "model_runner", None)
         return route_gather_logprobs(getattr(runner, "sampler", None), use_kernel)
 
+    def topk_distill_malloc_trim(self) -> int:
+        """``malloc_trim(0)`` in this worker's process; returns the resident bytes given
+        back."""
+        from teacher_server.malloc_trim import malloc_trim
+
+        return malloc_trim()
+
 
 #: Method names called on every worker with ``collective_rpc``.
 SET_TEMPERATURE_METHOD = TeacherWorkerExtension.topk_distill_set_temperature.__name__
 ENGINE_TOPK_METHOD = TeacherWorkerExtension.topk_distill_engine_topk.__name__
+MALLOC_TRIM_METHOD = TeacherWorkerExtension.topk_distill_malloc_trim.__name__
 #: Value of vLLM's ``worker_extension_cls`` engine argument.
 EXTENSION_QUALNAME = f"{__name__}.{TeacherWorkerExtension.__qualname__}"

@@ -1,0 +1,155 @@
+"""The memory trim: glibc gives freed heap pages back; the server trims when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import platform
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from devtools.launch import TeacherProcess
+from teacher_server.admission import AdmissionQueue
+from teacher_server.config import ServerConfig
+from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S, malloc_trim, trim_when_idle
+from topk_protocol import build_request, pb_grpc
+
+MIB = 1024 * 1024
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+
+
+@glibc_only
+def test_malloc_trim_gives_back_freed_heap_memory_that_glibc_keeps() -> None:
+    """96 MiB of 64 KiB blocks (below the mmap threshold: glibc's heap), touched, then
+    freed but for the last one, which pins the heap's top: glibc keeps the rest resident
+    (it trims only from the top) until malloc_trim hands the free pages back."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block = 64 * 1024
+    blocks = [libc.malloc(block) for _ in range(96 * MIB // block)]
+    assert all(blocks)
+    for b in blocks:
+        ctypes.memset(b, 1, block)
+    for b in blocks[:-1]:
+        libc.free(b)
+    try:
+        given = malloc_trim()
+    finally:
+        libc.free(blocks[-1])
+    assert given >= 64 * MIB, f"malloc_trim gave back {given / MIB:.1f} MiB of ~96 MiB free"
+    assert malloc_trim() < 16 * MIB  # nothing much left to give right after
+
+
+def test_trim_when_idle_trims_once_per_idle_spell_and_survives_an_engine_failure() -> None:
+    """Busy: no trim. Idle for 0.2 s: one trim of each process. Still idle: no more. A
+    new idle spell: again (its engine trim fails: logged, the loop goes on), and again."""
+    calls: list[tuple[str, int]] = []
+    engine_answers: Iterator[int | Exception] = iter([7, RuntimeError("engine gone"), 9])
+    state: dict[str, float | None] = {"since": None}
+
+    async def engine_trim() -> int:
+        answer = next(engine_answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def main() -> None:
+        task = asyncio.create_task(
+            trim_when_idle(
+                0.2, lambda: state["since"], engine_trim, lambda p, n: calls.append((p, n))
+            )
+        )
+        await asyncio.sleep(0.5)
+        assert calls == []  # busy all along
+        for spell in range(3):
+            state["since"] = time.monotonic()
+            while sum(p == "server" for p, _ in calls) <= spell:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the same spell goes on: nothing more
+            assert sum(p == "server" for p, _ in calls) == spell + 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+    assert [n for p, n in calls if p == "engine"] == [7, 9]  # the failed one reports nothing
+    assert all(n >= 0 for _, n in calls)
+
+
+def test_admission_says_since_when_it_is_idle() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(1, 1)
+        made = q.idle_since
+        assert made is not None and made <= time.monotonic()
+        await q.acquire()
+        assert q.idle_since is None
+        q.release()
+        assert q.idle_since is not None and q.idle_since >= made
+
+    asyncio.run(main())
+
+
+def test_memory_trim_idle_s_is_checked_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match=r"^memory_trim_idle_s: must be >= 0, got -1"):
+        ServerConfig(memory_trim_idle_s=-1)
+
+
+def _engine_trimmed_bytes(http: str) -> float:
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    found = re.search(
+        r'^topk_teacher_memory_trimmed_bytes_total\{process="engine"\} (\S+)$', text, re.M
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def _engine_rss(server_pid: int) -> int:
+    """RSS of vLLM's worker process (the model, the KV cache): the server's largest
+    descendant."""
+    children = psutil.Process(server_pid).children(recursive=True)
+    return max(int(c.memory_info().rss) for c in children)
+
+
+@pytest.mark.vllm
+@glibc_only
+def test_an_idle_teacher_gives_the_engines_freed_memory_back(vllm_teacher: TeacherProcess) -> None:
+    """A burst of large requests leaves freed memory in vLLM's worker process (glibc keeps
+    it); once the server has been idle for ``--memory-trim-idle-s`` it trims: ``/metrics``
+    counts what came back, and the worker's RSS falls by about as much. The same burst
+    again takes the worker at most 8 MiB past the first one's high-water mark: the same
+    work needs no more memory the second time (no leak per request; glibc reuses what
+    the trim handed back). What is resident right after a trim is not compared: it
+    depends on which pages the last requests left partly used."""
+    server = vllm_teacher
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 512, 2048).astype(np.int32) for _ in range(8)]
+    rounds = []
+    opts = [("grpc.max_receive_message_length", 64 * MIB)]  # one answer is 8 MiB
+    with grpc.insecure_channel(server.target, options=opts) as ch:
+        stub = pb_grpc.TeacherStub(ch)
+        for _ in range(2):
+            trimmed0 = _engine_trimmed_bytes(server.http)
+            for _ in range(3):
+                stub.Score(build_request(seqs, 64, dtype="float32"), timeout=300)
+            rss_busy = _engine_rss(server.proc.pid)
+            deadline = time.monotonic() + DEFAULT_MEMORY_TRIM_IDLE_S + 30
+            while _engine_trimmed_bytes(server.http) == trimmed0 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            given = _engine_trimmed_bytes(server.http) - trimmed0
+            rounds.append((rss_busy, given, _engine_rss(server.proc.pid)))
+    for busy, given, idle in rounds:
+        print(
+            f"engine RSS {busy / MIB:.1f} MiB after the burst, {idle / MIB:.1f} MiB once "
+            f"idle; the trim gave back {given / MIB:.1f} MiB"
+        )
+        assert given >= 16 * MIB
+        assert idle <= busy - given / 2
+    assert rounds[1][0] - rounds[0][0] <= 8 * MIB
