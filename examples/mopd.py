@@ -14,7 +14,10 @@ every student:
 
 Afterwards, on held-out files of each domain, it reports the full-vocabulary
 KL(domain's teacher || student) (the teachers' weights are read locally for that), and
-how far the routed student is from the matching single-teacher student on each domain.
+how far the routed student is from the matching single-teacher student on each domain
+(with ``--eval-every N`` also every ``N`` steps, to see how that gap moves with training).
+For reference it reports the KL of each domain's teacher to the 50/50 mixture of the two
+teachers: the best a student reaches if it does not tell the domains apart.
 
     python -m examples.mopd [--steps 300] [--backend vllm|transformers] [--out runs/mopd]
 
@@ -29,6 +32,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +67,11 @@ class MopdConfig:
     lr: float = 3e-3
     seed: int = 0
     eval_windows: int = 32
+    #: Held-out KL of every student every this many steps as well (0: at the end only).
+    eval_every: int = 0
+    #: The student (the same for all three): width and depth of the fresh Qwen2.
+    hidden_size: int = 64
+    num_layers: int = 1
     teacher_steps: int = 300
     teacher_batch_size: int = 16
     teacher_seq_len: int = 256
@@ -73,15 +82,26 @@ class MopdConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 2 or self.batch_size % 2:
             raise ValueError(f"batch_size: must be even and >= 2, got {self.batch_size}")
-        for name in ("steps", "seq_len", "top_k", "eval_windows", "teacher_steps"):
+        for name in (
+            "steps", "seq_len", "top_k", "eval_windows", "teacher_steps", "hidden_size",
+            "num_layers",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every: must be >= 0, got {self.eval_every}")
+        if self.hidden_size % 2:
+            raise ValueError(f"hidden_size: must be even (two heads), got {self.hidden_size}")
 
 
 @dataclass
 class MopdResult:
     #: student -> domain -> held-out metrics against that domain's teacher.
     heldout: dict[str, dict[str, EvalResult]] = field(default_factory=dict)
+    #: student -> [(step, {domain: held-out KL})] every ``eval_every`` steps.
+    curve: dict[str, list[tuple[int, dict[str, float]]]] = field(default_factory=dict)
+    #: domain -> KL(domain's teacher || 50/50 mixture of the two teachers), held out.
+    mixture_kl: dict[str, float] = field(default_factory=dict)
     train_loss: dict[str, list[float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     teachers: dict[str, Any] = field(default_factory=dict)
@@ -136,13 +156,25 @@ def routing(student: str, batch_size: int) -> list[str]:
 
 
 def train_student(
-    client: Any, student: str, batches: list[torch.Tensor], vocab: int, cfg: MopdConfig
+    client: Any,
+    student: str,
+    batches: list[torch.Tensor],
+    vocab: int,
+    cfg: MopdConfig,
+    checkpoint: Callable[[int, Any], None] | None = None,
 ) -> tuple[Any, list[float], float]:
     """A fresh student distilled on ``batches``, each row scored by the teacher
-    :func:`routing` gives it; returns ``(model, losses, seconds)``."""
+    :func:`routing` gives it; returns ``(model, losses, seconds)``. ``checkpoint(step,
+    model)`` is called every ``cfg.eval_every`` steps (its time is not counted)."""
     from student_client.client import ScoreBatch
 
-    dcfg = DistillConfig(seq_len=cfg.seq_len, top_k=cfg.top_k, seed=cfg.seed)
+    dcfg = DistillConfig(
+        seq_len=cfg.seq_len,
+        top_k=cfg.top_k,
+        seed=cfg.seed,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+    )
     model = student_model(vocab, dcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(
@@ -151,9 +183,10 @@ def train_student(
     teachers = routing(student, cfg.batch_size)
     items = [ScoreBatch(x, teacher=teachers) for x in batches]
     losses = []
+    paused = 0.0
     t0 = time.perf_counter()
     payloads = client.stream(items, cfg.top_k, depth=cfg.depth, include_sampled=False)
-    for x, payload in zip(batches, payloads, strict=True):
+    for step, (x, payload) in enumerate(zip(batches, payloads, strict=True), start=1):
         assert payload.teachers == tuple(teachers)
         loss, _stats = distill_loss(model, x, payload, dcfg)
         opt.zero_grad(set_to_none=True)
@@ -162,7 +195,25 @@ def train_student(
         opt.step()
         sched.step()
         losses.append(loss.item())
-    return model, losses, time.perf_counter() - t0
+        if checkpoint is not None and cfg.eval_every and step % cfg.eval_every == 0:
+            t1 = time.perf_counter()
+            checkpoint(step, model)
+            paused += time.perf_counter() - t1
+    return model, losses, time.perf_counter() - t0 - paused
+
+
+@torch.inference_mode()
+def mixture_kl(teachers: dict[str, Any], domain: str, windows: torch.Tensor) -> float:
+    """KL(``domain``'s teacher || the 50/50 mixture of all ``teachers``) on ``windows``
+    ``[N, T]``, nats per position: the best a student reaches if its prediction does not
+    depend on which domain the window is from (the equal mixture minimises the summed
+    forward KL to the teachers)."""
+    logp = {
+        d: torch.log_softmax(m(input_ids=windows).logits.float(), -1) for d, m in teachers.items()
+    }
+    mix = torch.logsumexp(torch.stack(list(logp.values())), 0) - math.log(len(logp))  # [N, T, V]
+    own = logp[domain]
+    return float((own.exp() * (own - mix)).sum(-1).mean())
 
 
 def run_mopd(targets: dict[str, str], teacher_dirs: dict[str, Path], cfg: MopdConfig) -> MopdResult:
@@ -184,14 +235,20 @@ def run_mopd(targets: dict[str, str], teacher_dirs: dict[str, Path], cfg: MopdCo
         for d in DOMAINS
     }
     batches = mixed_batches(corpora, cfg)
-    result = MopdResult()
+    result = MopdResult(mixture_kl={d: mixture_kl(local, d, heldout[d]) for d in DOMAINS})
     with MultiTeacherClient(targets, expect_vocab_size=vocab) as client:
         result.teachers = {
             name: {"model": info.model_name, "backend": info.backend}
             for name, info in client.connect().items()
         }
         for student in STUDENTS:
-            model, losses, seconds = train_student(client, student, batches, vocab, cfg)
+            curve = result.curve[student] = []
+
+            def checkpoint(step: int, model: Any, curve: list[Any] = curve) -> None:
+                kl = {d: evaluate(model, local[d], heldout[d]).kl_teacher_student for d in DOMAINS}
+                curve.append((step, kl))
+
+            model, losses, seconds = train_student(client, student, batches, vocab, cfg, checkpoint)
             result.train_loss[student] = losses
             result.seconds[student] = round(seconds, 1)
             result.heldout[student] = {d: evaluate(model, local[d], heldout[d]) for d in DOMAINS}
@@ -209,6 +266,15 @@ def gaps(result: MopdResult) -> dict[str, float]:
     return out
 
 
+def curve_gaps(result: MopdResult) -> list[tuple[int, dict[str, float]]]:
+    """:func:`gaps` at every checkpoint: ``[(step, {domain: gap})]``."""
+    out = []
+    for i, (step, routed) in enumerate(result.curve.get("routed", [])):
+        alone = {d: result.curve[f"{d} only"][i][1][d] for d in DOMAINS}
+        out.append((step, {d: routed[d] / alone[d] - 1.0 for d in DOMAINS}))
+    return out
+
+
 def format_table(result: MopdResult, cfg: MopdConfig) -> str:
     """Per-domain held-out KL of every student (markdown) and the routed student's gap."""
     rows = [
@@ -222,17 +288,31 @@ def format_table(result: MopdResult, cfg: MopdConfig) -> str:
         kls = [result.heldout[s][d].kl_teacher_student for d in DOMAINS]
         rows.append(f"| {s} | " + " | ".join(f"{v:.3f}" for v in kls) + f" | {sum(kls) / 2:.3f} |")
     ce = [result.heldout["routed"][d].teacher_ce for d in DOMAINS]
+    mix = [result.mixture_kl[d] for d in DOMAINS]
+    rows.append(
+        "| (50/50 mixture of the teachers) | "
+        + " | ".join(f"{v:.3f}" for v in mix)
+        + f" | {sum(mix) / 2:.3f} |"
+    )
     rows.append("| (domain teacher's own CE) | " + " | ".join(f"{v:.3f}" for v in ce) + " | |")
     g = gaps(result)
     rows += [
         "",
         "routed vs the matching single-teacher student: "
         + ", ".join(f"{d} {100 * g[d]:+.1f}%" for d in DOMAINS),
-        f"{cfg.steps} steps x {cfg.batch_size} windows ({cfg.batch_size // 2} per domain) x "
-        f"{cfg.seq_len} bytes per student, top-{cfg.top_k} tail-aware KL; teachers: "
-        f"{cfg.teacher_steps} pretraining steps each; "
-        + ", ".join(f"{s} {result.seconds[s]:.0f} s" for s in STUDENTS),
     ]
+    for (step, cg), (_, routed) in zip(curve_gaps(result), result.curve["routed"], strict=True):
+        rows.append(
+            f"  at step {step}: "
+            + ", ".join(f"{d} {100 * cg[d]:+.1f}% (routed {routed[d]:.3f})" for d in DOMAINS)
+        )
+    rows.append(
+        f"{cfg.steps} steps x {cfg.batch_size} windows ({cfg.batch_size // 2} per domain) x "
+        f"{cfg.seq_len} bytes per student ({cfg.hidden_size} wide, {cfg.num_layers} "
+        f"layer(s)), top-{cfg.top_k} tail-aware KL; teachers: "
+        f"{cfg.teacher_steps} pretraining steps each; "
+        + ", ".join(f"{s} {result.seconds[s]:.0f} s" for s in STUDENTS)
+    )
     return "\n".join(rows)
 
 
@@ -246,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = MopdConfig()
     for name in (
         "steps", "batch_size", "seq_len", "top_k", "depth", "seed", "eval_windows",
-        "teacher_steps", "teacher_batch_size", "teacher_seq_len",
+        "eval_every", "hidden_size", "num_layers", "teacher_steps", "teacher_batch_size",
+        "teacher_seq_len",
     ):  # fmt: skip
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--lr", type=float, default=d.lr)
@@ -287,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result, cfg))
     (args.out / "result.json").write_text(
         json.dumps(
-            {"config": asdict(cfg), "result": asdict(result), "gaps": gaps(result)}, indent=2
+            {
+                "config": asdict(cfg),
+                "result": asdict(result),
+                "gaps": gaps(result),
+                "curve_gaps": curve_gaps(result),
+            },
+            indent=2,
         )
         + "\n"
     )

@@ -17,6 +17,7 @@ ARGS = [
     "--backend", "transformers", "--steps", "12", "--batch-size", "4", "--seq-len", "64",
     "--eval-windows", "4", "--teacher-steps", "30", "--teacher-batch-size", "4",
     "--teacher-seq-len", "64", "--depth", "2", "--corpus-max-bytes", "1000000",
+    "--eval-every", "6",
 ]  # fmt: skip
 
 
@@ -34,6 +35,18 @@ def test_mopd_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert all(math.isfinite(r["kl_teacher_student"]) for r in heldout[student].values())
         assert len(saved["result"]["train_loss"][student]) == 12
     assert set(saved["result"]["teachers"]) == {"code", "docs"}
+    # Held-out checkpoints every 6 steps, the last one the final evaluation.
+    for student in mopd.STUDENTS:
+        curve = saved["result"]["curve"][student]
+        assert [step for step, _ in curve] == [6, 12]
+        final = {d: r["kl_teacher_student"] for d, r in heldout[student].items()}
+        assert curve[-1][1] == pytest.approx(final)
+    assert [step for step, _ in saved["curve_gaps"]] == [6, 12]
+    assert "  at step 6: code " in printed
+    # The teachers differ, so each is some way from their mixture (and at most log 2 away).
+    mixture = saved["result"]["mixture_kl"]
+    assert all(0.0 < mixture[d] < math.log(2) for d in mopd.DOMAINS), mixture
+    assert "| (50/50 mixture of the teachers) |" in printed
     # Twelve steps: the students have barely moved, but the routed one is not far off.
     assert all(abs(g) < 0.25 for g in saved["gaps"].values()), saved["gaps"]
     # The teachers are cached: a second build reuses them.
@@ -44,5 +57,9 @@ def test_mopd_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(SystemExit, match="batch_size: must be even"):
         mopd.main(["--batch-size", "3"])
+    with pytest.raises(SystemExit, match="eval_every: must be >= 0"):
+        mopd.main(["--eval-every", "-1"])
+    with pytest.raises(SystemExit, match="hidden_size: must be even"):
+        mopd.main(["--hidden-size", "63"])
     assert mopd.routing("routed", 4) == ["code", "code", "docs", "docs"]
     assert mopd.routing("docs only", 2) == ["docs", "docs"]

@@ -124,9 +124,10 @@ def test_an_idle_teacher_gives_the_engines_freed_memory_back(vllm_teacher: Teach
     """A burst of large requests leaves freed memory in vLLM's worker process (glibc keeps
     it); once the server has been idle for ``--memory-trim-idle-s`` it trims: ``/metrics``
     counts what came back, and the worker's RSS falls by about as much. The same burst
-    again takes the worker at most 8 MiB past the first one's high-water mark: the same
-    work needs no more memory the second time (no leak per request; glibc reuses what
-    the trim handed back). What is resident right after a trim is not compared: it
+    again takes the worker at most 16 MiB past the first one's high-water mark (measured:
+    +0.1 and +6.1 MiB; the first burst does not always reach the plateau): the same work
+    needs no more memory the second time (no leak per request; glibc reuses what the
+    trim handed back). What is resident right after a trim is not compared: it
     depends on which pages the last requests left partly used."""
     server = vllm_teacher
     rng = np.random.default_rng(0)
@@ -152,4 +153,4 @@ def test_an_idle_teacher_gives_the_engines_freed_memory_back(vllm_teacher: Teach
         )
         assert given >= 16 * MIB
         assert idle <= busy - given / 2
-    assert rounds[1][0] - rounds[0][0] <= 8 * MIB
+    assert rounds[1][0] - rounds[0][0] <= 16 * MIB
