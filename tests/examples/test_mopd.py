@@ -42,7 +42,10 @@ def test_mopd_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         final = {d: r["kl_teacher_student"] for d, r in heldout[student].items()}
         assert curve[-1][1] == pytest.approx(final)
     assert [step for step, _ in saved["curve_gaps"]] == [6, 12]
+    assert [step for step, _ in saved["curve_gaps_half"]] == [6, 12]
+    assert set(saved["gaps_half"]) == set(mopd.DOMAINS)
     assert "  at step 6: code " in printed
+    assert "(<domain> only)" in printed and "(<domain> half)" in printed
     # The teachers differ, so each is some way from their mixture (and at most log 2 away).
     mixture = saved["result"]["mixture_kl"]
     assert all(0.0 < mixture[d] < math.log(2) for d in mopd.DOMAINS), mixture
@@ -63,3 +66,7 @@ def test_config_errors_name_the_field() -> None:
         mopd.main(["--hidden-size", "63"])
     assert mopd.routing("routed", 4) == ["code", "code", "docs", "docs"]
     assert mopd.routing("docs only", 2) == ["docs", "docs"]
+    # The "half" baselines train on their own domain's rows only, scored by its teacher.
+    assert mopd.rows("routed", 6) == slice(0, 6) and mopd.rows("code only", 6) == slice(0, 6)
+    assert mopd.rows("code half", 6) == slice(0, 3) and mopd.rows("docs half", 6) == slice(3, 6)
+    assert mopd.routing("docs half", 6) == ["docs"] * 3
