@@ -76,7 +76,7 @@ class MopdConfig:
     eval_windows: int = 16
     #: Held-out KL of every student every this many steps as well (0: at the end only).
     eval_every: int = 150
-    #: The student (the same for all three): width and depth of the fresh Qwen2.
+    #: The student (the same for all five): width and depth of the fresh Qwen2.
     hidden_size: int = 64
     num_layers: int = 1
     #: The teachers' pretraining budget (each: steps x windows x bytes). 3000 steps give
