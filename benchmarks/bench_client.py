@@ -32,8 +32,8 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from devtools.launch import TeacherProcess, start_teacher
-from student_client.client import TeacherClient
-from student_client.payload import ResponseAssembler
+from student_client.clients.blocking import TeacherClient
+from student_client.data.assembler import ResponseAssembler
 from topk_protocol import build_request, encode_sequence, pb
 
 # -- decode --------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader
 
 from devtools.launch import start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
-from student_client.client import TeacherClient
-from student_client.dataset import PayloadDataset, collate_payloads
+from student_client.clients.blocking import TeacherClient
+from student_client.offline.dataset import PayloadDataset, collate_payloads
 from topk_protocol.recording import RecordingReader
 
 WIRE_BYTES_K64_F16 = 64 * (4 + 2) + 2

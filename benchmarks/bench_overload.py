@@ -28,9 +28,9 @@ import torch
 
 from devtools.launch import start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
-from student_client.aio_client import AsyncTeacherClient
-from student_client.client import TeacherClient
-from student_client.payload import TeacherPayload
+from student_client.clients.aio import AsyncTeacherClient
+from student_client.clients.blocking import TeacherClient
+from student_client.data.payload import TeacherPayload
 
 
 def build_parser() -> argparse.ArgumentParser:

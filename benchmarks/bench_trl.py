@@ -10,7 +10,7 @@ ids, prompt length 0: every position) through a real client:
 * this server's ``/get_sequence_logprobs/`` (TRL 1.10's route, ``binary`` format) with
   TRL 1.10's own ``VLLMClient`` (in a subprocess, ``--trl-110 DIR``; skipped without);
 * this server's ``/v1/completions`` with the installed TRL's ``VLLMClient``;
-* this server's gRPC with :class:`student_client.trl_client.TRLTeacherClient` (float32).
+* this server's gRPC with :class:`student_client.integrations.trl_client.TRLTeacherClient` (float32).
 
 Reported: positions/s (rows returned per second, median over ``--reps`` after one
 warm-up call), bytes/position on the wire (response bodies; gRPC: serialized messages),
@@ -49,7 +49,7 @@ import torch
 
 from benchmarks.bench_teacher import ROOT, _stop, _wait_http, add_workload_args, workload
 from devtools.launch import free_port, start_teacher
-from student_client.trl_client import TRLTeacherClient
+from student_client.integrations.trl_client import TRLTeacherClient
 
 #: The engine settings of every server here (those of benchmarks/bench_teacher.py).
 ENGINE_FLAGS = [

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from examples.training_loop import ToyStudent
-from student_client.distributed import (
+from student_client.integrations.distributed import (
     data_parallel_rank,
     mean_over_ranks,
     rank_client_options,
@@ -132,11 +132,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = data_parallel_rank()
     try:
         if args.replay is not None:
-            from student_client.replay import ReplayClient
+            from student_client.offline.replay import ReplayClient
 
             client: Any = ReplayClient(rank_recordings(args.replay)[rank])
         else:
-            from student_client.client import TeacherClient
+            from student_client.clients.blocking import TeacherClient
 
             options = rank_client_options({"record_to": args.record}, rank, world)
             client = TeacherClient(args.teacher, **options)

@@ -2,7 +2,7 @@
 
 The student (a fresh Qwen2, smaller than the teacher) reads byte windows of the Python
 standard library's sources; for every window the teacher's top-k next-byte distribution
-comes through :class:`~student_client.client.TeacherClient` with prefetch, and the student
+comes through :class:`~student_client.clients.blocking.TeacherClient` with prefetch, and the student
 minimises a divergence of the coarse-grained top-k distributions (``--divergence
 forward|reverse|jsd [--beta B]``, default the forward KL; ``--mode tail|truncated|
 tail_actual``, default the tail-aware K+1 categories; ``tail_actual`` gives the actual next
@@ -197,12 +197,12 @@ def actual_tokens(x: torch.Tensor, payload: Any, mode: str) -> dict[str, torch.T
 
 def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:
     if args.replay:
-        from student_client.replay import ReplayClient
+        from student_client.offline.replay import ReplayClient
 
         return ReplayClient(
             args.replay, expect_vocab_size=vocab_size, expect_temperature=args.teacher_temperature
         )
-    from student_client.client import TeacherClient
+    from student_client.clients.blocking import TeacherClient
 
     return TeacherClient(
         args.teacher,
@@ -218,7 +218,7 @@ def _dataset_batches(path: Path, cfg: DistillConfig, vocab_size: int) -> Iterato
     (``PayloadDataset``: a recording), shuffled, epoch after epoch, no teacher."""
     from torch.utils.data import DataLoader
 
-    from student_client.dataset import PayloadDataset, collate_payloads
+    from student_client.offline.dataset import PayloadDataset, collate_payloads
 
     ds = PayloadDataset(path, top_k=cfg.top_k)
     if ds.vocab_size != vocab_size:

@@ -4,7 +4,7 @@ Two tiny byte-level teachers are pretrained on clearly different corpora
 (:mod:`examples.data`): the Python standard library's ``.py`` sources (``code``) and the
 documentation installed packages ship (``docs``: package descriptions, ``.txt`` /
 ``.rst`` / ``.md`` / ``.html``). Both are served (``teacher-server serve``, one process
-per teacher) and reached through one :class:`~student_client.multi_client.MultiTeacherClient`.
+per teacher) and reached through one :class:`~student_client.clients.multi.MultiTeacherClient`.
 Every training batch holds half code windows and half docs windows, the same batches for
 every student:
 
@@ -187,7 +187,7 @@ def train_student(
     """A fresh student distilled on the :func:`rows` of ``batches``, each row scored by
     the teacher :func:`routing` gives it; returns ``(model, losses, seconds)``. ``checkpoint(step,
     model)`` is called every ``cfg.eval_every`` steps (its time is not counted)."""
-    from student_client.client import ScoreBatch
+    from student_client.data.batch import ScoreBatch
 
     dcfg = DistillConfig(
         seq_len=cfg.seq_len,
@@ -243,7 +243,7 @@ def run_mopd(targets: dict[str, str], teacher_dirs: dict[str, Path], cfg: MopdCo
     every domain against that domain's teacher."""
     from transformers import AutoModelForCausalLM
 
-    from student_client.multi_client import MultiTeacherClient
+    from student_client.clients.multi import MultiTeacherClient
 
     torch.set_num_threads(cfg.threads)
     corpora = _corpora(cfg.corpus_max_bytes)

@@ -5,7 +5,7 @@ training files (``generate``, sampling at temperature 1): prompts of random leng
 left-padded, so the batch is a Hugging Face ``input_ids`` + ``attention_mask`` pair. The
 teacher scores only the response positions (a sub-range given as columns of the padded
 batch: padding and prompt rows are never sent back), the payload comes back aligned to
-the padded batch (:mod:`student_client.alignment`), and the tail-aware top-k loss runs on
+the padded batch (:mod:`student_client.data.alignment`), and the tail-aware top-k loss runs on
 the response positions only.
 
 The loss is the reverse KL ``KL(student || teacher)`` over the K+1 categories by default
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             "--min-prompt/--max-prompt/--response: need 1 <= min <= max, response >= 1"
         )
-    from student_client.client import TeacherClient
+    from student_client.clients.blocking import TeacherClient
 
     server = None
     teacher_dir = args.teacher_dir

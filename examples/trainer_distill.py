@@ -72,7 +72,7 @@ def train(
     ``trainer.state.log_history`` are kept)."""
     from transformers import TrainingArguments
 
-    from student_client.hf_trainer import DistillationConfig, TopKDistillationTrainer
+    from student_client.integrations.hf_trainer import DistillationConfig, TopKDistillationTrainer
 
     args = TrainingArguments(
         output_dir=str(out),
@@ -91,7 +91,7 @@ def train(
         disable_tqdm=True,
     )
     world = args.world_size
-    from student_client.client import TeacherClient
+    from student_client.clients.blocking import TeacherClient
 
     with TeacherClient(teacher) as info_client:  # the student's vocabulary: the teacher's
         vocab_size = info_client.info().vocab_size

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from student_client.client import TeacherClient
+from student_client.clients.blocking import TeacherClient
 from student_client.losses import topk_kl_loss
 
 __all__ = ["ToyStudent", "main", "token_batches", "train"]

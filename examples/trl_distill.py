@@ -4,7 +4,7 @@ TRL's trainer generates completions with the student, asks the teacher for their
 log-probs through ``trainer.teacher_client.get_sequence_logprobs`` and minimises its
 sparse forward KL. The teacher is this project's server: TRL's own client on its HTTP
 port (``--teacher-http``), or, with ``--teacher`` too, the gRPC drop-in
-:class:`~student_client.trl_client.TRLTeacherClient` in its place (docs/trl.md).
+:class:`~student_client.integrations.trl_client.TRLTeacherClient` in its place (docs/trl.md).
 
     teacher-server serve --model DIR --max-top-k 16 ...
     python -m examples.trl_distill --teacher-http http://127.0.0.1:8000 --student DIR
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from student_client.trl_client import TRLTeacherClient
+from student_client.integrations.trl_client import TRLTeacherClient
 
 
 def build_trainer(student: str | Path, teacher_http: str, out: str | Path, **config: Any) -> Any:

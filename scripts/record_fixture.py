@@ -26,8 +26,8 @@ import torch
 
 from devtools.launch import TeacherProcess, start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS
-from student_client.client import TeacherClient
-from student_client.payload import TeacherPayload
+from student_client.clients.blocking import TeacherClient
+from student_client.data.payload import TeacherPayload
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "data" / "tiny_vllm_recording"

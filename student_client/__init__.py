@@ -1,36 +1,94 @@
 """topk-distill student side: teacher clients, recording/replay and the top-k KL losses.
 
-Needs only torch, numpy, pyarrow, grpcio and protobuf (no vLLM, no grpcio-tools). The wire format
-and its rules live in :mod:`topk_protocol`.
+The package is laid out by job (``docs/design.md``):
+
+- :mod:`student_client.data`: what a request and an answer are (``ScoreBatch``,
+  ``TeacherPayload``, alignment to padded batches, decoding an answer);
+- :mod:`student_client.clients`: the teacher clients (blocking, asyncio, several
+  teachers) and the one interface they share (:mod:`student_client.clients.protocol`);
+- :mod:`student_client.offline`: recordings on disk (replay clients, ``PayloadDataset``,
+  ``teacher-record``);
+- :mod:`student_client.integrations`: Hugging Face ``Trainer``, TRL, data-parallel helpers;
+- :mod:`student_client.losses`: the top-k KL losses (pure torch).
+
+The names below are imported on first use (PEP 562), so ``import student_client.losses``
+loads no grpc, pyarrow or transformers. The wire format and its rules live in
+:mod:`topk_protocol`.
 """
 
-from student_client.aio_client import AsyncTeacherClient
-from student_client.client import ScoreBatch, TeacherClient
-from student_client.losses import (
-    TopKKLLoss,
-    causal_lm_hidden_and_head,
-    fused_topk_kl_loss,
-    topk_kl_loss,
-)
-from student_client.multi_client import AsyncMultiTeacherClient, MultiTeacherClient
-from student_client.payload import TeacherPayload
-from student_client.replay import ReplayClient
-from topk_protocol import TeacherInfo
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from student_client.clients.aio import AsyncTeacherClient
+    from student_client.clients.blocking import TeacherClient
+    from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
+    from student_client.clients.protocol import AsyncTeacherSource, TeacherSource
+    from student_client.data.batch import ScoreBatch
+    from student_client.data.payload import TeacherPayload
+    from student_client.losses import (
+        TopKKLLoss,
+        causal_lm_hidden_and_head,
+        fused_topk_kl_loss,
+        topk_kl_loss,
+    )
+    from student_client.offline.dataset import PayloadDataset
+    from student_client.offline.multi_replay import MultiReplayClient
+    from student_client.offline.replay import ReplayClient
+    from topk_protocol import TeacherInfo
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it.
+_EXPORTS = {
+    "AsyncMultiTeacherClient": "student_client.clients.multi",
+    "AsyncTeacherClient": "student_client.clients.aio",
+    "AsyncTeacherSource": "student_client.clients.protocol",
+    "MultiReplayClient": "student_client.offline.multi_replay",
+    "MultiTeacherClient": "student_client.clients.multi",
+    "PayloadDataset": "student_client.offline.dataset",
+    "ReplayClient": "student_client.offline.replay",
+    "ScoreBatch": "student_client.data.batch",
+    "TeacherClient": "student_client.clients.blocking",
+    "TeacherInfo": "topk_protocol",
+    "TeacherPayload": "student_client.data.payload",
+    "TeacherSource": "student_client.clients.protocol",
+    "TopKKLLoss": "student_client.losses",
+    "causal_lm_hidden_and_head": "student_client.losses",
+    "fused_topk_kl_loss": "student_client.losses",
+    "topk_kl_loss": "student_client.losses",
+}
 
 __all__ = [
     "AsyncMultiTeacherClient",
     "AsyncTeacherClient",
+    "AsyncTeacherSource",
+    "MultiReplayClient",
     "MultiTeacherClient",
+    "PayloadDataset",
     "ReplayClient",
     "ScoreBatch",
     "TeacherClient",
     "TeacherInfo",
     "TeacherPayload",
+    "TeacherSource",
     "TopKKLLoss",
     "__version__",
     "causal_lm_hidden_and_head",
     "fused_topk_kl_loss",
     "topk_kl_loss",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'student_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from student_client.payload import ResponseAssembler, TeacherPayload
+from student_client.data.assembler import ResponseAssembler
+from student_client.data.payload import TeacherPayload
 from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import iter_stream_responses
 from topk_protocol import RequestOptions, build_request, pb, request_spans

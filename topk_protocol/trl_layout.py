@@ -13,7 +13,7 @@ for TRL's rows ``[P, L)`` asks us for rows ``[max(P, 1) - 1, L - 1)`` (:func:`tr
 never our last row (the token after the sequence), which TRL does not use.
 
 Pure numpy; the server's HTTP routes (``teacher_server.trl_http``) and the drop-in gRPC
-client (``student_client.trl_client``) both build TRL's answers from :class:`TRLRows`.
+client (``student_client.integrations.trl_client``) both build TRL's answers from :class:`TRLRows`.
 """
 
 from __future__ import annotations

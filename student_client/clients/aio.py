@@ -1,6 +1,6 @@
 """``AsyncTeacherClient``: fetch top-k payloads from a teacher over gRPC (asyncio).
 
-This is the one client core; :class:`student_client.client.TeacherClient` is a blocking
+This is the one client core; :class:`student_client.clients.blocking.TeacherClient` is a blocking
 facade that runs it on a background event loop.
 
 - ``score`` answers one batch (unary ``Score``, or ``ScoreStream`` when the answer would
@@ -42,8 +42,10 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from student_client.alignment import PaddedLayout, align, build_aligned_request
-from student_client.payload import ResponseAssembler, TeacherPayload
+from student_client.data.alignment import PaddedLayout, align, build_aligned_request
+from student_client.data.assembler import ResponseAssembler
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     DEFAULT_MAX_MESSAGE_MB,
     RequestOptions,
@@ -58,7 +60,7 @@ from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUna
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.status import error_from_rpc
 
-__all__ = ["AsyncTeacherClient", "ScoreBatch", "parse_targets"]
+__all__ = ["Answer", "AsyncTeacherClient", "clean_token", "parse_targets"]
 
 T = TypeVar("T")
 _END = object()  # the server closed the stream
@@ -66,21 +68,6 @@ _END = object()  # the server closed the stream
 _Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None]
 #: URL schemes people paste by habit; a gRPC target is host:port or a gRPC URI (dns:///...).
 _URL_SCHEMES = frozenset({"http", "https", "grpc", "grpcs"})
-
-
-@dataclass(frozen=True)
-class ScoreBatch:
-    """One item of ``stream`` when positions or a mask are needed: the batch's
-    ``sequences`` (or a ``BatchEncoding`` / dict with ``input_ids``), one ``(start, end)``
-    per sequence (or None for every position), and the batch's ``attention_mask`` (see
-    :meth:`AsyncTeacherClient.score`); ``teacher``: the teacher of each sequence (a name
-    per sequence, or one name for all) for a multi-teacher client
-    (:mod:`student_client.multi_client`; a single-teacher client ignores it)."""
-
-    sequences: Any
-    positions: Sequence[tuple[int, int]] | None = None
-    attention_mask: Any = None
-    teacher: Any = None
 
 
 def parse_targets(target: str | Sequence[str]) -> list[str]:
@@ -151,11 +138,22 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The complete answer to one request, and where its rows go back: the batch's padded
+    ``[B, T]`` layout (None: the batch came unpadded). :meth:`AsyncTeacherClient.decode`
+    turns it into a :class:`TeacherPayload`."""
+
+    response: ResponseAssembler
+    layout: PaddedLayout | None = None
+
+
 @dataclass(slots=True)
 class _Pending:
     """A request of a stream that has been sent and not yet handed to the caller."""
 
     assembler: ResponseAssembler
+    layout: PaddedLayout | None = None
     sent_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -189,7 +187,7 @@ class _StreamWindow:
     def add(self, request: pb.ScoreRequest, layout: PaddedLayout | None = None) -> _Pending:
         if request.request_id in self._pending:
             raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
-        pending = _Pending(ResponseAssembler(request, layout))
+        pending = _Pending(ResponseAssembler(request), layout)
         self._pending[request.request_id] = pending
         return pending
 
@@ -369,6 +367,12 @@ class AsyncTeacherClient:
 
     # -- targets, info and retries ----------------------------------------------------
     @property
+    def names(self) -> list[str]:
+        """``[]``: one teacher (see
+        :class:`~student_client.clients.protocol.AsyncTeacherSource`)."""
+        return []
+
+    @property
     def current_target(self) -> str:
         """The target the latest call went to."""
         return self.targets[self._current]
@@ -457,10 +461,10 @@ class AsyncTeacherClient:
             request_id=next(self._ids),
         )
 
-    def decode(self, answer: ResponseAssembler, device: torch.device | str) -> TeacherPayload:
+    def decode(self, answer: Answer, device: torch.device | str) -> TeacherPayload:
         """A complete answer's tensors on ``device``, placed into its batch's padded
         ``[B, T]`` layout when the batch came with an attention mask."""
-        return align(answer.payload(device), answer.layout)
+        return align(answer.response.payload(device), answer.layout)
 
     def _deadline(self, timeout_s: float | None) -> float:
         return self._timeout_s if timeout_s is None else _positive("timeout_s", timeout_s)
@@ -494,20 +498,20 @@ class AsyncTeacherClient:
             timeout_s: this call's deadline (default: the client's).
             attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
                 Padding is not sent; the payload comes back as ``[B, T, K]`` aligned to
-                the padded batch, ``mask`` False on padding (:mod:`student_client.alignment`).
+                the padded batch, ``mask`` False on padding (:mod:`student_client.data.alignment`).
         """
         timeout = self._deadline(timeout_s)
         opts = RequestOptions.of(top_k, **options)
         request, layout = self._request(ScoreBatch(sequences, positions, attention_mask), opts)
 
-        async def unary(index: int) -> ResponseAssembler:
+        async def unary(index: int) -> Answer:
             await self._fetch_info(index)
-            asm = ResponseAssembler(request, layout)
+            asm = ResponseAssembler(request)
             asm.add(
                 await self._stub(index).Score(request, timeout=timeout, metadata=self._metadata)
             )
             self._record_answer(index, asm)
-            return asm
+            return Answer(asm, layout)
 
         info = await self._call(self._fetch_info, next(self._rr) % len(self.targets))
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
@@ -517,8 +521,7 @@ class AsyncTeacherClient:
                 return self.decode(await anext(gen), device)
             finally:
                 await gen.aclose()
-        asm = await self._call(unary, self._current)
-        return self.decode(asm, device)
+        return self.decode(await self._call(unary, self._current), device)
 
     # -- stream -------------------------------------------------------------------------
     def stream(
@@ -542,7 +545,7 @@ class AsyncTeacherClient:
         depth: int = 4,
         timeout_s: float | None = None,
         **options: Any,
-    ) -> AsyncIterator[ResponseAssembler]:
+    ) -> AsyncIterator[Answer]:
         """The complete answers to ``batches``, in input order, undecoded (each one's
         ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,
         the blocking client in the caller's thread while the loop reads on.
@@ -577,7 +580,7 @@ class AsyncTeacherClient:
         requests: AsyncIterator[_Outgoing | TeacherError],
         depth: int,
         timeout_s: float,
-    ) -> AsyncGenerator[ResponseAssembler, None]:
+    ) -> AsyncGenerator[Answer, None]:
         window = _StreamWindow()
         index = next(self._rr) % len(self.targets)
         conn: _Connection | None = None
@@ -621,7 +624,7 @@ class AsyncTeacherClient:
                         raise head.assembler.error
                     await fill(conn, depth)
                     self._record_answer(index, head.assembler)
-                    yield head.assembler
+                    yield Answer(head.assembler, head.layout)
                     continue
                 try:
                     item = await conn.get(head.sent_at + timeout_s - time.monotonic())

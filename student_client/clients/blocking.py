@@ -1,4 +1,4 @@
-"""``TeacherClient``: the blocking facade of :class:`~student_client.aio_client.AsyncTeacherClient`.
+"""``TeacherClient``: the blocking facade of the asyncio client core.
 
 The client core (stream window, retries and fail-over, re-sending unanswered requests,
 deadlines, recording) lives once, in the asyncio client; this class runs it on an event
@@ -12,40 +12,53 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
-from student_client.aio_client import AsyncTeacherClient, ScoreBatch, clean_token, parse_targets
+import torch
+
+from student_client.clients.aio import Answer, AsyncTeacherClient
+from student_client.data.payload import TeacherPayload
 from student_client.errors import TeacherError
-from student_client.payload import TeacherPayload
-from topk_protocol import TeacherInfo
+from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
 
-__all__ = ["ScoreBatch", "TeacherClient", "clean_token", "parse_targets"]
+__all__ = ["BlockingFacade", "TeacherClient"]
 
 T = TypeVar("T")
+AnswerT = TypeVar("AnswerT")
 _DONE = object()  # the stream is exhausted
 
 
-class TeacherClient(Closeable):
-    """Blocking client of a ``topk_distill.v1.Teacher`` service.
+class _AsyncCore(Protocol[AnswerT]):
+    """What :class:`BlockingFacade` needs of the asyncio client it runs: the answers of a
+    stream (read on the loop) apart from their decoding (done in the caller's thread)."""
 
-    Takes the arguments of :class:`~student_client.aio_client.AsyncTeacherClient`
-    (``target``, ``token``, ``tls``, ``timeout_s``, ``retries``, ``record_to``, ...);
-    :meth:`info`, :meth:`score` and :meth:`stream` behave as there, blocking.
-    """
+    async def info(self) -> Any: ...
 
-    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
-        self._aio = self._make_core(target, **options)
+    async def score(self, sequences: Any, top_k: Any, **options: Any) -> TeacherPayload: ...
+
+    def stream_answers(
+        self, batches: Iterable[Any], top_k: Any, **options: Any
+    ) -> AsyncIterator[AnswerT]: ...
+
+    def decode(self, answer: AnswerT, device: torch.device | str) -> TeacherPayload: ...
+
+    async def close(self) -> None: ...
+
+
+class BlockingFacade(Closeable, Generic[AnswerT]):
+    """Runs an asyncio client core on an event loop of its own, in a background thread,
+    and waits for each result (:class:`TeacherClient`,
+    :class:`~student_client.clients.multi.MultiTeacherClient`)."""
+
+    def __init__(self, core: _AsyncCore[AnswerT]) -> None:
+        self._core = core
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="teacher-client"
         )
         self._thread.start()
-
-    def _make_core(self, target: Any, **options: Any) -> Any:
-        """The asyncio client this facade runs (a subclass may run another one)."""
-        return AsyncTeacherClient(target, **options)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the client's loop and wait for its result."""
@@ -53,6 +66,63 @@ class TeacherClient(Closeable):
             coro.close()
             raise TeacherError("client: already closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def score(self, sequences: Any, top_k: int | RequestOptions, **options: Any) -> TeacherPayload:
+        """Score one batch: see the asyncio client's ``score`` (same arguments)."""
+        return self._run(self._core.score(sequences, top_k, **options))
+
+    def stream(
+        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
+    ) -> Iterator[TeacherPayload]:
+        """Payloads of ``batches`` in input order, ``depth`` requests in flight: see the
+        asyncio client's ``stream`` (same arguments)."""
+        if self._loop.is_closed():
+            raise TeacherError("client: already closed")
+        device = options.pop("device", "cpu")
+        answers = self._core.stream_answers(batches, top_k, **options)
+
+        async def step() -> Any:
+            return await anext(answers, _DONE)
+
+        def iterate() -> Iterator[TeacherPayload]:
+            try:  # decoded here, in the caller's thread, while the loop reads on
+                while (answer := self._run(step())) is not _DONE:
+                    yield self._core.decode(answer, device)
+            finally:
+                if not self._loop.is_closed():
+                    self._run(answers.aclose())  # type: ignore[attr-defined]
+
+        return iterate()
+
+    def close(self) -> None:
+        """Close the channels, finish the recording (last rows flushed), stop the loop."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._core.close())
+            self._run(self._loop.shutdown_asyncgens())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+class TeacherClient(BlockingFacade[Answer]):
+    """Blocking client of a ``topk_distill.v1.Teacher`` service.
+
+    Takes the arguments of :class:`~student_client.clients.aio.AsyncTeacherClient`
+    (``target``, ``token``, ``tls``, ``timeout_s``, ``retries``, ``record_to``, ...);
+    :meth:`info`, :meth:`score` and :meth:`stream` behave as there, blocking.
+    """
+
+    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
+        self._aio = AsyncTeacherClient(target, **options)
+        super().__init__(self._aio)
+
+    @property
+    def names(self) -> list[str]:
+        """``[]``: one teacher (see :class:`~student_client.clients.protocol.TeacherSource`)."""
+        return []
 
     @property
     def targets(self) -> list[str]:
@@ -66,42 +136,3 @@ class TeacherClient(Closeable):
     def info(self) -> TeacherInfo:
         """The teacher's ``GetInfo`` (checked against the expected vocabulary)."""
         return self._run(self._aio.info())
-
-    def score(self, sequences: Any, top_k: int, **options: Any) -> TeacherPayload:
-        """Score one batch: see :meth:`AsyncTeacherClient.score` (same arguments)."""
-        return self._run(self._aio.score(sequences, top_k, **options))
-
-    def stream(
-        self, batches: Iterable[Any], top_k: int, **options: Any
-    ) -> Iterator[TeacherPayload]:
-        """Payloads of ``batches`` in input order, ``depth`` requests in flight: see
-        :meth:`AsyncTeacherClient.stream` (same arguments)."""
-        if self._loop.is_closed():
-            raise TeacherError("client: already closed")
-        device = options.pop("device", "cpu")
-        answers = self._aio.stream_answers(batches, top_k, **options)
-
-        async def step() -> Any:
-            return await anext(answers, _DONE)
-
-        def iterate() -> Iterator[TeacherPayload]:
-            try:  # decoded here, in the caller's thread, while the loop reads on
-                while (answer := self._run(step())) is not _DONE:
-                    yield self._aio.decode(answer, device)
-            finally:
-                if not self._loop.is_closed():
-                    self._run(answers.aclose())
-
-        return iterate()
-
-    def close(self) -> None:
-        """Close the channels, finish the recording (last rows flushed), stop the loop."""
-        if self._loop.is_closed():
-            return
-        try:
-            self._run(self._aio.close())
-            self._run(self._loop.shutdown_asyncgens())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()

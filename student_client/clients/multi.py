@@ -1,6 +1,6 @@
 """Several named teachers, one student: route each sequence to its teacher service.
 
-    from student_client.multi_client import MultiTeacherClient
+    from student_client.clients.multi import MultiTeacherClient
 
     with MultiTeacherClient({"math": "dns:///math:50051", "code": "h1:50051,h2:50051"}) as c:
         payload = c.score(seqs, 16, teacher=["math", "code", "code"])   # [B, S, K]
@@ -10,7 +10,7 @@
 
 Each name is a full target of the one client core (:class:`AsyncTeacherClient`): its
 own replicas, round robin, fail-over, retries, TLS and token. This module composes one
-core per teacher and adds only the routing (:mod:`student_client.routing`):
+core per teacher and adds only the routing (:mod:`student_client.clients.routing`):
 
 - at connect (the first call, or :meth:`AsyncMultiTeacherClient.connect`) every
   teacher's ``GetInfo`` is fetched and checked against ``expect_*`` and against the
@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
-from student_client.aio_client import AsyncTeacherClient, ScoreBatch, _as_async, decoded
-from student_client.client import TeacherClient
+from student_client.clients.aio import AsyncTeacherClient, _as_async, decoded
+from student_client.clients.blocking import BlockingFacade
+from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
 from student_client.errors import TeacherError
-from student_client.payload import TeacherPayload
-from student_client.routing import check_agreement, merge_payloads, name_error, plan_routes
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol.multi_recording import (
     check_teacher_name,
@@ -157,7 +158,7 @@ class AsyncMultiTeacherClient:
     # -- connect -----------------------------------------------------------------------
     async def connect(self) -> dict[str, TeacherInfo]:
         """Fetch and check every teacher's ``GetInfo`` (once): each against ``expect_*``
-        and all against each other (:func:`~student_client.routing.check_agreement`)."""
+        and all against each other (:func:`~student_client.clients.routing.check_agreement`)."""
         if self._infos is not None:
             return self._infos
         if self._connecting is None:
@@ -323,34 +324,34 @@ class AsyncMultiTeacherClient:
         await self.close()
 
 
-class MultiTeacherClient(TeacherClient):
+class MultiTeacherClient(BlockingFacade[RoutedAnswer]):
     """Blocking client over named teachers: :class:`AsyncMultiTeacherClient` run on a
-    background event loop by :class:`~student_client.client.TeacherClient`'s facade.
+    background event loop (:class:`~student_client.clients.blocking.BlockingFacade`).
 
     :meth:`score` and :meth:`stream` take and give what the asyncio client's do
     (``teacher=``, :class:`ScoreBatch` with ``teacher``); :meth:`info` returns
     ``{name: TeacherInfo}``.
     """
 
-    _aio: AsyncMultiTeacherClient
-
     def __init__(self, teachers: Mapping[str, TeacherSpec], **options: Any) -> None:
-        super().__init__(teachers, **options)  # type: ignore[arg-type]
-
-    def _make_core(self, target: Any, **options: Any) -> Any:
-        return AsyncMultiTeacherClient(target, **options)
+        self._aio = AsyncMultiTeacherClient(teachers, **options)
+        super().__init__(self._aio)
 
     @property
     def names(self) -> list[str]:
         return list(self._aio.names)
 
     @property
-    def targets(self) -> dict[str, list[str]]:  # type: ignore[override]
+    def targets(self) -> dict[str, list[str]]:
         return self._aio.targets
 
     @property
-    def current_target(self) -> dict[str, str]:  # type: ignore[override]
+    def current_target(self) -> dict[str, str]:
         return self._aio.current_target
+
+    def info(self) -> dict[str, TeacherInfo]:
+        """Every teacher's ``GetInfo``, checked (see :meth:`connect`)."""
+        return self._run(self._aio.info())
 
     def connect(self) -> dict[str, TeacherInfo]:
         """Fetch and check every teacher's ``GetInfo`` now (else: at the first call)."""

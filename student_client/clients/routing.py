@@ -1,12 +1,12 @@
 """Routing a batch over named teachers: split by teacher, put the answers back in order.
 
 Pure functions (inputs in, tensors out), shared by the live multi-teacher client
-(:mod:`student_client.multi_client`) and by :class:`~student_client.replay.ReplayClient`
+(:mod:`student_client.clients.multi`) and by :class:`~student_client.offline.replay.ReplayClient`
 on a multi-teacher recording:
 
 - :func:`teacher_per_row` reads the ``teacher`` of a batch (a name per sequence, one name
   for all, or indices into the teacher names) and checks every name;
-- :func:`plan_routes` splits a :class:`~student_client.aio_client.ScoreBatch` into one
+- :func:`plan_routes` splits a :class:`~student_client.clients.aio.ScoreBatch` into one
   sub-batch per teacher (sequences, positions and attention-mask rows of that teacher,
   in input order);
 - :func:`merge_payloads` puts the teachers' payloads back into one ``[B, S, K]`` payload in
@@ -26,15 +26,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from student_client.aio_client import ScoreBatch
-from student_client.alignment import unpack_inputs
+from student_client.data.alignment import unpack_inputs
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
 from student_client.errors import (
     InvalidRequestError,
     TeacherError,
     TeacherMismatchError,
     VocabMismatchError,
 )
-from student_client.payload import TeacherPayload
 from topk_protocol import TeacherInfo
 
 __all__ = [

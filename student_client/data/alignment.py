@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from student_client.data.payload import TeacherPayload
 from student_client.errors import InvalidRequestError
-from student_client.payload import TeacherPayload
 from topk_protocol import RequestOptions, Span, build_request, pb
 from topk_protocol.requests import check_span
 
@@ -216,7 +216,7 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
 
     Row ``j`` of sent sequence ``i`` goes to batch row ``layout.rows[i]``, column
     ``layout.offsets[i] + payload.position_start[i] + j``. Every other place holds the
-    padding values of :mod:`student_client.payload` (ids 0, log-probs 0, ``mask`` False).
+    padding values of :mod:`student_client.data.payload` (ids 0, log-probs 0, ``mask`` False).
 
     Args:
         payload: ``[N, S, K]`` payload of the ``N`` sent sequences.

@@ -2,7 +2,7 @@
 
 Under ``torchrun`` / ``accelerate launch`` every data-parallel rank trains on its own shard
 of the data and fetches the payloads of exactly its own batches through a
-:class:`~student_client.client.TeacherClient` of its own (one channel per target, with its
+:class:`~student_client.clients.blocking.TeacherClient` of its own (one channel per target, with its
 own prefetch window), so nothing here talks to the teacher. What the ranks must agree on:
 
 - :func:`rank_client_options`: a recording (``record_to=``) goes to a directory per rank
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import ConcatDataset
 
-from student_client.dataset import PayloadDataset
+from student_client.offline.dataset import PayloadDataset
 
 __all__ = [
     "RANK_DIR_FORMAT",
@@ -81,7 +81,7 @@ def rank_recordings(path: str | Path) -> list[Path]:
 
 def recorded_dataset(path: str | Path, **options: Any) -> ConcatDataset[Any]:
     """Every rank's recording under ``path`` as one dataset (rank 0's rows first): items as
-    :class:`~student_client.dataset.PayloadDataset`'s, ``options`` passed to each.
+    :class:`~student_client.offline.dataset.PayloadDataset`'s, ``options`` passed to each.
     Shard it for replay with ``DistributedSampler`` like any dataset."""
     return ConcatDataset([PayloadDataset(p, **options) for p in rank_recordings(path)])
 

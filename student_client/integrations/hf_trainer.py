@@ -7,7 +7,7 @@
 - :class:`TopKDistillationTrainer` is a ``Trainer`` whose ``compute_loss`` calls it. The
   payloads come from a teacher target (``"host:port"``, each process opens its own
   client), a client object (``TeacherClient``, ``ReplayClient``), or the batches
-  themselves (a :class:`~student_client.dataset.PayloadDataset` with
+  themselves (a :class:`~student_client.offline.dataset.PayloadDataset` with
   :func:`payload_dataset_collator`, or any collator that gives ``teacher_ids`` /
   ``teacher_logprobs`` / ``teacher_mask``). Payloads are prefetched: the hook is
   ``Trainer.get_batch_samples``, which pulls the micro-batches of each optimizer step
@@ -24,7 +24,7 @@
 - Several teachers (``teacher={name: target, ...}``, multi-teacher distillation): each
   row goes to the teacher its ``teacher_column`` names (TRL's ``teacher_id`` by default;
   a name, or an index into the teachers, per row), through one
-  :class:`~student_client.multi_client.MultiTeacherClient`; the ``kd_*`` statistics are
+  :class:`~student_client.clients.multi.MultiTeacherClient`; the ``kd_*`` statistics are
   logged overall and per teacher (``kd_loss/<name>``, ...). The collator must pass the
   column through (:func:`teacher_column_collator` wraps one that would drop it).
 
@@ -44,13 +44,18 @@ try:
     from transformers import Trainer
 except ImportError as e:  # pragma: no cover - depends on the install
     raise ImportError(
-        "student_client.hf_trainer needs transformers and accelerate: "
+        "student_client.integrations.hf_trainer needs transformers and accelerate: "
         "pip install 'topk-distill[hf]'"
     ) from e
 
-from student_client.alignment import PaddedLayout, place_rows
-from student_client.client import ScoreBatch
-from student_client.distributed import mean_over_ranks, rank_client_options
+from student_client.clients.blocking import TeacherClient
+from student_client.clients.multi import MultiTeacherClient
+from student_client.clients.protocol import TeacherSource
+from student_client.clients.routing import teacher_per_row
+from student_client.data.alignment import PaddedLayout, place_rows
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
+from student_client.integrations.distributed import mean_over_ranks, rank_client_options
 from student_client.losses import (
     LossOptions,
     causal_lm_hidden_and_head,
@@ -58,8 +63,6 @@ from student_client.losses import (
     topk_kl_loss,
 )
 from student_client.losses.types import TopKKLStats
-from student_client.payload import TeacherPayload
-from student_client.routing import teacher_per_row
 
 __all__ = [
     "PAYLOAD_KEYS",
@@ -141,11 +144,11 @@ def payload_columns(payload: TeacherPayload) -> dict[str, torch.Tensor]:
 
 
 def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[str, Any]]:
-    """A ``data_collator`` for a :class:`~student_client.dataset.PayloadDataset`: its
+    """A ``data_collator`` for a :class:`~student_client.offline.dataset.PayloadDataset`: its
     batches as Trainer inputs (``input_ids``, ``attention_mask`` and
     :data:`PAYLOAD_KEYS`, the payload placed at its positions of the ``[B, L]`` batch, so
     sub-range recordings line up with the full logits). Train with ``teacher=None``."""
-    from student_client.dataset import collate_payloads
+    from student_client.offline.dataset import collate_payloads
 
     def collate(items: Sequence[Any]) -> dict[str, Any]:
         batch = collate_payloads(items, pad_id=pad_id)
@@ -307,7 +310,7 @@ class _Prefetcher:
     def __init__(
         self,
         epoch_iterator: Iterator[Any],
-        client: Any,
+        client: TeacherSource,
         config: DistillationConfig,
         teacher_column: str | None = None,
     ) -> None:
@@ -341,7 +344,7 @@ class _Prefetcher:
         return {**batch, **payload_columns(payload.to(device))}
 
     def close(self) -> None:
-        close = getattr(self._payloads, "close", None)
+        close = getattr(self._payloads, "close", None)  # a generator's, if it is one
         if close is not None:
             close()
 
@@ -374,7 +377,7 @@ class TopKDistillationTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        teacher: str | Sequence[str] | Any = None,
+        teacher: str | Sequence[str] | Mapping[str, Any] | TeacherSource | None = None,
         distill: DistillationConfig | None = None,
         teacher_kwargs: dict[str, Any] | None = None,
         teacher_column: str = TEACHER_COLUMN,
@@ -383,26 +386,24 @@ class TopKDistillationTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.distill = distill or DistillationConfig()
         self.teacher_column = teacher_column
-        self._owns_client = isinstance(teacher, str | Mapping) or (
-            isinstance(teacher, Sequence) and all(isinstance(t, str) for t in teacher)
-        )
+        self._owns_client = not (teacher is None or isinstance(teacher, TeacherSource))
+        self.teacher_client: TeacherSource | None = None
         # One client per data-parallel rank; a recording per rank (distributed.py).
         options = rank_client_options(teacher_kwargs, self.args.process_index, self.args.world_size)
-        if isinstance(teacher, Mapping):
-            from student_client.multi_client import MultiTeacherClient
-
-            self.teacher_client: Any = MultiTeacherClient(teacher, **options)
-        elif self._owns_client:
-            from student_client.client import TeacherClient
-
-            self.teacher_client = TeacherClient(teacher, **options)
-        else:
-            if teacher is not None and not hasattr(teacher, "stream"):
-                raise TypeError(
-                    f"teacher: expected a target string, a client with stream(), or None; "
-                    f"got {type(teacher).__name__}"
-                )
+        if isinstance(teacher, TeacherSource):
             self.teacher_client = teacher
+        elif isinstance(teacher, Mapping):
+            self.teacher_client = MultiTeacherClient(teacher, **options)
+        elif isinstance(teacher, str) or (
+            isinstance(teacher, Sequence) and all(isinstance(t, str) for t in teacher)
+        ):
+            self.teacher_client = TeacherClient(teacher, **options)
+        elif teacher is not None:
+            raise TypeError(
+                "teacher: expected a target string, {name: target}, a client (a "
+                f"student_client.clients.protocol.TeacherSource), or None; got "
+                f"{type(teacher).__name__}"
+            )
         # The loss is a per-micro-batch mean: the Trainer scales it for accumulation.
         self.loss_is_scaled_for_ga = False
         self._prefetchers: dict[int, _Prefetcher] = {}
@@ -418,7 +419,7 @@ class TopKDistillationTrainer(Trainer):
     @property
     def teacher_names(self) -> list[str] | None:
         """The teachers rows are routed to (several teachers), else None."""
-        names = getattr(self.teacher_client, "names", None)
+        names = [] if self.teacher_client is None else self.teacher_client.names
         return list(names) if names else None
 
     def get_batch_samples(

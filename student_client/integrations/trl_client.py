@@ -5,7 +5,7 @@ IW-OPD, ...) call ``trainer.teacher_client.get_sequence_logprobs(sequences,
 prompt_lengths, top_logprobs, temperature)``. This class answers that call with exactly
 what TRL's own ``trl.generation.vllm_client.VLLMClient.get_sequence_logprobs`` (TRL 1.11
 and later) returns, in TRL's alignment (:mod:`topk_protocol.trl_layout`), but fetches it
-from a topk-distill teacher over gRPC with :class:`~student_client.client.TeacherClient`:
+from a topk-distill teacher over gRPC with :class:`~student_client.clients.blocking.TeacherClient`:
 binary payloads, only the completion rows, retries and fail-over between targets, typed
 errors (:mod:`student_client.errors`), several chunks in flight on one stream.
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from student_client.aio_client import ScoreBatch
-from student_client.client import TeacherClient
+from student_client.clients.blocking import TeacherClient
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
 from student_client.errors import InvalidRequestError, TeacherMismatchError
-from student_client.payload import TeacherPayload
 from topk_protocol import temperature_mismatch
 from topk_protocol._closeable import Closeable
 from topk_protocol.trl_layout import TRLRows, sequence_logprobs_result, trl_rows, trl_span

@@ -1,7 +1,7 @@
 """Payload datasets for training loops: a recording as a ``torch.utils.data.Dataset``.
 
     from torch.utils.data import DataLoader
-    from student_client.dataset import PayloadDataset, collate_payloads
+    from student_client.offline.dataset import PayloadDataset, collate_payloads
 
     ds = PayloadDataset("runs/scored")                  # a recording directory
     loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
@@ -13,7 +13,7 @@
 
 Item ``i`` is recorded row ``i``: ``(token_ids [L] int64, SequencePayload)``. The collate
 function pads to the longest sequence / payload in the batch and returns a
-:class:`PayloadBatch` whose ``payload`` is the :class:`~student_client.payload.TeacherPayload`
+:class:`PayloadBatch` whose ``payload`` is the :class:`~student_client.data.payload.TeacherPayload`
 the live client returns for the same batch (row ``j`` of sequence ``b`` is position
 ``payload.position_start[b] + j``, padding rows masked out).
 
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from student_client.data.payload import TeacherPayload
 from student_client.errors import NotRecordedError
-from student_client.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol.multi_recording import (
     read_manifest,
@@ -110,7 +110,7 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
         #: ``(name, dataset)`` of each teacher of a multi-teacher recording, in order.
         self._parts: list[tuple[str, PayloadDataset]] = []
         if names is not None:
-            from student_client.routing import check_agreement
+            from student_client.clients.routing import check_agreement
 
             if not names:
                 raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")

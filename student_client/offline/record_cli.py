@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from student_client.client import ScoreBatch, TeacherClient
+from student_client.clients.blocking import TeacherClient
+from student_client.clients.multi import MultiTeacherClient
+from student_client.data.batch import ScoreBatch
 from topk_protocol import DTYPE_NAMES
 from topk_protocol.multi_recording import teacher_recording_path
 from topk_protocol.recording import (
@@ -268,10 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         "record_compression": args.compression,
         "record_metadata": {"input": str(args.input)},
     }
-    client: TeacherClient
+    client: TeacherClient | MultiTeacherClient
     if isinstance(teachers, dict):
-        from student_client.multi_client import MultiTeacherClient
-
         client = MultiTeacherClient(teachers, **options)
     else:
         client = TeacherClient(teachers, **options)

@@ -8,27 +8,26 @@ live teacher: the recorded values go through the teacher's own encoding and the 
 own decoding. Anything else raises :class:`~student_client.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
 
-A multi-teacher recording (:mod:`topk_protocol.multi_recording`) replays as the
-multi-teacher client answered: ``score(..., teacher=[...])`` / ``ScoreBatch(teacher=...)``
-route each sequence to its teacher's recording (:mod:`student_client.routing`), and the
-payload's ``teachers`` names them; ``ReplayClient(path, teacher=name)`` opens one
-teacher's part as a single-teacher recording.
+A multi-teacher recording (:mod:`topk_protocol.multi_recording`) replays through
+:class:`~student_client.offline.multi_replay.MultiReplayClient`;
+``ReplayClient(path, teacher=name)`` opens one teacher's part as a single-teacher
+recording.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from student_client.aio_client import ScoreBatch
-from student_client.alignment import align, build_aligned_request
-from student_client.errors import NotRecordedError, TeacherError
-from student_client.payload import ResponseAssembler, TeacherPayload
-from student_client.routing import check_agreement, merge_payloads, name_error, plan_routes
+from student_client.data.alignment import align, build_aligned_request
+from student_client.data.assembler import ResponseAssembler
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
+from student_client.errors import NotRecordedError
 from topk_protocol import (
     RequestOptions,
     TeacherInfo,
@@ -47,7 +46,7 @@ from topk_protocol.recording import RecordingReader
 from topk_protocol.replay import find_rows, recorded_arrays
 from topk_protocol.requests import check_token_ids, check_top_k
 
-__all__ = ["ReplayClient", "replay_response"]
+__all__ = ["ReplayClient", "replay_response", "replay_stream"]
 
 
 def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.ScoreResponse:
@@ -79,14 +78,42 @@ def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.Sco
     return out
 
 
+def replay_stream(
+    score: Callable[..., TeacherPayload],
+    batches: Iterable[Any],
+    top_k: int | RequestOptions,
+    *,
+    depth: int = 4,
+    device: torch.device | str = "cpu",
+    **options: Any,
+) -> Iterator[TeacherPayload]:
+    """``score`` of each of ``batches`` (batches or :class:`ScoreBatch` items), in order,
+    read lazily: a replay client's ``stream``. ``depth`` is accepted for interface parity
+    with the live clients (there is nothing to prefetch)."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+    opts = RequestOptions.of(top_k, **options)
+    for batch in batches:
+        item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
+        yield score(
+            item.sequences,
+            opts,
+            positions=item.positions,
+            device=device,
+            attention_mask=item.attention_mask,
+            teacher=item.teacher,
+        )
+
+
 class ReplayClient(Closeable):
-    """Serves ``info``/``score``/``stream`` from a recording directory.
+    """Serves ``info``/``score``/``stream`` from a recording directory (a
+    :class:`~student_client.clients.protocol.TeacherSource`).
 
     Args:
-        path: the recording (see :mod:`topk_protocol.recording`), or a multi-teacher
-            recording (then ``score`` / ``stream`` route by ``teacher``, and ``info``
-            gives ``{name: TeacherInfo}``).
-        teacher: open only this teacher of a multi-teacher recording.
+        path: the recording (see :mod:`topk_protocol.recording`).
+        teacher: with a multi-teacher recording, the teacher whose part to open (a
+            whole multi-teacher recording is
+            :class:`~student_client.offline.multi_replay.MultiReplayClient`'s).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against the recorded
             teacher's info at open; a mismatch raises VocabMismatchError.
         expect_temperature: the teacher temperature the student expects (None: any); a
@@ -104,33 +131,13 @@ class ReplayClient(Closeable):
     ) -> None:
         if expect_temperature is not None:
             expect_temperature = check_temperature(expect_temperature, "expect_temperature")
-        expect: dict[str, Any] = {
-            "expect_vocab_size": expect_vocab_size,
-            "expect_tokenizer_fingerprint": expect_tokenizer_fingerprint,
-            "expect_temperature": expect_temperature,
-        }
-        self._root = Path(path)
-        #: name -> that teacher's replay, for a multi-teacher recording opened whole.
-        self._teachers: dict[str, ReplayClient] = {}
         names = read_manifest(path)
-        #: Every teacher of the manifest (routing accepts them all; some may have no rows).
-        self._names = names or []
         if names is not None and teacher is None:
-            if not recorded_teachers(path):
-                raise NotRecordedError(f"recording {path}: no teacher has rows recorded")
-            try:
-                for name in recorded_teachers(path):
-                    self._teachers[name] = ReplayClient(
-                        teacher_recording_path(path, name), **expect
-                    )
-                check_agreement(
-                    {n: c.info() for n, c in self._teachers.items()},
-                    {n: [str(c.path)] for n, c in self._teachers.items()},
-                )
-            except BaseException:
-                self.close()
-                raise
-            return
+            raise ValueError(
+                f"path: {path} is a multi-teacher recording of {names}: open it whole with "
+                "MultiReplayClient(path), or one teacher's part with "
+                "ReplayClient(path, teacher=NAME)"
+            )
         if teacher is not None:
             if names is None or teacher not in recorded_teachers(path):
                 raise NotRecordedError(
@@ -154,24 +161,19 @@ class ReplayClient(Closeable):
 
     @property
     def path(self) -> Path:
-        return self._root if self._teachers else self._reader.path
+        return self._reader.path
 
     @property
     def names(self) -> list[str]:
-        """The teachers of a multi-teacher recording opened whole (else empty)."""
-        return list(self._names) if self._teachers else []
+        """``[]``: one teacher (see :class:`~student_client.clients.protocol.TeacherSource`)."""
+        return []
 
     def __len__(self) -> int:
         """Sequences (rows) in the recording."""
-        if self._teachers:
-            return sum(len(c) for c in self._teachers.values())
         return len(self._reader)
 
-    def info(self) -> Any:
-        """The recorded teacher's ``GetInfo`` (``{name: TeacherInfo}`` for a multi-teacher
-        recording opened whole)."""
-        if self._teachers:
-            return {n: c.info() for n, c in self._teachers.items()}
+    def info(self) -> TeacherInfo:
+        """The recorded teacher's ``GetInfo``."""
         return self._info
 
     def _check(self, request: pb.ScoreRequest) -> None:
@@ -202,59 +204,18 @@ class ReplayClient(Closeable):
         **options: Any,
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``;
-        ``teacher`` as ``MultiTeacherClient.score``, used by a multi-teacher recording)."""
-        if self._teachers:
-            item = ScoreBatch(sequences, positions, attention_mask, teacher)
-            teachers, routes = plan_routes(item, self._names)
-            parts = []
-            for r in routes:
-                try:
-                    if r.teacher not in self._teachers:
-                        raise NotRecordedError(f"recording {self._root}: nothing recorded")
-                    part = self._teachers[r.teacher].score(
-                        r.batch.sequences,
-                        top_k,
-                        positions=r.batch.positions,
-                        attention_mask=r.batch.attention_mask,
-                        **options,
-                    )
-                except TeacherError as e:
-                    raise name_error(r.teacher, e) from None
-                parts.append((r.rows, part))
-            merged = merge_payloads(parts, teachers)
-            return merged if str(device) == "cpu" else merged.to(device)
+        ``teacher`` is ignored, as by a single-teacher client)."""
         request, layout = build_aligned_request(
             sequences, top_k, attention_mask=attention_mask, positions=positions, **options
         )
         return align(self._answer(request, device), layout)
 
     def stream(
-        self,
-        batches: Iterable[Any],
-        top_k: int | RequestOptions,
-        *,
-        depth: int = 4,
-        device: torch.device | str = "cpu",
-        **options: Any,
+        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
     ) -> Iterator[TeacherPayload]:
-        """The recorded payloads of ``batches``, in order, read lazily (``depth`` is
-        accepted for interface parity; there is nothing to prefetch)."""
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
-        opts = RequestOptions.of(top_k, **options)
-        for batch in batches:
-            item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
-            yield self.score(
-                item.sequences,
-                opts,
-                positions=item.positions,
-                device=device,
-                attention_mask=item.attention_mask,
-                teacher=item.teacher,
-            )
+        """The recorded payloads of ``batches``, in order (see :func:`replay_stream`)."""
+        return replay_stream(self.score, batches, top_k, **options)
 
     def close(self) -> None:
-        for c in self._teachers.values():
-            c.close()
-        if not self._teachers and hasattr(self, "_reader"):
+        if hasattr(self, "_reader"):
             self._reader.close()

@@ -18,9 +18,9 @@ import torch
 from conftest import ROOT, ServerProcess
 
 from examples import ddp_training_loop as ddp
-from student_client.client import TeacherClient
-from student_client.distributed import rank_recordings, recorded_dataset
-from student_client.replay import ReplayClient
+from student_client.clients.blocking import TeacherClient
+from student_client.integrations.distributed import rank_recordings, recorded_dataset
+from student_client.offline.replay import ReplayClient
 
 pytestmark = pytest.mark.vllm
 

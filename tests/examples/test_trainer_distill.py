@@ -17,7 +17,7 @@ from conftest import ServerProcess
 from test_ddp_training_loop import launch_env
 
 from examples import trainer_distill
-from student_client.distributed import rank_recordings, recorded_dataset
+from student_client.integrations.distributed import rank_recordings, recorded_dataset
 
 pytestmark = pytest.mark.vllm
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import student_client
 
@@ -17,9 +21,9 @@ def test_public_names_at_the_top() -> None:
         topk_kl_loss,
     )
 
-    assert TeacherClient.__module__ == "student_client.client"
-    assert AsyncTeacherClient.__module__ == "student_client.aio_client"
-    assert ReplayClient.__module__ == "student_client.replay"
+    assert TeacherClient.__module__ == "student_client.clients.blocking"
+    assert AsyncTeacherClient.__module__ == "student_client.clients.aio"
+    assert ReplayClient.__module__ == "student_client.offline.replay"
     assert topk_kl_loss.__module__ == "student_client.losses.api"
     assert fused_topk_kl_loss.__module__.startswith("student_client.losses.")
     for name in student_client.__all__:
@@ -30,3 +34,57 @@ def test_packages_ship_py_typed() -> None:
     for package in ("student_client", "teacher_server", "topk_protocol"):
         root = Path(importlib.import_module(package).__file__ or "").parent
         assert (root / "py.typed").is_file(), package
+
+
+def _modules_after(statement: str) -> set[str]:
+    """The top-level modules loaded by ``statement`` in a fresh interpreter."""
+    code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    return {name.split(".")[0] for name in out.split()}
+
+
+HEAVY = {"grpc", "pyarrow", "transformers", "google"}
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import student_client.losses",
+        "from student_client.losses import topk_kl_loss, fused_topk_kl_loss",
+        "from student_client import topk_kl_loss",
+        "import student_client.integrations.distillation",
+    ],
+)
+def test_the_losses_load_no_transport_storage_or_framework(statement: str) -> None:
+    """The losses (and the Trainer's loss function) are pure torch at run time, not only
+    in the source: no grpc, pyarrow, protobuf or transformers gets imported."""
+    loaded = _modules_after(statement)
+    assert "torch" in loaded  # the check can see what an import loads
+    assert not loaded & HEAVY, sorted(loaded & HEAVY)
+
+
+def test_the_check_sees_a_heavy_import() -> None:
+    """The fresh-interpreter check above would fail on a client import."""
+    assert {"grpc", "pyarrow"} <= _modules_after("import student_client.clients.blocking")
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("student_client.client", "TeacherClient", "student_client.clients.blocking"),
+        ("student_client.client", "ScoreBatch", "student_client.data.batch"),
+        ("student_client.payload", "ResponseAssembler", "student_client.data.assembler"),
+        ("student_client.replay", "ReplayClient", "student_client.offline.replay"),
+        ("student_client.dataset", "PayloadDataset", "student_client.offline.dataset"),
+        ("student_client.hf_trainer", "distillation_loss", "student_client.integrations"),
+    ],
+)
+def test_moved_paths_warn_and_still_work(old: str, name: str, new: str) -> None:
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated.*import {name} from {new}"):
+        value = getattr(module, name)
+    assert value.__module__.startswith(new)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        module.nope  # noqa: B018

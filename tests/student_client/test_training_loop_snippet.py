@@ -28,7 +28,7 @@ def test_training_loop_snippet_learns(
 
 
 def test_training_loop_backprop_reaches_the_student(vllm_teacher: ServerProcess) -> None:
-    from student_client.client import TeacherClient
+    from student_client.clients.blocking import TeacherClient
     from student_client.losses import topk_kl_loss
 
     student = training_loop.ToyStudent(512)

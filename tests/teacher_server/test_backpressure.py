@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from student_client.client import TeacherClient
+from student_client.clients.blocking import TeacherClient
 from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import requests
 
-from student_client.client import TeacherClient
+from student_client.clients.blocking import TeacherClient
 from tests.conftest import ROOT, ServerProcess
 
 pytestmark = pytest.mark.vllm

@@ -13,7 +13,7 @@ import pytest
 from recording_fakes import INFO, K, teacher_answer
 
 from student_client.errors import DataLossError, RecordingDamagedError, RecordingError
-from student_client.replay import ReplayClient
+from student_client.offline.replay import ReplayClient
 from topk_protocol.integrity import CHECKSUM_COLUMN
 from topk_protocol.recording import (
     METADATA_FILE,

@@ -47,7 +47,7 @@ def test_info_check_names_the_field() -> None:
 
 
 def test_client_refuses_an_invalid_expect_temperature() -> None:
-    from student_client.client import TeacherClient
+    from student_client.clients.blocking import TeacherClient
 
     with pytest.raises(ValueError, match=r"^expect_temperature: must be a finite number > 0"):
         TeacherClient("127.0.0.1:1", expect_temperature=0.0)

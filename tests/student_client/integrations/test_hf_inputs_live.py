@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import ServerProcess
 
-from student_client.alignment import PaddedLayout, place_rows
-from student_client.client import ScoreBatch, TeacherClient
-from student_client.payload import TeacherPayload
+from student_client.data.alignment import PaddedLayout, place_rows
+from student_client.clients.blocking import TeacherClient
+from student_client.data.batch import ScoreBatch
+from student_client.data.payload import TeacherPayload
 
 pytestmark = pytest.mark.vllm
 

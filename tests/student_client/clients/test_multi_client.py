@@ -24,9 +24,10 @@ from hypothesis import strategies as st
 from test_client_live import requests_ok
 
 from devtools.tiny_model import write_tiny_model
-from student_client.aio_client import AsyncTeacherClient
-from student_client.client import ScoreBatch, TeacherClient
-from student_client.dataset import PayloadDataset, collate_payloads
+from student_client.clients.aio import AsyncTeacherClient
+from student_client.clients.blocking import TeacherClient
+from student_client.data.batch import ScoreBatch
+from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.errors import (
     InvalidRequestError,
     NotRecordedError,
@@ -34,11 +35,12 @@ from student_client.errors import (
     TeacherUnavailableError,
     VocabMismatchError,
 )
-from student_client.multi_client import AsyncMultiTeacherClient, MultiTeacherClient
-from student_client.payload import TeacherPayload
-from student_client.record_cli import main as record_main
-from student_client.replay import ReplayClient
-from student_client.routing import check_agreement
+from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
+from student_client.data.payload import TeacherPayload
+from student_client.offline.record_cli import main as record_main
+from student_client.offline.multi_replay import MultiReplayClient
+from student_client.offline.replay import ReplayClient
+from student_client.clients.routing import check_agreement
 from topk_protocol import RequestOptions, TeacherInfo
 
 pytestmark = pytest.mark.vllm
@@ -385,7 +387,7 @@ def test_multi_teacher_recording_replays_byte_identically(
     with MultiTeacherClient(targets, record_to=rec) as client:
         live = list(client.stream(batches, K, dtype="float32"))
 
-    with ReplayClient(rec) as replay:
+    with MultiReplayClient(rec) as replay:
         assert replay.names == ["vllm", "other"] and set(replay.info()) == {"vllm", "other"}
         again = list(replay.stream(batches, K, dtype="float32"))
         for got, want in zip(again, live, strict=True):
@@ -465,7 +467,7 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
     from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainingArguments
 
     from devtools.tiny_model import tiny_qwen2_config
-    from student_client.hf_trainer import (
+    from student_client.integrations.hf_trainer import (
         DistillationConfig,
         TopKDistillationTrainer,
         teacher_column_collator,

@@ -12,10 +12,11 @@ import pytest
 import torch
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
-from student_client.dataset import PayloadDataset
+from student_client.offline.dataset import PayloadDataset
 from student_client.errors import NotRecordedError
-from student_client.replay import ReplayClient
-from student_client.routing import merge_payloads
+from student_client.offline.multi_replay import MultiReplayClient
+from student_client.offline.replay import ReplayClient
+from student_client.clients.routing import merge_payloads
 from topk_protocol.multi_recording import teacher_recording_path, write_manifest
 from topk_protocol.recording import RecordingWriter
 
@@ -41,7 +42,7 @@ def _record(root: Path) -> tuple[list[np.ndarray], dict[str, dict[bytes, object]
 def test_routed_replay_and_teacher_column(tmp_path: Path) -> None:
     seqs, corpora = _record(tmp_path)
     route = ["docs", "code", "docs"]
-    with ReplayClient(tmp_path) as replay:
+    with MultiReplayClient(tmp_path) as replay:
         assert replay.names == ["code", "docs", "math"] and len(replay) == 6
         got = replay.score(seqs, K, teacher=route, positions=[(1, 4), (0, 9), (0, 3)])
         parts = []
@@ -67,3 +68,7 @@ def test_routed_replay_and_teacher_column(tmp_path: Path) -> None:
     assert_bit_equal(single, live_payload(corpora["docs"], seqs[:2], K))  # type: ignore[arg-type]
     with pytest.raises(NotRecordedError, match="'math' is not recorded"):
         ReplayClient(tmp_path, teacher="math")
+    with pytest.raises(ValueError, match=r"multi-teacher recording .*MultiReplayClient\(path\)"):
+        ReplayClient(tmp_path)
+    with pytest.raises(ValueError, match=r"single-teacher recording: open it with ReplayClient"):
+        MultiReplayClient(tmp_path / "docs")

@@ -16,12 +16,13 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from student_client import aio_client as client_mod
-from student_client.aio_client import AsyncTeacherClient
-from student_client.alignment import PaddedLayout
-from student_client.client import ScoreBatch, TeacherClient
+from student_client.clients import aio as client_mod
+from student_client.clients.aio import AsyncTeacherClient
+from student_client.data.alignment import PaddedLayout
+from student_client.clients.blocking import TeacherClient
+from student_client.data.batch import ScoreBatch
 from student_client.errors import DeadlineExceededError, InvalidRequestError
-from student_client.payload import TeacherPayload
+from student_client.data.payload import TeacherPayload
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from student_client.alignment import PaddedLayout, place_rows, prepare_inputs, unpad
+from student_client.data.alignment import PaddedLayout, place_rows, prepare_inputs, unpad
 from student_client.errors import InvalidRequestError
-from student_client.payload import TeacherPayload
+from student_client.data.payload import TeacherPayload
 
 PAD = 257
 

@@ -20,7 +20,7 @@ import torch
 from host_sync import NoHostSync
 
 from devtools.tiny_model import tiny_qwen2_config
-from student_client.hf_trainer import DistillationConfig, TopKDistillationTrainer
+from student_client.integrations.hf_trainer import DistillationConfig, TopKDistillationTrainer
 from student_client.losses import LossOptions, topk_kl_loss
 
 K, VOCAB = 6, 300

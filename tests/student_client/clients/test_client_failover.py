@@ -14,10 +14,10 @@ import torch
 from conftest import ServerProcess, start_server
 from test_client_live import requests_ok
 
-from student_client import aio_client as client_mod
-from student_client.aio_client import AsyncTeacherClient
-from student_client.client import TeacherClient
-from student_client.payload import TeacherPayload
+from student_client.clients import aio as client_mod
+from student_client.clients.aio import AsyncTeacherClient
+from student_client.clients.blocking import TeacherClient
+from student_client.data.payload import TeacherPayload
 
 K = 4
 N_BATCHES = 16

@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import ServerProcess, free_port, start_server
 
-from student_client.client import ScoreBatch, TeacherClient
+from student_client.clients.blocking import TeacherClient
+from student_client.data.batch import ScoreBatch
 from student_client.errors import (
     DeadlineExceededError,
     InvalidRequestError,

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from student_client.record_cli import read_token_sequences
+from student_client.offline.record_cli import read_token_sequences
 
 SEQS = [[1, 2, 3], [7], [300, 4, 5, 6]]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from student_client.errors import InvalidRequestError, TeacherMismatchError
-from student_client.trl_client import TRLTeacherClient
+from student_client.integrations.trl_client import TRLTeacherClient
 from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.vllm

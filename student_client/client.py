@@ -1,0 +1,10 @@
+"""Old path of the module named below (kept, with a warning, until the next release)."""
+
+from student_client._moved import forward
+
+__getattr__ = forward(
+    __name__,
+    "student_client.clients.blocking",
+    "student_client.data.batch",
+    "student_client.clients.aio",
+)

@@ -1,0 +1,181 @@
+"""Collect the answer to one request, check it against the request, decode it.
+
+:class:`ResponseAssembler` takes the answer to one request (one ``Score`` message or the
+row chunks of ``ScoreStream``), checks it against the request, and decodes it into a padded
+:class:`~student_client.data.payload.TeacherPayload` with one vectorized copy per chunk (no
+per-element loop). It knows the request and the wire; where the batch's rows sit when the
+batch came padded is the caller's business (:mod:`student_client.data.alignment`).
+
+Padding of ragged batches: rows past a sequence's end have ``ids`` 0, ``logprobs`` 0,
+``sampled_logprobs`` 0 and ``mask`` False (see :class:`TeacherPayload`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from student_client.data.payload import TeacherPayload
+from topk_protocol import (
+    RequestOptions,
+    decode_floats_into,
+    dtype_from_name,
+    dtype_name,
+    itemsize,
+    pb,
+    request_spans,
+)
+from topk_protocol.errors import TeacherError
+from topk_protocol.status import error_from_code
+
+__all__ = ["ResponseAssembler"]
+
+_LE_I32 = np.dtype("<i4")
+
+
+def _protocol(message: str) -> TeacherError:
+    return TeacherError(f"teacher answer does not match the request: {message}")
+
+
+class ResponseAssembler:
+    """Collects the answer to one request and decodes it.
+
+    Feed every ``ScoreResponse`` of the request to :meth:`add` (one unary answer, or the
+    stream's row chunks in arrival order). Once :attr:`complete`, :meth:`payload` builds
+    the tensors and :meth:`merged_response` the equivalent single message (chunks joined),
+    which is what recordings store. An ``error`` answer sets :attr:`error` instead.
+    """
+
+    def __init__(self, request: pb.ScoreRequest) -> None:
+        self.request = request
+        self.spans = request_spans(request)
+        options = RequestOptions.from_proto(request)
+        self.top_k = options.top_k
+        self.dtype = options.wire_dtype
+        self.include_sampled = options.include_sampled
+        self.teacher_seconds = 0.0
+        self._size = itemsize(self.dtype)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget partial chunks (the request is being sent again)."""
+        self._chunks: list[list[pb.SequencePayload]] = [[] for _ in self.spans]
+        self._rows = [0] * len(self.spans)
+        self.complete = False
+        self.error: TeacherError | None = None
+
+    def add(self, msg: pb.ScoreResponse) -> None:
+        """Take one response message of this request. Raises :class:`TeacherError` when it
+        contradicts the request (wrong K, dtype, positions, byte lengths)."""
+        if msg.HasField("error"):
+            self.error = error_from_code(msg.error.code, msg.error.message, msg.error.reason)
+            self.complete = True
+            return
+        for chunk in msg.sequences:
+            self._add_chunk(chunk)
+        if msg.final:
+            self.teacher_seconds = float(msg.teacher_seconds)
+            for i, ((start, end), rows) in enumerate(zip(self.spans, self._rows, strict=True)):
+                if rows != end - start:
+                    raise _protocol(
+                        f"sequences[{i}]: got {rows} rows, expected {end - start} "
+                        f"(positions [{start}, {end}))"
+                    )
+            self.complete = True
+
+    def _add_chunk(self, c: pb.SequencePayload) -> None:
+        i = int(c.sequence_index)
+        if i >= len(self.spans):
+            raise _protocol(f"sequence_index {i} is outside the request's {len(self.spans)}")
+        n, k = int(c.num_positions), self.top_k
+        where = f"sequences[{i}]"
+        if n and int(c.top_k) != k:
+            raise _protocol(f"{where}: top_k {c.top_k}, requested {k}")
+        if n and dtype_from_name(int(c.dtype)) != self.dtype:
+            raise _protocol(f"{where}: dtype {c.dtype}, requested {self.dtype}")
+        expected_start = self.spans[i][0] + self._rows[i]
+        if int(c.position_start) != expected_start and n:
+            raise _protocol(
+                f"{where}: chunk starts at position {c.position_start}, expected {expected_start}"
+            )
+        if self._rows[i] + n > self.spans[i][1] - self.spans[i][0]:
+            raise _protocol(f"{where}: more rows than the positions requested")
+        if len(c.ids) != n * k * 4 or len(c.logprobs) != n * k * self._size:
+            raise _protocol(
+                f"{where}: ids/logprobs byte lengths {len(c.ids)}/{len(c.logprobs)} do not "
+                f"fit [{n}, {k}]"
+            )
+        want_sampled = n * self._size if self.include_sampled else 0
+        if len(c.sampled_logprobs) != want_sampled:
+            raise _protocol(
+                f"{where}: sampled_logprobs has {len(c.sampled_logprobs)} bytes, "
+                f"expected {want_sampled}"
+            )
+        self._chunks[i].append(c)
+        self._rows[i] += n
+
+    def merged_response(self) -> pb.ScoreResponse:
+        """The complete answer as one message: one ``SequencePayload`` per sequence."""
+        if not self.complete or self.error is not None:
+            raise TeacherError("merged_response: the request is not answered (or failed)")
+        out = pb.ScoreResponse(
+            request_id=self.request.request_id,
+            final=True,
+            teacher_seconds=self.teacher_seconds,
+        )
+        for i, chunks in enumerate(self._chunks):
+            out.sequences.append(
+                pb.SequencePayload(
+                    sequence_index=i,
+                    position_start=self.spans[i][0],
+                    num_positions=self._rows[i],
+                    top_k=self.top_k,
+                    dtype=self.dtype,  # type: ignore[arg-type]
+                    ids=b"".join(c.ids for c in chunks),
+                    logprobs=b"".join(c.logprobs for c in chunks),
+                    sampled_logprobs=b"".join(c.sampled_logprobs for c in chunks),
+                )
+            )
+        return out
+
+    def payload(self, device: torch.device | str = "cpu") -> TeacherPayload:
+        """Decode into padded ``[B, S, K]`` tensors on ``device`` (raises :attr:`error`)."""
+        if self.error is not None:
+            raise self.error
+        if not self.complete:
+            raise TeacherError("payload: the request is not answered yet")
+        b, k = len(self.spans), self.top_k
+        s = max(self._rows, default=0)
+        ids = np.zeros((b, s, k), dtype=np.int64)
+        lps = np.zeros((b, s, k), dtype=np.float32)
+        sampled = np.zeros((b, s), dtype=np.float32) if self.include_sampled else None
+        mask = np.zeros((b, s), dtype=np.bool_)
+        for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
+            row = 0
+            for c in chunks:
+                n = int(c.num_positions)
+                if n == 0:
+                    continue
+                rows = slice(row, row + n)
+                ids[i, rows] = np.frombuffer(c.ids, dtype=_LE_I32).reshape(n, k)
+                decode_floats_into(lps[i, rows], c.logprobs, self.dtype, "logprobs")
+                if sampled is not None:
+                    decode_floats_into(
+                        sampled[i, rows], c.sampled_logprobs, self.dtype, "sampled_logprobs"
+                    )
+                row += n
+            mask[i, :row] = True
+        starts = torch.tensor([sp[0] for sp in self.spans], dtype=torch.int64)
+        payload = TeacherPayload(
+            ids=torch.from_numpy(ids),
+            logprobs=torch.from_numpy(lps),
+            sampled_logprobs=None if sampled is None else torch.from_numpy(sampled),
+            mask=torch.from_numpy(mask),
+            position_start=starts,
+            lengths=torch.tensor(self._rows, dtype=torch.int64),
+            top_k=k,
+            dtype=dtype_name(self.dtype),
+            request_id=self.request.request_id,
+            teacher_seconds=self.teacher_seconds,
+        )
+        return payload if str(device) == "cpu" else payload.to(device)

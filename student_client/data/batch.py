@@ -1,0 +1,27 @@
+"""``ScoreBatch``: one item of a client's ``stream`` (a batch and what goes with it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ScoreBatch"]
+
+
+@dataclass(frozen=True)
+class ScoreBatch:
+    """One item of ``stream`` when positions or a mask are needed.
+
+    ``sequences``: the batch (``[B, L]``, a list of 1-D id sequences, or a
+    ``BatchEncoding`` / dict with ``input_ids``); ``positions``: one ``(start, end)`` per
+    sequence (None: every position); ``attention_mask``: ``[B, T]`` (see
+    :meth:`~student_client.clients.aio.AsyncTeacherClient.score`); ``teacher``: the teacher
+    of each sequence (a name per sequence, or one name for all) for a multi-teacher client
+    (:mod:`student_client.clients.multi`; a single-teacher client ignores it).
+    """
+
+    sequences: Any
+    positions: Sequence[tuple[int, int]] | None = None
+    attention_mask: Any = None
+    teacher: Any = None

@@ -1,0 +1,3 @@
+"""Recordings on disk: replaying them as a teacher (:mod:`.replay`, :mod:`.multi_replay`),
+reading them as a torch dataset (:mod:`.dataset`), and making them (:mod:`.record_cli`,
+the ``teacher-record`` command)."""
