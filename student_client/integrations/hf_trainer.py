@@ -1,9 +1,9 @@
 """``transformers.Trainer`` integration: distil a Hugging Face student against a teacher.
 
-- :func:`distillation_loss` is the reusable piece: student forward on a batch, the
+- :func:`~student_client.integrations.distillation.distillation_loss` is the reusable
+  piece (pure torch, importable without transformers): student forward on a batch, the
   tail-aware (or truncated) top-k KL against the payload aligned to the batch, optionally
-  blended with the model's own cross-entropy, ``alpha * CE + (1 - alpha) * KD``. Use it
-  in any loop (or another trainer's ``compute_loss``).
+  blended with the model's own cross-entropy. Use it in any loop.
 - :class:`TopKDistillationTrainer` is a ``Trainer`` whose ``compute_loss`` calls it. The
   payloads come from a teacher target (``"host:port"``, each process opens its own
   client), a client object (``TeacherClient``, ``ReplayClient``), or the batches
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,14 +54,14 @@ from student_client.clients.routing import teacher_per_row
 from student_client.data.alignment import PaddedLayout, place_rows
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.integrations.distributed import mean_over_ranks, rank_client_options
-from student_client.losses import (
-    LossOptions,
-    causal_lm_hidden_and_head,
-    fused_topk_kl_loss,
-    topk_kl_loss,
+from student_client.integrations.distillation import (
+    PAYLOAD_KEYS,
+    DistillationConfig,
+    distillation_loss,
+    payload_columns,
+    per_teacher_metrics,
 )
-from student_client.losses.types import TopKKLStats
+from student_client.integrations.distributed import mean_over_ranks, rank_client_options
 
 __all__ = [
     "PAYLOAD_KEYS",
@@ -77,70 +76,6 @@ __all__ = [
 
 #: The batch column that names each row's teacher (TRL's convention), by default.
 TEACHER_COLUMN = "teacher_id"
-
-#: Batch keys that carry the teacher's payload (aligned to ``input_ids``): ``[B, T, K]``
-#: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask, and (mode ``"tail_actual"``) the
-#: ``[B, T]`` log-prob of the actual next token.
-PAYLOAD_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_mask", "teacher_sampled_logprobs")
-
-
-@dataclass(frozen=True)
-class DistillationConfig:
-    """How the distillation loss is computed.
-
-    Attributes:
-        top_k: K requested from the teacher.
-        loss: every option of the KD term (:class:`~student_client.losses.LossOptions`:
-            divergence, mode, temperature, chunk size, ``validate``, ``tail_mass_eps``,
-            ``clamp_min``, ``overlap``, ...). Mode ``"tail_actual"`` asks the teacher for
-            the sampled log-probs and takes the actual tokens from ``input_ids``.
-        alpha: weight of the model's cross-entropy on ``labels``: the loss is
-            ``alpha * CE + (1 - alpha) * KD``; 0 (the default) is pure distillation.
-        dtype: wire dtype of the teacher's log-probs.
-        prefetch_depth: batches kept with the teacher ahead of the one training.
-        fused: compute the KD term from the last hidden states and the LM head with
-            ``fused_topk_kl_loss`` (no ``[B, T, V]`` logits); pure distillation only
-            (``alpha`` 0), for models :func:`causal_lm_hidden_and_head` accepts.
-    """
-
-    top_k: int = 16
-    loss: LossOptions = field(default_factory=LossOptions)
-    alpha: float = 0.0
-    dtype: str = "float16"
-    prefetch_depth: int = 4
-    fused: bool = False
-
-    def __post_init__(self) -> None:
-        if self.fused and self.alpha != 0.0:
-            raise ValueError("fused: needs alpha = 0 (the CE term needs the logits)")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha: must lie in [0, 1], got {self.alpha}")
-        if self.top_k < 1:
-            raise ValueError(f"top_k: must be >= 1, got {self.top_k}")
-        if self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth: must be >= 0, got {self.prefetch_depth}")
-        if not isinstance(self.loss, LossOptions):
-            raise ValueError(f"loss: must be a LossOptions, got {type(self.loss).__name__}")
-        if self.loss.reduction != "mean":
-            raise ValueError(f"loss: reduction must be 'mean' here, got {self.loss.reduction!r}")
-
-    @property
-    def include_sampled(self) -> bool:
-        """Whether the teacher must send the sampled log-probs (mode ``"tail_actual"``)."""
-        return self.loss.mode == "tail_actual"
-
-
-def payload_columns(payload: TeacherPayload) -> dict[str, torch.Tensor]:
-    """A payload aligned to a batch as the batch columns :data:`PAYLOAD_KEYS` (the sampled
-    log-probs only when the payload has them)."""
-    columns = {
-        "teacher_ids": payload.ids,
-        "teacher_logprobs": payload.logprobs,
-        "teacher_mask": payload.mask,
-    }
-    if payload.sampled_logprobs is not None:
-        columns["teacher_sampled_logprobs"] = payload.sampled_logprobs
-    return columns
 
 
 def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[str, Any]]:
@@ -161,85 +96,6 @@ def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[
         }
 
     return collate
-
-
-def distillation_loss(
-    model: torch.nn.Module,
-    inputs: Mapping[str, Any],
-    config: DistillationConfig,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
-    """Student forward + distillation loss of one batch.
-
-    Args:
-        model: a causal LM (``model(**inputs).logits`` is ``[B, T, V]``).
-        inputs: the batch: the model's inputs (``input_ids``, ``attention_mask``, ...,
-            ``labels`` when ``config.alpha > 0``) plus :data:`PAYLOAD_KEYS` (the payload
-            aligned to ``input_ids``: row ``t`` is the teacher's distribution over the
-            token after ``input_ids[:, t]``, as ``logits[:, t]``).
-        config: see :class:`DistillationConfig`.
-
-    Returns:
-        ``(loss, metrics, outputs)``: the scalar loss (mean over the batch's counted
-        positions), the metrics as detached 0-d device tensors (``kd_*`` from
-        :meth:`TopKKLStats.tensors`, ``ce_loss`` when blended; reading them is a host
-        sync), and the model's outputs.
-    """
-    missing = [k for k in PAYLOAD_KEYS[:2] if k not in inputs]
-    if missing:
-        raise ValueError(
-            f"inputs: missing {missing}; the batch needs the teacher payload (use "
-            f"TopKDistillationTrainer with a teacher, or a payload dataset)"
-        )
-    model_inputs = {k: v for k, v in inputs.items() if k not in PAYLOAD_KEYS}
-    if config.alpha == 0.0:
-        model_inputs.pop("labels", None)
-    elif "labels" not in model_inputs:
-        raise ValueError(f"inputs: alpha = {config.alpha} > 0 needs 'labels' for the CE term")
-    teacher = {
-        "mask": inputs.get("teacher_mask"),
-        "options": config.loss,
-        **_actual_tokens(inputs, config),
-    }
-    if config.fused:
-        head = causal_lm_hidden_and_head(model, **model_inputs)
-        kd, stats = fused_topk_kl_loss(
-            head.hidden,
-            head.weight,
-            inputs["teacher_ids"],
-            inputs["teacher_logprobs"],
-            bias=head.bias,
-            **teacher,
-        )
-        return kd, _stats_metrics(stats), head
-    outputs = model(**model_inputs)
-    kd, stats = topk_kl_loss(
-        outputs.logits, inputs["teacher_ids"], inputs["teacher_logprobs"], **teacher
-    )
-    metrics = _stats_metrics(stats)
-    if config.alpha == 0.0:
-        return kd, metrics, outputs
-    ce = outputs.loss
-    metrics["ce_loss"] = ce.detach()
-    return config.alpha * ce + (1.0 - config.alpha) * kd, metrics, outputs
-
-
-def _actual_tokens(inputs: Mapping[str, Any], config: DistillationConfig) -> dict[str, Any]:
-    """Mode ``"tail_actual"``: ``sampled_ids`` (``input_ids`` shifted left by one) and the
-    payload's ``sampled_logprobs``; other modes: nothing."""
-    if not config.include_sampled:
-        return {}
-    if "teacher_sampled_logprobs" not in inputs:
-        raise ValueError(
-            "inputs: mode 'tail_actual' needs 'teacher_sampled_logprobs' (the payload's "
-            "sampled_logprobs)"
-        )
-    input_ids = inputs["input_ids"]
-    sampled_ids = torch.roll(input_ids, -1, dims=-1)  # the last column has no next token
-    return {"sampled_ids": sampled_ids, "sampled_logprobs": inputs["teacher_sampled_logprobs"]}
-
-
-def _stats_metrics(stats: TopKKLStats) -> dict[str, torch.Tensor]:
-    return {f"kd_{name}": value for name, value in stats.tensors().items()}
 
 
 def _teacher_column(batch: Mapping[str, Any], column: str) -> Any:
@@ -264,43 +120,6 @@ def teacher_column_collator(
         return {**batch, column: names}
 
     return collate
-
-
-@torch.no_grad()
-def per_teacher_metrics(
-    outputs: Any, inputs: Mapping[str, Any], config: DistillationConfig, teachers: Sequence[str]
-) -> dict[str, torch.Tensor]:
-    """The ``kd_*`` statistics of each teacher's rows of a batch, as ``kd_<stat>/<name>``
-    (detached 0-d device tensors, as :func:`distillation_loss`'s metrics).
-
-    ``outputs`` is what :func:`distillation_loss` returned (the model's outputs with
-    ``logits`` ``[B, T, V]``, or with ``config.fused`` the ``hidden`` ``[B, T, H]`` and
-    head); ``teachers``: the ``B`` rows' teacher names. Computed again on each teacher's
-    rows without gradient (the loss itself is the batch's, unchanged).
-    """
-    out: dict[str, torch.Tensor] = {}
-    mask = inputs.get("teacher_mask")
-    actual = _actual_tokens(inputs, config)
-    for name in dict.fromkeys(teachers):
-        rows = torch.tensor([i for i, t in enumerate(teachers) if t == name], dtype=torch.long)
-
-        def take(t: torch.Tensor, rows: torch.Tensor = rows) -> torch.Tensor:
-            return t[rows.to(t.device)]
-
-        teacher: dict[str, Any] = {
-            "mask": None if mask is None else take(mask),
-            "options": config.loss,
-            **{k: take(v) for k, v in actual.items()},
-        }
-        ids, lps = take(inputs["teacher_ids"]), take(inputs["teacher_logprobs"])
-        if config.fused:
-            _, stats = fused_topk_kl_loss(
-                take(outputs.hidden), outputs.weight, ids, lps, bias=outputs.bias, **teacher
-            )
-        else:
-            _, stats = topk_kl_loss(take(outputs.logits), ids, lps, **teacher)
-        out.update({f"{k}/{name}": v for k, v in _stats_metrics(stats).items()})
-    return out
 
 
 class _Prefetcher:
