@@ -34,7 +34,7 @@ Needs the ``hf`` extra (``pip install 'topk-distill[hf]'``: transformers + accel
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -163,9 +163,8 @@ class _Prefetcher:
         return {**batch, **payload_columns(payload.to(device))}
 
     def close(self) -> None:
-        close = getattr(self._payloads, "close", None)  # a generator's, if it is one
-        if close is not None:
-            close()
+        if isinstance(self._payloads, Generator):  # the clients' streams are generators
+            self._payloads.close()
 
 
 class TopKDistillationTrainer(Trainer):
