@@ -15,7 +15,7 @@ Duck-typed: nothing here imports transformers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from torch import Tensor, nn
 
@@ -61,8 +61,7 @@ def causal_lm_hidden_and_head(model: Any, **forward_kwargs: Any) -> LMHeadInputs
             train another function than the model computes.
     """
     head = _output_head(model)
-    hidden = _last_hidden_state(model, forward_kwargs)
-    return LMHeadInputs(hidden=hidden, weight=head.weight, bias=getattr(head, "bias", None))
+    return _head_inputs(_last_hidden_state(model, forward_kwargs), head)
 
 
 def causal_lm_topk_kl_loss(
@@ -101,10 +100,8 @@ def causal_lm_topk_kl_loss(
     head = _output_head(model)
     opts = LossOptions.build(options, mode=mode, **overrides)
     call = HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
-    loss, stats, hidden = in_fsdp_forward(model, _LOSS_METHOD, _loss_on_causal_lm)(
-        call, **inputs
-    )
-    return loss, stats, LMHeadInputs(hidden, head.weight, getattr(head, "bias", None))
+    loss, stats, hidden = in_fsdp_forward(model, _LOSS_METHOD, _loss_on_causal_lm)(call, **inputs)
+    return loss, stats, _head_inputs(hidden, head)
 
 
 def _loss_on_causal_lm(
@@ -132,7 +129,11 @@ def _output_head(model: Any) -> nn.Module:
                 f"model: config.{name} = {value!r} changes the logits after the lm_head; "
                 f"compute logits and use topk_kl_loss for this model"
             )
-    return head  # type: ignore[no-any-return]
+    return cast(nn.Module, head)
+
+
+def _head_inputs(hidden: Tensor, head: nn.Module) -> LMHeadInputs:
+    return LMHeadInputs(hidden, cast(Tensor, head.weight), getattr(head, "bias", None))
 
 
 def _last_hidden_state(model: Any, forward_kwargs: Mapping[str, Any]) -> Tensor:
