@@ -21,7 +21,7 @@ import torch
 from student_client.data.payload import TeacherPayload
 from student_client.losses import (
     LossOptions,
-    causal_lm_hidden_and_head,
+    causal_lm_topk_kl_loss,
     fused_topk_kl_loss,
     topk_kl_loss,
 )
@@ -56,8 +56,8 @@ class DistillationConfig:
         dtype: wire dtype of the teacher's log-probs.
         prefetch_depth: batches kept with the teacher ahead of the one training.
         fused: compute the KD term from the last hidden states and the LM head with
-            ``fused_topk_kl_loss`` (no ``[B, T, V]`` logits); pure distillation only
-            (``alpha`` 0), for models :func:`causal_lm_hidden_and_head` accepts.
+            ``causal_lm_topk_kl_loss`` (no ``[B, T, V]`` logits; under FSDP2 it runs
+            inside the root unit's forward); pure distillation only (``alpha`` 0).
     """
 
     top_k: int = 16
@@ -138,14 +138,8 @@ def distillation_loss(
         **_actual_tokens(inputs, config),
     }
     if config.fused:
-        head = causal_lm_hidden_and_head(model, **model_inputs)
-        kd, stats = fused_topk_kl_loss(
-            head.hidden,
-            head.weight,
-            inputs["teacher_ids"],
-            inputs["teacher_logprobs"],
-            bias=head.bias,
-            **teacher,
+        kd, stats, head = causal_lm_topk_kl_loss(
+            model, model_inputs, inputs["teacher_ids"], inputs["teacher_logprobs"], **teacher
         )
         return kd, _stats_metrics(stats), head
     outputs = model(**model_inputs)

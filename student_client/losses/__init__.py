@@ -5,7 +5,8 @@ vocab-parallel aware, with an analytic backward; `fused_topk_kl_loss`, the same 
 last hidden states and the lm_head weight without forming the logits, and
 `causal_lm_hidden_and_head` to get those from a Hugging Face causal LM;
 `lm_head_topk_kl_loss`, the fused loss on an FSDP2 / tensor-parallel lm_head module
-(`local_vocab_shard` for the logits path). `LossOptions` holds
+(`local_vocab_shard` for the logits path); `causal_lm_topk_kl_loss`, the fused loss of a
+whole Hugging Face causal LM, plain or FSDP2-sharded. `LossOptions` holds
 every option (the divergence among them: `get_divergence`, `DIVERGENCES`).
 `topk_kl_reference` is the dense slow path (forward KL). `onpolicy.py`: the per-token
 on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
@@ -13,7 +14,11 @@ on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
 from student_client.losses.divergences import DIVERGENCES, Divergence, get_divergence
-from student_client.losses.lm_head import LMHeadInputs, causal_lm_hidden_and_head
+from student_client.losses.lm_head import (
+    LMHeadInputs,
+    causal_lm_hidden_and_head,
+    causal_lm_topk_kl_loss,
+)
 from student_client.losses.module import TopKKLLoss
 from student_client.losses.onpolicy import (
     KLEstimates,
@@ -51,6 +56,7 @@ __all__ = [
     "TopKKLStats",
     "auto_chunk_rows",
     "causal_lm_hidden_and_head",
+    "causal_lm_topk_kl_loss",
     "fused_topk_kl_loss",
     "get_divergence",
     "kl_estimators",

@@ -1,18 +1,32 @@
-"""The fused loss's inputs from a Hugging Face causal LM: last hidden states and lm_head.
+"""The fused loss on a Hugging Face causal LM: last hidden states and lm_head, no logits.
 
 `causal_lm_hidden_and_head(model, input_ids=...)` runs the model's decoder stack only
 (`model.base_model`, e.g. `Qwen2ForCausalLM.model`), never its lm_head, and returns the
-hidden states with the lm_head's weight and bias, ready for `fused_topk_kl_loss`. Duck-typed:
-nothing here imports transformers.
+hidden states with the lm_head's weight and bias, ready for `fused_topk_kl_loss`.
+`causal_lm_topk_kl_loss(model, inputs, ...)` runs the decoder stack and the fused loss on
+the lm_head module (`lm_head_topk_kl_loss`), whatever shards the model: under FSDP2
+(`fully_shard` by hand, by accelerate's FSDP plugin, or by transformers'
+`from_pretrained(distributed_config=...)`) both run as one forward method of the model's
+root FSDP unit, so its parameters (embeddings, final norm, the lm_head when no unit of its
+own holds it) are unsharded for them and their gradients reduce-scattered after backward.
+Duck-typed: nothing here imports transformers.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, cast
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["LMHeadInputs", "causal_lm_hidden_and_head"]
+from student_client.losses.options import LossOptions
+from student_client.losses.sharded_head import HeadCall, head_topk_kl_loss, in_fsdp_forward
+from student_client.losses.types import LossMode, TopKKLStats
+
+__all__ = ["LMHeadInputs", "causal_lm_hidden_and_head", "causal_lm_topk_kl_loss"]
+
+_LOSS_METHOD = "_topk_distill_causal_lm_loss"
+"""Name of the loss method attached to an FSDP root model (registered as a forward method)."""
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 """Config fields of models whose logits are not `hidden @ weight.T + bias` alone."""
@@ -37,7 +51,8 @@ def causal_lm_hidden_and_head(model: Any, **forward_kwargs: Any) -> LMHeadInputs
 
     Args:
         model: a transformers `*ForCausalLM` (anything with `get_output_embeddings()` and
-            `base_model` returning `last_hidden_state`).
+            `base_model` returning `last_hidden_state`), not sharded (under FSDP2 use
+            :func:`causal_lm_topk_kl_loss`).
         **forward_kwargs: passed to the base model (`input_ids`, `attention_mask`, ...).
 
     Raises:
@@ -45,6 +60,60 @@ def causal_lm_hidden_and_head(model: Any, **forward_kwargs: Any) -> LMHeadInputs
             logits after the lm_head (softcapping, logit scale): the fused loss would then
             train another function than the model computes.
     """
+    head = _output_head(model)
+    return _head_inputs(_last_hidden_state(model, forward_kwargs), head)
+
+
+def causal_lm_topk_kl_loss(
+    model: Any,
+    inputs: Mapping[str, Any],
+    teacher_ids: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    mode: LossMode | None = None,
+    mask: Tensor | None = None,
+    options: LossOptions | None = None,
+    sampled_ids: Tensor | None = None,
+    sampled_logprobs: Tensor | None = None,
+    **overrides: Any,
+) -> tuple[Tensor, TopKKLStats, LMHeadInputs]:
+    """The fused loss of a causal LM on a batch: its decoder stack on `inputs`, then
+    `lm_head_topk_kl_loss` on its lm_head; the `[B, T, V]` logits never exist.
+
+    Args:
+        model: as :func:`causal_lm_hidden_and_head`'s, plain or FSDP2-sharded (the root
+            `fully_shard`-ed: the call runs as a forward method of it, see the module
+            docstring; an lm_head that is an FSDP unit itself runs the loss in its own).
+        inputs: the base model's inputs (`input_ids` `[B, T]`, `attention_mask`, ...).
+        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
+            **overrides: as in `fused_topk_kl_loss` (`[B, T, K]` rows aligned to
+            `input_ids`).
+
+    Returns:
+        `(loss, stats, head)`: as `fused_topk_kl_loss`'s, and the :class:`LMHeadInputs` the
+        loss used (`hidden` `[B, T, H]`; the head's `weight` / `bias` as read after the call:
+        a sharded `DTensor` under FSDP2 when its unit reshards after forward).
+
+    Raises:
+        ValueError: as :func:`causal_lm_hidden_and_head`.
+    """
+    head = _output_head(model)
+    opts = LossOptions.build(options, mode=mode, **overrides)
+    call = HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
+    loss, stats, hidden = in_fsdp_forward(model, _LOSS_METHOD, _loss_on_causal_lm)(call, **inputs)
+    return loss, stats, _head_inputs(hidden, head)
+
+
+def _loss_on_causal_lm(
+    model: Any, call: HeadCall, **forward_kwargs: Any
+) -> tuple[Tensor, TopKKLStats, Tensor]:
+    hidden = _last_hidden_state(model, forward_kwargs)
+    loss, stats = head_topk_kl_loss(model.get_output_embeddings(), hidden, call)
+    return loss, stats, hidden
+
+
+def _output_head(model: Any) -> nn.Module:
+    """The model's lm_head, checked: a `[V, H]` weight and logits `hidden @ weight.T (+ b)`."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor) or weight.dim() != 2:
@@ -60,9 +129,15 @@ def causal_lm_hidden_and_head(model: Any, **forward_kwargs: Any) -> LMHeadInputs
                 f"model: config.{name} = {value!r} changes the logits after the lm_head; "
                 f"compute logits and use topk_kl_loss for this model"
             )
+    return cast(nn.Module, head)
+
+
+def _head_inputs(hidden: Tensor, head: nn.Module) -> LMHeadInputs:
+    return LMHeadInputs(hidden, cast(Tensor, head.weight), getattr(head, "bias", None))
+
+
+def _last_hidden_state(model: Any, forward_kwargs: Mapping[str, Any]) -> Tensor:
+    """`[B, T, H]`: the base model's output (after the final norm)."""
     outputs = model.base_model(**forward_kwargs)
     hidden = getattr(outputs, "last_hidden_state", None)
-    if hidden is None:
-        hidden = outputs[0]
-    bias = getattr(head, "bias", None)
-    return LMHeadInputs(hidden=hidden, weight=weight, bias=bias)
+    return outputs[0] if hidden is None else hidden

@@ -27,9 +27,10 @@ A DTensor handed to the losses directly raises a `ValueError` naming these fixes
 
 from __future__ import annotations
 
+import functools
 import types
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -39,7 +40,15 @@ from student_client.losses.options import LossOptions
 from student_client.losses.types import LossMode, TopKKLStats
 from student_client.losses.validation import dtensor_type
 
-__all__ = ["lm_head_topk_kl_loss", "local_vocab_shard"]
+__all__ = [
+    "HeadCall",
+    "head_topk_kl_loss",
+    "in_fsdp_forward",
+    "lm_head_topk_kl_loss",
+    "local_vocab_shard",
+]
+
+T = TypeVar("T")
 
 _LOSS_METHOD = "_topk_distill_fused_loss"
 """Name of the loss method attached to an FSDP lm_head (registered as a forward method)."""
@@ -109,21 +118,39 @@ def local_vocab_shard(tensor: Tensor, process_group: Any, *, name: str, dim: int
     return cast(Tensor, sharded_tensor.to_local())
 
 
-@dataclass(frozen=True)
-class _HeadCall:
-    """Everything of one loss call but the hidden states, kept out of FSDP's view (its
-    forward hooks would cast the teacher's float tensors under a mixed-precision policy).
-    `options` holds the TP group (`options.process_group`)."""
+class HeadCall:
+    """Everything of one loss call but the hidden states; `options` holds the TP group
+    (`options.process_group`). A plain class, not a dataclass or a tuple: FSDP's forward
+    hooks look into those and cast their float tensors under a mixed-precision policy, and
+    the teacher's log-probs must reach the loss as given."""
 
-    teacher_ids: Tensor
-    teacher_logprobs: Tensor
-    options: LossOptions
-    mask: Tensor | None
-    sampled_ids: Tensor | None
-    sampled_logprobs: Tensor | None
+    __slots__ = (
+        "mask",
+        "options",
+        "sampled_ids",
+        "sampled_logprobs",
+        "teacher_ids",
+        "teacher_logprobs",
+    )
+
+    def __init__(
+        self,
+        teacher_ids: Tensor,
+        teacher_logprobs: Tensor,
+        options: LossOptions,
+        mask: Tensor | None = None,
+        sampled_ids: Tensor | None = None,
+        sampled_logprobs: Tensor | None = None,
+    ) -> None:
+        self.teacher_ids = teacher_ids
+        self.teacher_logprobs = teacher_logprobs
+        self.options = options
+        self.mask = mask
+        self.sampled_ids = sampled_ids
+        self.sampled_logprobs = sampled_logprobs
 
 
-def _fused_loss_on(head: nn.Module, hidden: Tensor, call: _HeadCall) -> tuple[Tensor, TopKKLStats]:
+def _fused_loss_on(head: nn.Module, hidden: Tensor, call: HeadCall) -> tuple[Tensor, TopKKLStats]:
     """`fused_topk_kl_loss` on `head`'s (local, unsharded) weight and bias."""
     group = call.options.process_group
     weight = local_vocab_shard(cast(Tensor, head.weight), group, name="weight", dim=0)
@@ -151,16 +178,31 @@ def _fsdp_module_type() -> type | None:
     return FSDPModule
 
 
-def _in_forward(head: nn.Module) -> Any:
-    """The head's loss method, registered once as an FSDP forward method."""
-    method = head.__dict__.get(_LOSS_METHOD)
+def in_fsdp_forward(module: nn.Module, name: str, fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn(module, ...)` as a callable; when `module` is an FSDP2 unit (`fully_shard`), run
+    as its forward method `name` (registered once, `register_fsdp_forward_method`): FSDP's
+    hooks unshard its parameters before `fn` and reduce-scatter their gradients after
+    backward, as around `module.forward`. Arguments FSDP must not touch (cast, move) go in
+    a :class:`HeadCall`."""
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is None or not isinstance(module, fsdp_module):
+        return functools.partial(fn, module)
+    method = module.__dict__.get(name)
     if method is None:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
-        object.__setattr__(head, _LOSS_METHOD, types.MethodType(_fused_loss_on, head))
-        register_fsdp_forward_method(head, _LOSS_METHOD)
-        method = head.__dict__[_LOSS_METHOD]
-    return method
+        object.__setattr__(module, name, types.MethodType(fn, module))
+        register_fsdp_forward_method(module, name)
+        method = module.__dict__[name]
+    return cast(Callable[..., T], method)
+
+
+def head_topk_kl_loss(
+    head: nn.Module, hidden: Tensor, call: HeadCall
+) -> tuple[Tensor, TopKKLStats]:
+    """`lm_head_topk_kl_loss` with its arguments in a :class:`HeadCall`: inside the head's
+    forward when the head is an FSDP2 unit, else on its weight as it is."""
+    return in_fsdp_forward(head, _LOSS_METHOD, _fused_loss_on)(hidden, call)
 
 
 def lm_head_topk_kl_loss(
@@ -198,9 +240,5 @@ def lm_head_topk_kl_loss(
             module only, so the head's forward does not unshard it), naming the fix.
     """
     opts = LossOptions.build(options, mode=mode, **overrides)
-    call = _HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
-    fsdp_module = _fsdp_module_type()
-    if fsdp_module is not None and isinstance(head, fsdp_module):
-        result: tuple[Tensor, TopKKLStats] = _in_forward(head)(hidden, call)
-        return result
-    return _fused_loss_on(head, hidden, call)
+    call = HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
+    return head_topk_kl_loss(head, hidden, call)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
-from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
 from student_client.data.assembler import ResponseAssembler
+from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
 from student_client.offline.replay import ReplayClient
 from teacher_server.backends.base import ScoredSequence
 from topk_protocol import (

@@ -18,11 +18,11 @@ import torch
 
 from student_client.clients import aio as client_mod
 from student_client.clients.aio import AsyncTeacherClient
-from student_client.data.alignment import PaddedLayout
 from student_client.clients.blocking import TeacherClient
+from student_client.data.alignment import PaddedLayout
 from student_client.data.batch import ScoreBatch
-from student_client.errors import DeadlineExceededError, InvalidRequestError
 from student_client.data.payload import TeacherPayload
+from student_client.errors import DeadlineExceededError, InvalidRequestError
 from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence

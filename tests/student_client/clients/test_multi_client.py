@@ -26,8 +26,10 @@ from test_client_live import requests_ok
 from devtools.tiny_model import write_tiny_model
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import TeacherClient
+from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
+from student_client.clients.routing import check_agreement
 from student_client.data.batch import ScoreBatch
-from student_client.offline.dataset import PayloadDataset, collate_payloads
+from student_client.data.payload import TeacherPayload
 from student_client.errors import (
     InvalidRequestError,
     NotRecordedError,
@@ -35,12 +37,10 @@ from student_client.errors import (
     TeacherUnavailableError,
     VocabMismatchError,
 )
-from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
-from student_client.data.payload import TeacherPayload
-from student_client.offline.record_cli import main as record_main
+from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.multi_replay import MultiReplayClient
+from student_client.offline.record_cli import main as record_main
 from student_client.offline.replay import ReplayClient
-from student_client.clients.routing import check_agreement
 from topk_protocol import RequestOptions, TeacherInfo
 
 pytestmark = pytest.mark.vllm

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from student_client.data.alignment import PaddedLayout, place_rows, prepare_inputs, unpad
-from student_client.errors import InvalidRequestError
 from student_client.data.payload import TeacherPayload
+from student_client.errors import InvalidRequestError
 
 PAD = 257
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from student_client.data.assembler import ResponseAssembler
 from student_client.errors import (
     InvalidRequestError,
     TeacherError,
 )
-from student_client.data.assembler import ResponseAssembler
 from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import encode_scored, iter_stream_responses
 from topk_protocol import RequestOptions, build_request, pb, request_spans

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import ServerProcess
 
-from student_client.data.alignment import PaddedLayout, place_rows
 from student_client.clients.blocking import TeacherClient
+from student_client.data.alignment import PaddedLayout, place_rows
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 

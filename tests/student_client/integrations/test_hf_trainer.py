@@ -19,13 +19,13 @@ from conftest import ServerProcess
 from devtools.tiny_model import tiny_qwen2_config
 from student_client.clients.blocking import TeacherClient
 from student_client.data.batch import ScoreBatch
-from student_client.offline.dataset import PayloadDataset
 from student_client.integrations.hf_trainer import (
     DistillationConfig,
     TopKDistillationTrainer,
     payload_dataset_collator,
 )
 from student_client.losses import topk_kl_loss
+from student_client.offline.dataset import PayloadDataset
 from student_client.offline.replay import ReplayClient
 
 pytestmark = pytest.mark.vllm

@@ -1,7 +1,9 @@
-"""`causal_lm_hidden_and_head` on a tiny transformers Qwen2 built offline (no logits formed).
+"""`causal_lm_hidden_and_head` and `causal_lm_topk_kl_loss` on a tiny transformers Qwen2 built
+offline (no logits formed).
 
-The fused loss on the helper's output must train every parameter exactly like the logits
-path (`model(...).logits` then `topk_kl_loss`), with separate and with tied embeddings.
+The fused loss on the helper's output, and `causal_lm_topk_kl_loss` on the model, must train
+every parameter exactly like the logits path (`model(...).logits` then `topk_kl_loss`), with
+separate and with tied embeddings. (Under FSDP2: tests/student_client/test_hf_trainer_fsdp.py.)
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ import pytest
 import torch
 
 from devtools.tiny_model import tiny_qwen2_config
-from student_client.losses import causal_lm_hidden_and_head, fused_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    causal_lm_hidden_and_head,
+    causal_lm_topk_kl_loss,
+    fused_topk_kl_loss,
+    topk_kl_loss,
+)
 
 VOCAB = 260  # the tiny config's special ids are 256 and 257
 
@@ -33,8 +40,9 @@ def _teacher(batch: int, length: int, vocab: int, top_k: int):
     return ids, logprobs
 
 
+@pytest.mark.parametrize("whole_model", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
-def test_fused_on_hidden_states_trains_like_the_logits_path(tied: bool) -> None:
+def test_fused_on_hidden_states_trains_like_the_logits_path(tied: bool, whole_model: bool) -> None:
     model = _model(tied)
     reference = copy.deepcopy(model)
     input_ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
@@ -43,14 +51,20 @@ def test_fused_on_hidden_states_trains_like_the_logits_path(tied: bool) -> None:
     mask = attention_mask.bool()
     ids, logprobs = _teacher(2, 11, VOCAB, 5)
 
-    inputs = causal_lm_hidden_and_head(model, input_ids=input_ids, attention_mask=attention_mask)
+    forward = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if whole_model:
+        loss, _, inputs = causal_lm_topk_kl_loss(
+            model, forward, ids, logprobs, mask=mask, chunk_size=4
+        )
+    else:
+        inputs = causal_lm_hidden_and_head(model, **forward)
+        loss, _ = fused_topk_kl_loss(
+            inputs.hidden, inputs.weight, ids, logprobs, mask=mask, chunk_size=4
+        )
     assert inputs.hidden.shape == (2, 11, 32) and inputs.bias is None
     assert inputs.weight is model.get_output_embeddings().weight
     if tied:
         assert inputs.weight is model.get_input_embeddings().weight
-    loss, _ = fused_topk_kl_loss(
-        inputs.hidden, inputs.weight, ids, logprobs, mask=mask, chunk_size=4
-    )
     loss.backward()
 
     logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -66,15 +80,26 @@ def test_fused_on_hidden_states_trains_like_the_logits_path(tied: bool) -> None:
         torch.testing.assert_close(grad, parameter.grad, rtol=1e-8, atol=1e-11, msg=name)
 
 
-def test_models_that_transform_logits_are_refused() -> None:
+def _refusal(model, whole_model: bool) -> None:  # type: ignore[no-untyped-def]
+    input_ids = torch.zeros(1, 3, dtype=torch.long)
+    if whole_model:
+        ids, logprobs = _teacher(1, 3, VOCAB, 2)
+        causal_lm_topk_kl_loss(model, {"input_ids": input_ids}, ids, logprobs)
+    else:
+        causal_lm_hidden_and_head(model, input_ids=input_ids)
+
+
+@pytest.mark.parametrize("whole_model", [False, True])
+def test_models_that_transform_logits_are_refused(whole_model: bool) -> None:
     model = _model(False)
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match=r"^model: config.final_logit_softcapping"):
-        causal_lm_hidden_and_head(model, input_ids=torch.zeros(1, 3, dtype=torch.long))
+        _refusal(model, whole_model)
 
 
-def test_model_without_linear_head_is_refused() -> None:
+@pytest.mark.parametrize("whole_model", [False, True])
+def test_model_without_linear_head_is_refused(whole_model: bool) -> None:
     model = _model(False)
     model.set_output_embeddings(torch.nn.Identity())
     with pytest.raises(ValueError, match=r"^model: get_output_embeddings\(\)"):
-        causal_lm_hidden_and_head(model, input_ids=torch.zeros(1, 3, dtype=torch.long))
+        _refusal(model, whole_model)

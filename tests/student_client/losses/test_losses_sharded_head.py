@@ -13,6 +13,8 @@ One spawn of 4 processes runs both layouts (spawning dominates the cost).
 - DP 2 x TP 2 on 4 processes: the same student with its lm_head `ColwiseParallel` over the
   `tp` mesh dim and `fully_shard` over `dp`; the fused loss and the logits path get the
   local shard and the TP group.
+- A bf16 mixed-precision policy on the FSDP lm_head casts the hidden states and the weight,
+  never the teacher's log-probs.
 - Misuse: a sharded weight handed to the loss (TP without the group, FSDP outside the
   unshard) raises a ValueError naming the fix; nothing runs a collective.
 """
@@ -197,6 +199,27 @@ def _hf_fsdp_max_error(rank: int) -> float:
     return max(errors)
 
 
+def _mixed_precision_loss_error() -> float:
+    """An lm_head `fully_shard`-ed over rank pairs with a bf16 mixed-precision policy:
+    `lm_head_topk_kl_loss` gets the teacher's log-probs as given (fp32; FSDP casts only
+    the hidden states and the weight). Returns |loss - the loss on the bf16 hidden states
+    and weight with the fp32 log-probs|: 0 here, about 1e-3 when the log-probs are cast."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("run", "dp"))["dp"]
+    torch.manual_seed(0)
+    head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    weight = head.weight.detach().bfloat16()
+    fully_shard(head, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    _, ids, logprobs, mask = _batch(0, 0)
+    logprobs = logprobs + 1e-3  # not representable in bf16
+    hidden = torch.randn(BATCH, SEQ, HIDDEN)
+    loss, _ = lm_head_topk_kl_loss(head, hidden, ids, logprobs, mask=mask)
+    want, _ = fused_topk_kl_loss(hidden.bfloat16(), weight, ids, logprobs, mask=mask)
+    return float((loss.float() - want.float()).abs())
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -205,6 +228,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             layout: _run_layout(rank, layout) for layout in ("fsdp", "fsdp_tp")
         }
         report["hf_fsdp_error"] = _hf_fsdp_max_error(rank)
+        report["mixed_precision_error"] = _mixed_precision_loss_error()
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -230,6 +254,7 @@ def test_fsdp2_fused_and_logits_match_one_process(reports: dict[int, dict[str, A
         (fsdp_error,) = fsdp["errors"]
         assert FSDP_FIX.match(fsdp_error), fsdp_error
         assert report["hf_fsdp_error"] < 1e-5
+        assert report["mixed_precision_error"] < 1e-6
 
 
 def test_dp2_x_tp2_fused_and_logits_match_one_process(reports: dict[int, dict[str, Any]]) -> None:

@@ -12,8 +12,8 @@ import torch
 from recording_fakes import INFO, K, assert_bit_equal, teacher_answer
 from torch.utils.data import DataLoader
 
-from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.errors import NotRecordedError
+from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from topk_protocol.recording import RecordingWriter
 

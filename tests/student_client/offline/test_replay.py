@@ -22,8 +22,8 @@ from conftest import ROOT, ServerProcess, start_server
 from recording_fakes import assert_bit_equal
 
 from student_client.clients.blocking import TeacherClient
-from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.errors import NotRecordedError
+from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from topk_protocol.recording import RecordingReader
 
@@ -114,7 +114,13 @@ def test_teacher_record_builds_a_resumable_dataset(
     out = tmp_path / "scored"
 
     def record(source: str) -> str:
-        cmd = [sys.executable, "-m", "student_client.offline.record_cli", "--teacher", vllm_teacher.target]
+        cmd = [
+            sys.executable,
+            "-m",
+            "student_client.offline.record_cli",
+            "--teacher",
+            vllm_teacher.target,
+        ]
         cmd += ["--input", str(tmp_path / source), "--output", str(out), "--top-k", "16"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
         assert res.returncode == 0, res.stderr
