@@ -10,7 +10,8 @@ ids, prompt length 0: every position) through a real client:
 * this server's ``/get_sequence_logprobs/`` (TRL 1.10's route, ``binary`` format) with
   TRL 1.10's own ``VLLMClient`` (in a subprocess, ``--trl-110 DIR``; skipped without);
 * this server's ``/v1/completions`` with the installed TRL's ``VLLMClient``;
-* this server's gRPC with :class:`student_client.integrations.trl_client.TRLTeacherClient` (float32).
+* this server's gRPC with
+  :class:`student_client.integrations.trl_client.TRLTeacherClient` (float32).
 
 Reported: positions/s (rows returned per second, median over ``--reps`` after one
 warm-up call), bytes/position on the wire (response bodies; gRPC: serialized messages),
