@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from student_client.losses import (
         TopKKLLoss,
         causal_lm_hidden_and_head,
+        causal_lm_topk_kl_loss,
         fused_topk_kl_loss,
         topk_kl_loss,
     )
@@ -57,6 +58,7 @@ _EXPORTS = {
     "TeacherSource": "student_client.clients.protocol",
     "TopKKLLoss": "student_client.losses",
     "causal_lm_hidden_and_head": "student_client.losses",
+    "causal_lm_topk_kl_loss": "student_client.losses",
     "fused_topk_kl_loss": "student_client.losses",
     "topk_kl_loss": "student_client.losses",
 }
@@ -77,6 +79,7 @@ __all__ = [
     "TopKKLLoss",
     "__version__",
     "causal_lm_hidden_and_head",
+    "causal_lm_topk_kl_loss",
     "fused_topk_kl_loss",
     "topk_kl_loss",
 ]
