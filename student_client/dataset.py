@@ -142,6 +142,7 @@ class PayloadDataset(Dataset[PayloadItem]):
         self.top_k = opts.top_k
         self.dtype = opts.dtype
         self.include_sampled = include_sampled
+        self._served = opts
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "options": self._options}
@@ -181,8 +182,7 @@ class PayloadDataset(Dataset[PayloadItem]):
             raise NotRecordedError(
                 f"recording {self.path}: row {i}: sampled log-probs are not recorded"
             )
-        opts = RequestOptions(self.top_k, self.dtype, self.include_sampled)
-        arrays = recorded_arrays(row, row.position_start, row.position_end, opts)
+        arrays = recorded_arrays(row, row.position_start, row.position_end, self._served)
         if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
             arrays = cast_arrays(arrays, self.dtype)
         return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
