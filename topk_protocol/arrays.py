@@ -6,7 +6,8 @@ and reads it, replay and the payload dataset serve it. Row ``j`` is position
 cut by :meth:`SequenceArrays.top`) or ``[S]`` (one value per row). The methods that cut,
 join and build arrays go over the fields generically (:data:`ARRAY_FIELDS`), so a new
 per-row field is declared here once and carried through every slice, join and empty
-answer without further code.
+answer without further code. A new field goes after ``position_start``, with a default
+(None for an optional one), so that positional construction keeps its meaning.
 """
 
 from __future__ import annotations
