@@ -34,7 +34,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from devtools.launch import TeacherProcess, start_teacher
 from student_client.clients.blocking import TeacherClient
 from student_client.data.assembler import ResponseAssembler
-from topk_protocol import build_request, encode_sequence, pb
+from topk_protocol import SequenceArrays, build_request, encode_sequence, pb
 
 # -- decode --------------------------------------------------------------------------------
 
@@ -70,7 +70,8 @@ def _case(b: int, s: int, k: int, rows_cls: Any) -> tuple[pb.ScoreRequest, bytes
         ids = rng.integers(0, 150_000, size=(s, k), dtype=np.int32)
         lps = -np.sort(rng.exponential(2.0, (s, k)).astype(np.float32), axis=1)
         sampled = -rng.exponential(2.0, s).astype(np.float32)
-        resp.sequences.append(encode_sequence(ids, lps, sampled, dtype="float16", sequence_index=i))
+        arrays = SequenceArrays(ids, lps, sampled)
+        resp.sequences.append(encode_sequence(arrays, dtype="float16", sequence_index=i))
         msg = rows_cls()
         msg.ids.extend(ids.ravel().tolist())
         msg.logprobs.extend(lps.ravel().tolist())

@@ -22,10 +22,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import encode_scored, iter_stream_responses
 from teacher_server.validation import Limits, ParsedRequest, parse_request
-from topk_protocol import RequestOptions, pb
+from topk_protocol import RequestOptions, SequenceArrays, pb
 
 __all__ = [
     "MAX_SEQUENCES_IN_FLIGHT",
@@ -82,7 +81,7 @@ def _is_large_answer(parsed: ParsedRequest) -> bool:
 
 
 def _encode_response(
-    parsed: ParsedRequest, scored: Sequence[ScoredSequence], teacher_seconds: float
+    parsed: ParsedRequest, scored: Sequence[SequenceArrays], teacher_seconds: float
 ) -> pb.ScoreResponse:
     return pb.ScoreResponse(
         request_id=parsed.request_id,
@@ -95,7 +94,7 @@ def _encode_response(
 
 
 async def encode_response_off_loop(
-    parsed: ParsedRequest, scored: Sequence[ScoredSequence], teacher_seconds: float
+    parsed: ParsedRequest, scored: Sequence[SequenceArrays], teacher_seconds: float
 ) -> pb.ScoreResponse | bytes:
     """The ``Score`` answer: every sequence in one message (built and serialized in a
     thread when large)."""
@@ -109,7 +108,7 @@ async def encode_response_off_loop(
 
 
 async def stream_responses_off_loop(
-    request_id: str, scored: Sequence[ScoredSequence], options: RequestOptions, **kwargs: Any
+    request_id: str, scored: Sequence[SequenceArrays], options: RequestOptions, **kwargs: Any
 ) -> list[Outgoing]:
     """:func:`~teacher_server.payloads.iter_stream_responses` as a list (built and
     serialized in a thread when large)."""

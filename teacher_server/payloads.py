@@ -4,36 +4,26 @@ that stay under a byte budget (ScoreStream)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
-from teacher_server.backends.base import ScoredSequence
-from topk_protocol import RequestOptions, encode_sequence, pb
+from topk_protocol import RequestOptions, SequenceArrays, encode_sequence, pb
 
 __all__ = ["encode_scored", "iter_stream_responses"]
 
 
 def encode_scored(
-    scored: ScoredSequence,
-    options: RequestOptions,
-    *,
-    sequence_index: int,
-    rows: slice = slice(None),
+    scored: SequenceArrays, options: RequestOptions, *, sequence_index: int
 ) -> pb.SequencePayload:
-    """Encode rows ``rows`` of one scored sequence (``[S, K]`` arrays) as a payload, in
-    ``options``' dtype, with the sampled log-probs when ``options`` asks for them."""
-    start = rows.start or 0
-    return encode_sequence(
-        scored.ids[rows],
-        scored.logprobs[rows],
-        scored.sampled_logprobs[rows] if options.include_sampled else None,
-        dtype=options.wire_dtype,
-        position_start=scored.position_start + start,
-        sequence_index=sequence_index,
-    )
+    """Encode one scored sequence (or a chunk of its rows) as a payload, in ``options``'
+    dtype, with the sampled log-probs only when ``options`` asks for them."""
+    if not options.include_sampled and scored.sampled_logprobs is not None:
+        scored = replace(scored, sampled_logprobs=None)
+    return encode_sequence(scored, dtype=options.wire_dtype, sequence_index=sequence_index)
 
 
 def iter_stream_responses(
     request_id: str,
-    scored: Sequence[ScoredSequence],
+    scored: Sequence[SequenceArrays],
     options: RequestOptions,
     *,
     chunk_bytes: int,
@@ -52,7 +42,7 @@ def iter_stream_responses(
             take = min(n - done, room)
             if take > 0 or n == 0:
                 msg.sequences.append(
-                    encode_scored(seq, options, sequence_index=index, rows=slice(done, done + take))
+                    encode_scored(seq.rows(done, done + take), options, sequence_index=index)
                 )
             done += take
             room -= take

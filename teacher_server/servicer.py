@@ -17,10 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
-import numpy as np
 
 from teacher_server.admission import AdmissionQueue, AdmissionRefused
-from teacher_server.backends.base import Backend, ScoredSequence
+from teacher_server.backends.base import Backend
 from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
@@ -37,7 +36,7 @@ from teacher_server.offload import (
 )
 from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import Limits, ParsedRequest, ParsedSequence
-from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, fits_one_message, pb, pb_grpc
+from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, SequenceArrays, fits_one_message, pb, pb_grpc
 from topk_protocol.errors import (
     InvalidRequestError,
     ResourceExhaustedError,
@@ -113,7 +112,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     async def score_rendered(
         self,
         method: str,
-        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[ScoredSequence]], R]]],
+        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[SequenceArrays]], R]]],
     ) -> R:
         """One request from another front end (the HTTP routes; ``method`` names it in the
         metrics) with the same lifecycle check, validation, admission, backend and metrics
@@ -176,20 +175,15 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     def _release(self) -> None:
         self._admission.release()
 
-    async def _score(self, parsed: ParsedRequest) -> list[ScoredSequence]:
+    async def _score(self, parsed: ParsedRequest) -> list[SequenceArrays]:
         """Score every sequence concurrently (the engine batches them)."""
         self._backend.check_request(parsed)
         options = parsed.options
         k = options.top_k
 
-        async def one(seq: ParsedSequence) -> ScoredSequence:
+        async def one(seq: ParsedSequence) -> SequenceArrays:
             if seq.start == seq.end:  # nothing asked: no engine call
-                return ScoredSequence(
-                    np.zeros((0, k), np.int32),
-                    np.zeros((0, k), np.float32),
-                    np.zeros(0, np.float32),
-                    seq.start,
-                )
+                return SequenceArrays.empty(k, seq.start)
             return await self._backend.score(seq, options)
 
         return await gather_bounded(one, parsed.sequences)

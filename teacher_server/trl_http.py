@@ -40,14 +40,13 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.backends.base import ScoredSequence
 from teacher_server.validation import (
     Limits,
     check_token_ids,
     check_top_k,
     check_total_tokens,
 )
-from topk_protocol import encode_token_ids, pb, temperature_mismatch
+from topk_protocol import SequenceArrays, encode_token_ids, pb, temperature_mismatch
 from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
 from topk_protocol.status import status_of
 from topk_protocol.trl_layout import JSON_NEG_INF, TRLRows, trl_rows, trl_span
@@ -264,12 +263,15 @@ def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: 
 
 
 # -- answers -------------------------------------------------------------------------------
-def rows_of(parsed: _Parsed, scored: list[ScoredSequence]) -> list[TRLRows]:
-    """The scored sequences in TRL's alignment (one :class:`TRLRows` each)."""
-    return [
-        trl_rows(s.ids, s.logprobs, s.sampled_logprobs, ids, p)
-        for s, ids, p in zip(scored, parsed.sequences, parsed.prompt_lengths, strict=True)
-    ]
+def rows_of(parsed: _Parsed, scored: list[SequenceArrays]) -> list[TRLRows]:
+    """The scored sequences in TRL's alignment (one :class:`TRLRows` each). The routes
+    ask for sampled log-probs, so every backend gives them."""
+    rows = []
+    for s, ids, p in zip(scored, parsed.sequences, parsed.prompt_lengths, strict=True):
+        if s.sampled_logprobs is None:
+            raise TeacherError("teacher: the backend gave no sampled log-probs")
+        rows.append(trl_rows(s.ids, s.logprobs, s.sampled_logprobs, ids, p))
+    return rows
 
 
 def _clamped(values: npt.NDArray[np.float32]) -> list[float]:
@@ -297,7 +299,7 @@ def _entries(rows: TRLRows) -> list[tuple[list[int], list[float]]]:
     return out
 
 
-def render_completions(parsed: _Parsed, scored: list[ScoredSequence], model: str) -> bytes:
+def render_completions(parsed: _Parsed, scored: list[SequenceArrays], model: str) -> bytes:
     """vLLM's ``/v1/completions`` answer: one choice per prompt, ``prompt_logprobs`` with
     entry 0 ``null`` and entry ``p`` ``{"<id>": {"logprob": v, "rank": r}, ...}``."""
     choices = []
@@ -329,7 +331,7 @@ def render_completions(parsed: _Parsed, scored: list[ScoredSequence], model: str
     return f'{head},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
 
 
-def render_sequence_logprobs(parsed: _Parsed, scored: list[ScoredSequence]) -> bytes:
+def render_sequence_logprobs(parsed: _Parsed, scored: list[SequenceArrays]) -> bytes:
     """TRL 1.10's answer, in the request's ``response_format``."""
     rows = rows_of(parsed, scored)
     if parsed.response_format == "json":
@@ -370,7 +372,7 @@ def render_sequence_logprobs(parsed: _Parsed, scored: list[ScoredSequence]) -> b
     return json.dumps(body).encode()
 
 
-Renderer = Callable[[list[ScoredSequence]], bytes]
+Renderer = Callable[[list[SequenceArrays]], bytes]
 ScoreFn = Callable[[str, Callable[[], tuple[pb.ScoreRequest, Renderer]]], Awaitable[bytes]]
 
 
@@ -399,7 +401,7 @@ class TRLEndpoints:
         body: bytes,
         method: str,
         parse: Callable[[dict[str, Any], pb.TeacherInfo, Limits], _Parsed],
-        render: Callable[[_Parsed, list[ScoredSequence]], bytes],
+        render: Callable[[_Parsed, list[SequenceArrays]], bytes],
     ) -> HTTPAnswer:
         def prepare() -> tuple[pb.ScoreRequest, Renderer]:
             info = self._info()
@@ -429,7 +431,7 @@ class TRLEndpoints:
     async def completions(self, body: bytes) -> HTTPAnswer:
         """``POST /v1/completions`` (TRL 1.11+)."""
 
-        def render(parsed: _Parsed, scored: list[ScoredSequence]) -> bytes:
+        def render(parsed: _Parsed, scored: list[SequenceArrays]) -> bytes:
             info = self._info()
             return render_completions(parsed, scored, info.model_name if info else "")
 

@@ -11,9 +11,8 @@ import torch
 
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.payload import TeacherPayload
-from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import iter_stream_responses
-from topk_protocol import RequestOptions, build_request, pb, request_spans
+from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
 
 __all__ = ["INFO", "K", "assert_bit_equal", "live_payload", "teacher_answer"]
 
@@ -28,7 +27,7 @@ INFO = pb.TeacherInfo(
 K = 16
 
 
-def teacher_answer(n: int, seed: int) -> tuple[np.ndarray, ScoredSequence]:
+def teacher_answer(n: int, seed: int) -> tuple[np.ndarray, SequenceArrays]:
     """A sequence of n tokens and a float32 teacher answer for all its positions."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 512, size=n).astype(np.int32)
@@ -36,21 +35,18 @@ def teacher_answer(n: int, seed: int) -> tuple[np.ndarray, ScoredSequence]:
     lps = -np.sort(rng.exponential(2.0, (n, K)).astype(np.float32), axis=1)
     sampled = -rng.exponential(2.0, n).astype(np.float32)
     sampled[-1] = np.nan
-    return tokens, ScoredSequence(ids, lps, sampled, 0)
+    return tokens, SequenceArrays(ids, lps, sampled, 0)
 
 
 def live_payload(
-    corpus: dict[bytes, ScoredSequence], seqs: list[np.ndarray], k: int, **kwargs: Any
+    corpus: dict[bytes, SequenceArrays], seqs: list[np.ndarray], k: int, **kwargs: Any
 ) -> TeacherPayload:
     """What the teacher would answer: the servicer's own slicing and encoding (streamed in
     small chunks), decoded by the client's assembler."""
     req = build_request(seqs, k, request_id="live", **kwargs)
     scored = []
     for seq, (s, e) in zip(req.sequences, request_spans(req), strict=True):
-        full = corpus[seq.token_ids]
-        scored.append(
-            ScoredSequence(full.ids[s:e, :k], full.logprobs[s:e, :k], full.sampled_logprobs[s:e], s)
-        )
+        scored.append(corpus[seq.token_ids].positions(s, e).top(k))
     asm = ResponseAssembler(req)
     for msg in iter_stream_responses(
         "live",

@@ -1,18 +1,20 @@
 """The topk-distill protocol: the one place that knows the wire format and its rules.
 
-The generated protobuf/gRPC code (``pb``, ``pb_grpc``), the array codec, request
-building, normalization, defaults and sizes, the typed errors of gRPC statuses, and
-``TeacherInfo``. Both ``teacher_server`` and ``student_client`` import it; it imports
-neither (checked by the import contracts in ``pyproject.toml``). See ``docs/protocol.md``.
+The generated protobuf/gRPC code (``pb``, ``pb_grpc``), a sequence's payload arrays
+(``SequenceArrays``) and their codec, request building, normalization, defaults and
+sizes, the typed errors of gRPC statuses, and ``TeacherInfo``. Both ``teacher_server``
+and ``student_client`` import it; it imports neither (checked by the import contracts
+in ``pyproject.toml``). See ``docs/protocol.md``.
 """
 
+from topk_protocol import codec
+from topk_protocol._deprecation import deprecated_names
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
+from topk_protocol.arrays import SequenceArrays
 from topk_protocol.codec import (
     DTYPE_NAMES,
     SCHEMA_VERSION,
-    DecodedSequence,
-    concat_chunks,
     decode_floats_into,
     decode_sequence,
     decode_token_ids,
@@ -53,14 +55,13 @@ __all__ = [
     "FRAMING_BYTES",
     "RECORDED",
     "SCHEMA_VERSION",
-    "DecodedSequence",
     "RequestOptions",
+    "SequenceArrays",
     "Span",
     "TeacherInfo",
     "build_request",
     "bytes_per_row",
     "check_temperature",
-    "concat_chunks",
     "decode_floats_into",
     "decode_sequence",
     "decode_token_ids",
@@ -79,3 +80,5 @@ __all__ = [
     "teacher_temperature",
     "temperature_mismatch",
 ]
+
+__getattr__ = deprecated_names(__name__, codec.DEPRECATED)

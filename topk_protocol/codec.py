@@ -1,26 +1,24 @@
 """Arrays <-> wire messages, with no per-element Python loop.
 
-Both sides use this module: the teacher encodes ``[S, K]`` arrays into a
-``SequencePayload``; the student decodes them back (:func:`decode_floats_into` is the one
-log-prob decoder, used by :func:`decode_sequence` and by the client's response assembler).
+Both sides use this module: the teacher encodes a
+:class:`~topk_protocol.arrays.SequenceArrays` into a ``SequencePayload`` message; the
+student decodes it back (:func:`decode_floats_into` is the one log-prob decoder, used by
+:func:`decode_sequence` and by the client's response assembler).
 All arrays on the wire are little-endian and row-major (layout: ``docs/protocol.md``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
 import numpy.typing as npt
 
+from topk_protocol._deprecation import deprecated_names
 from topk_protocol._generated import teacher_pb2 as pb
+from topk_protocol.arrays import SequenceArrays
 
 __all__ = [
     "DTYPE_NAMES",
     "SCHEMA_VERSION",
-    "DecodedSequence",
-    "concat_chunks",
     "decode_floats_into",
     "decode_sequence",
     "decode_token_ids",
@@ -152,64 +150,28 @@ def decode_token_ids(buf: bytes) -> npt.NDArray[np.int32]:
 
 
 def encode_sequence(
-    ids: npt.ArrayLike,
-    logprobs: npt.ArrayLike,
-    sampled_logprobs: npt.ArrayLike | None,
+    arrays: SequenceArrays,
     *,
     dtype: int | str = "float16",
-    position_start: int = 0,
     sequence_index: int = 0,
 ) -> pb.SequencePayload:
-    """Pack one sequence's payload.
-
-    Args:
-        ids: ``[S, K]`` integer token ids, each row sorted by log-prob, descending.
-        logprobs: ``[S, K]`` float log-probs.
-        sampled_logprobs: ``[S]`` log-prob of the token that follows (NaN where none),
-            or ``None`` to omit.
-        dtype: wire dtype of the log-probs (name or enum).
-        position_start: absolute position of row 0.
-        sequence_index: index of the sequence in its request.
-    """
-    ids_a = np.asarray(ids)
-    lp = np.asarray(logprobs, dtype=np.float32)
-    if ids_a.ndim != 2 or lp.shape != ids_a.shape:
-        raise ValueError(
-            f"ids/logprobs: expected equal [S, K] shapes, got {ids_a.shape} and {lp.shape}"
-        )
-    s, k = ids_a.shape
+    """Pack one sequence's payload (``arrays``: ``[S, K]`` ids and log-probs, ``[S]``
+    sampled log-probs when present) in the wire ``dtype`` (name or enum);
+    ``sequence_index``: the sequence's index in its request."""
+    s, k = arrays.ids.shape
     enum = dtype_from_name(dtype)
     msg = pb.SequencePayload(
         sequence_index=sequence_index,
-        position_start=position_start,
+        position_start=arrays.position_start,
         num_positions=s,
         top_k=k,
         dtype=enum,  # type: ignore[arg-type]
-        ids=ids_a.astype(_LE_I32, copy=False).tobytes(),
-        logprobs=_encode_floats(lp, enum),
+        ids=arrays.ids.astype(_LE_I32, copy=False).tobytes(),
+        logprobs=_encode_floats(arrays.logprobs, enum),
     )
-    if sampled_logprobs is not None:
-        sp = np.asarray(sampled_logprobs, dtype=np.float32)
-        if sp.shape != (s,):
-            raise ValueError(f"sampled_logprobs: expected shape ({s},), got {sp.shape}")
-        msg.sampled_logprobs = _encode_floats(sp, enum)
+    if arrays.sampled_logprobs is not None:
+        msg.sampled_logprobs = _encode_floats(arrays.sampled_logprobs, enum)
     return msg
-
-
-@dataclass(frozen=True)
-class DecodedSequence:
-    """One sequence's payload as numpy arrays.
-
-    ``ids`` ``[S, K]`` int32, ``logprobs`` ``[S, K]`` float32, ``sampled_logprobs`` ``[S]``
-    float32 or ``None`` when the teacher did not send them; ``position_start`` is the
-    absolute position of row 0.
-    """
-
-    ids: npt.NDArray[np.int32]
-    logprobs: npt.NDArray[np.float32]
-    sampled_logprobs: npt.NDArray[np.float32] | None
-    position_start: int
-    sequence_index: int
 
 
 def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:
@@ -222,8 +184,11 @@ def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:
     return s, k, enum
 
 
-def decode_sequence(msg: pb.SequencePayload) -> DecodedSequence:
-    """``SequencePayload`` -> numpy arrays (float32 log-probs whatever the wire dtype)."""
+def decode_sequence(msg: pb.SequencePayload) -> SequenceArrays:
+    """``SequencePayload`` -> numpy arrays (float32 log-probs whatever the wire dtype).
+
+    ``ids`` is a read-only view of the message's bytes. A message with no rows decodes
+    with empty sampled log-probs (an empty range sends none either way)."""
     s, k, enum = _check_shape(msg)
     ids = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(s, k)
     lp = _decode_floats(msg.logprobs, enum, (s, k), "logprobs")
@@ -232,20 +197,12 @@ def decode_sequence(msg: pb.SequencePayload) -> DecodedSequence:
         if msg.sampled_logprobs
         else (None if s else np.zeros(0, np.float32))
     )
-    return DecodedSequence(ids, lp, sp, int(msg.position_start), int(msg.sequence_index))
+    return SequenceArrays(ids, lp, sp, int(msg.position_start))
 
 
-def concat_chunks(chunks: Sequence[DecodedSequence]) -> DecodedSequence:
-    """Join row chunks of one sequence (in order) into one ``DecodedSequence``."""
-    if not chunks:
-        raise ValueError("chunks: need at least one chunk")
-    if len(chunks) == 1:
-        return chunks[0]
-    sp_parts = [c.sampled_logprobs for c in chunks]
-    return DecodedSequence(
-        np.concatenate([c.ids for c in chunks]),
-        np.concatenate([c.logprobs for c in chunks]),
-        None if any(p is None for p in sp_parts) else np.concatenate(sp_parts),  # type: ignore[arg-type]
-        chunks[0].position_start,
-        chunks[0].sequence_index,
-    )
+#: Names this module (and ``topk_protocol``) exported before ``SequenceArrays``.
+DEPRECATED = {
+    "DecodedSequence": ("topk_protocol.SequenceArrays", SequenceArrays),
+    "concat_chunks": ("topk_protocol.SequenceArrays.concat", SequenceArrays.concat),
+}
+__getattr__ = deprecated_names(__name__, DEPRECATED)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -53,25 +54,26 @@ def row_checksum(
     token_ids: npt.NDArray[np.int32],
     start: int,
     end: int,
-    ids: npt.NDArray[np.int32],
-    logprobs: npt.NDArray[Any],
-    sampled_logprobs: npt.NDArray[Any] | None,
+    required: Sequence[npt.NDArray[Any]],
+    optional: Sequence[npt.NDArray[Any] | None],
 ) -> int:
-    """CRC-32 of one row: its key, token ids ``[L]``, positions, ``ids`` ``[S, K]``,
-    ``logprobs`` ``[S, K]`` and ``sampled_logprobs`` ``[S]`` (or their absence), in the
-    storage dtype and byte order the shard holds (little-endian).
+    """CRC-32 of one row: its key, token ids ``[L]``, positions, which ``optional`` arrays
+    it has (one bit each, in order), then the bytes of its ``required`` arrays (``ids``
+    ``[S, K]``, ``logprobs`` ``[S, K]``) and of the ``optional`` ones present
+    (``sampled_logprobs`` ``[S]``), in the storage dtype and byte order the shard holds
+    (little-endian). With one optional array the flag is the byte ``has_sampled``, so
+    rows checksummed before the arrays were listed generically keep their checksums.
 
     Rows of a shard are C-contiguous views: their bytes are hashed in place, without a
     copy (other arrays are made contiguous first).
     """
     crc = zlib.crc32(key)
     crc = zlib.crc32(np.ascontiguousarray(token_ids).data, crc)
-    has_sampled = sampled_logprobs is not None
-    crc = zlib.crc32(struct.pack("<iiB", start, end, has_sampled), crc)
-    crc = zlib.crc32(np.ascontiguousarray(ids).data, crc)
-    crc = zlib.crc32(np.ascontiguousarray(logprobs).data, crc)
-    if sampled_logprobs is not None:
-        crc = zlib.crc32(np.ascontiguousarray(sampled_logprobs).data, crc)
+    present = sum(1 << i for i, a in enumerate(optional) if a is not None)
+    crc = zlib.crc32(struct.pack("<iiB", start, end, present), crc)
+    for a in [*required, *optional]:
+        if a is not None:
+            crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
     return crc
 
 

@@ -15,26 +15,27 @@ hold) is written here once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
 
+from topk_protocol._deprecation import deprecated_names
+from topk_protocol.arrays import SequenceArrays
 from topk_protocol.errors import NotRecordedError
-from topk_protocol.recording import RecordedSequence, RecordingReader, can_serve_dtype
+from topk_protocol.recording import RecordingReader, can_serve_dtype
 from topk_protocol.requests import RequestOptions
 
 __all__ = [
-    "RecordedArrays",
     "check_options",
     "describe_sequence",
     "find_rows",
     "recorded_arrays",
 ]
 
-#: ``(ids [S, K] int32, logprobs [S, K] float32, sampled_logprobs [S] float32 or None)``.
-RecordedArrays = tuple[
-    npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32] | None
-]
+__getattr__ = deprecated_names(
+    __name__, {"RecordedArrays": ("topk_protocol.SequenceArrays", SequenceArrays)}
+)
 
 
 def describe_sequence(index: int, token_ids: bytes | npt.ArrayLike, max_tokens: int = 8) -> str:
@@ -76,13 +77,13 @@ def find_rows(
     sequences: Sequence[tuple[bytes, int, int]],
     options: RequestOptions,
     where: str,
-) -> list[RecordedSequence | None]:
+) -> list[SequenceArrays | None]:
     """The recorded row answering each ``(token_ids int32 LE bytes, start, end)``
     (``None`` for an empty range, which needs no row). Raises :class:`NotRecordedError`
     naming the options and every sequence that cannot be answered, and why; a row whose
     every copy is damaged raises the reader's ``RecordingDamagedError``."""
     check_options(reader, options, where)
-    rows: list[RecordedSequence | None] = []
+    rows: list[SequenceArrays | None] = []
     problems: list[str] = []
     for i, (token_ids, start, end) in enumerate(sequences):
         if start == end:
@@ -103,19 +104,15 @@ def find_rows(
 
 
 def recorded_arrays(
-    row: RecordedSequence | None, start: int, end: int, options: RequestOptions
-) -> RecordedArrays:
+    row: SequenceArrays | None, start: int, end: int, options: RequestOptions
+) -> SequenceArrays:
     """Positions ``[start, end)`` of a row found by :func:`find_rows`, cut to
-    ``options.top_k``, as the teacher's float32 arrays before its cast (the recorded
-    values; ``None`` row: an empty range). ``sampled_logprobs`` is ``None`` when not asked."""
-    k = options.top_k
-    if row is None:
-        sampled = np.zeros(0, np.float32) if options.include_sampled else None
-        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32), sampled
-    rows = slice(start - row.start, end - row.start)
-    sp = row.sampled_logprobs
-    return (
-        np.ascontiguousarray(row.ids[rows, :k]),
-        row.logprobs[rows, :k].astype(np.float32),
-        sp[rows].astype(np.float32) if options.include_sampled and sp is not None else None,
+    ``options.top_k`` (views): the teacher's float32 arrays before its cast (the recorded
+    values; a ``None`` row: an empty range). ``sampled_logprobs`` is ``None`` when not
+    asked."""
+    arrays = (
+        SequenceArrays.empty(options.top_k, start)
+        if row is None
+        else row.positions(start, end).top(options.top_k)
     )
+    return arrays if options.include_sampled else replace(arrays, sampled_logprobs=None)

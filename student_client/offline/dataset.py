@@ -11,14 +11,16 @@
         loss = topk_kl_loss(logits, batch.payload.ids, batch.payload.logprobs,
                             mask=batch.payload.mask, ...)
 
-Item ``i`` is recorded row ``i``: ``(token_ids [L] int64, SequencePayload)``. The collate
+Item ``i`` is recorded row ``i``, a :class:`PayloadItem`: ``token_ids`` ``[L]`` int64 and
+the row's :class:`~topk_protocol.arrays.SequenceArrays` (``[S, K]`` ids and log-probs as
+served: K' columns, the dtype's values widened to float32). The collate
 function pads to the longest sequence / payload in the batch and returns a
 :class:`PayloadBatch` whose ``payload`` is the :class:`~student_client.data.payload.TeacherPayload`
 the live client returns for the same batch (row ``j`` of sequence ``b`` is position
 ``payload.position_start[b] + j``, padding rows masked out).
 
 A multi-teacher recording (:mod:`topk_protocol.multi_recording`) is the rows of every
-teacher, teacher after teacher (in the manifest's order); each item's payload names its
+teacher, teacher after teacher (in the manifest's order); each item names its
 ``teacher``, and a collated batch's ``payload.teachers`` (and :attr:`PayloadBatch.teachers`)
 is the teacher column.
 """
@@ -26,9 +28,9 @@ is the teacher column.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,33 +38,31 @@ from torch.utils.data import Dataset
 
 from student_client.data.payload import TeacherPayload
 from student_client.errors import NotRecordedError
-from topk_protocol import RequestOptions, TeacherInfo
+from topk_protocol import RequestOptions, SequenceArrays, TeacherInfo
+from topk_protocol._deprecation import deprecated_names
 from topk_protocol.multi_recording import (
     read_manifest,
     recorded_teachers,
     teacher_recording_path,
 )
-from topk_protocol.recording import RecordingReader, cast_like_teacher
-from topk_protocol.replay import check_options
+from topk_protocol.recording import RecordingReader
+from topk_protocol.recording.format import cast_arrays
+from topk_protocol.replay import check_options, recorded_arrays
 
-__all__ = ["PayloadBatch", "PayloadDataset", "SequencePayload", "collate_payloads"]
+__all__ = ["PayloadBatch", "PayloadDataset", "PayloadItem", "collate_payloads"]
 
 
-@dataclass(frozen=True)
-class SequencePayload:
-    """One sequence's recorded payload.
+class PayloadItem(NamedTuple):
+    """One dataset item: a recorded sequence and its payload.
 
-    ``ids`` ``[S, K]`` int64; ``logprobs`` ``[S, K]`` float32 (the dtype's values widened
-    exactly); ``sampled_logprobs`` ``[S]`` float32 or ``None``; row ``j`` is position
-    ``position_start + j``; ``teacher``: its teacher's name in a multi-teacher recording
-    (None in a single-teacher one).
+    ``token_ids`` ``[L]`` int64; ``arrays``: rows ``j`` = position
+    ``arrays.position_start + j`` (``ids`` ``[S, K]``, ``logprobs`` ``[S, K]`` float32,
+    ``sampled_logprobs`` ``[S]`` or None); ``dtype``: the log-prob dtype whose values
+    they hold; ``teacher``: its teacher's name in a multi-teacher recording (else None).
     """
 
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    sampled_logprobs: torch.Tensor | None
-    position_start: int
-    top_k: int
+    token_ids: torch.Tensor
+    arrays: SequenceArrays
     dtype: str
     teacher: str | None = None
 
@@ -82,8 +82,8 @@ class PayloadBatch:
         return self.payload.teachers
 
 
-class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
-    """The rows of a recording, as ``(token_ids, payload)`` items.
+class PayloadDataset(Dataset[PayloadItem]):
+    """The rows of a recording, as :class:`PayloadItem` items.
 
     Args:
         path: the recording directory.
@@ -142,6 +142,7 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
         self.top_k = opts.top_k
         self.dtype = opts.dtype
         self.include_sampled = include_sampled
+        self._served = opts
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "options": self._options}
@@ -169,50 +170,33 @@ class PayloadDataset(Dataset[tuple[torch.Tensor, SequencePayload]]):
             return int(self._starts[-1])
         return len(self._reader)
 
-    def _floats(self, x: np.ndarray) -> torch.Tensor:
-        if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
-            x = cast_like_teacher(x, self.dtype)
-        return torch.from_numpy(np.array(x, dtype=np.float32))
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, SequencePayload]:
+    def __getitem__(self, i: int) -> PayloadItem:
         if self._parts:
             if not 0 <= int(i) < len(self):
                 raise IndexError(f"row {i} of a recording with {len(self)} rows")
             part = int(np.searchsorted(self._starts, int(i), side="right")) - 1
             name, ds = self._parts[part]
-            tokens, payload = ds[int(i) - int(self._starts[part])]
-            return tokens, replace(payload, teacher=name)
-        row = self._reader.row(int(i))
-        sp = None
-        if self.include_sampled:
-            if row.sampled_logprobs is None:
-                raise NotRecordedError(
-                    f"recording {self.path}: row {i}: sampled log-probs are not recorded"
-                )
-            sp = self._floats(row.sampled_logprobs)
-        k = self.top_k
-        payload = SequencePayload(
-            ids=torch.from_numpy(row.ids[:, :k].astype(np.int64)),
-            logprobs=self._floats(np.ascontiguousarray(row.logprobs[:, :k])),
-            sampled_logprobs=sp,
-            position_start=row.start,
-            top_k=k,
-            dtype=self.dtype,
-        )
-        return torch.from_numpy(row.token_ids.astype(np.int64)), payload
+            return ds[int(i) - int(self._starts[part])]._replace(teacher=name)
+        tokens, row = self._reader.row(int(i))
+        if self.include_sampled and row.sampled_logprobs is None:
+            raise NotRecordedError(
+                f"recording {self.path}: row {i}: sampled log-probs are not recorded"
+            )
+        arrays = recorded_arrays(row, row.position_start, row.position_end, self._served)
+        if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
+            arrays = cast_arrays(arrays, self.dtype)
+        return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
 
 
-def collate_payloads(
-    items: Sequence[tuple[torch.Tensor, SequencePayload]], pad_id: int = 0
-) -> PayloadBatch:
+def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBatch:
     """Pad a list of dataset items into a :class:`PayloadBatch` (padding rows: ids 0,
     log-probs 0, sampled 0, mask False, as the live client pads)."""
     if not items:
         raise ValueError("items: empty batch")
     b = len(items)
-    k = items[0][1].top_k
-    lengths = [len(t) for t, _ in items]
-    rows = [len(p.ids) for _, p in items]
+    k = items[0].arrays.top_k
+    lengths = [len(it.token_ids) for it in items]
+    rows = [len(it.arrays) for it in items]
     s = max(rows)
     # numpy buffers: np.zeros gets lazily zeroed pages from the OS, where torch.zeros
     # fills them with its thread pool (slow on a busy CPU); the tensors share the memory.
@@ -220,29 +204,36 @@ def collate_payloads(
     attn = np.zeros((b, max(lengths)), dtype=np.bool_)
     ids = np.zeros((b, s, k), dtype=np.int64)
     lps = np.zeros((b, s, k), dtype=np.float32)
-    with_sampled = items[0][1].sampled_logprobs is not None
+    with_sampled = items[0].arrays.sampled_logprobs is not None
     sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
     mask = np.zeros((b, s), dtype=np.bool_)
-    names = [p.teacher for _, p in items]
+    names = [it.teacher for it in items]
     teachers = None if any(n is None for n in names) else tuple(str(n) for n in names)
-    for j, (tok, p) in enumerate(items):
+    for j, it in enumerate(items):
+        tok, p = it.token_ids, it.arrays
         tokens[j, : len(tok)] = tok.numpy()
         attn[j, : len(tok)] = True
         n = rows[j]
-        ids[j, :n] = p.ids.numpy()
-        lps[j, :n] = p.logprobs.numpy()
+        ids[j, :n] = p.ids
+        lps[j, :n] = p.logprobs
         if sampled is not None and p.sampled_logprobs is not None:
-            sampled[j, :n] = p.sampled_logprobs.numpy()
+            sampled[j, :n] = p.sampled_logprobs
         mask[j, :n] = True
     payload = TeacherPayload(
         ids=torch.from_numpy(ids),
         logprobs=torch.from_numpy(lps),
         sampled_logprobs=None if sampled is None else torch.from_numpy(sampled),
         mask=torch.from_numpy(mask),
-        position_start=torch.tensor([p.position_start for _, p in items], dtype=torch.int64),
+        position_start=torch.tensor([it.arrays.position_start for it in items], dtype=torch.int64),
         lengths=torch.tensor(rows, dtype=torch.int64),
         top_k=k,
-        dtype=items[0][1].dtype,
+        dtype=items[0].dtype,
         teachers=teachers,
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
+
+
+__getattr__ = deprecated_names(
+    __name__,
+    {"SequencePayload": ("topk_protocol.SequenceArrays (items: PayloadItem)", SequenceArrays)},
+)

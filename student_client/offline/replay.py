@@ -64,17 +64,8 @@ def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.Sco
     rows = find_rows(reader, keys, options, f"recording {reader.path}")
     out = pb.ScoreResponse(request_id=request.request_id, final=True)
     for i, (row, (start, end)) in enumerate(zip(rows, spans, strict=True)):
-        ids, lps, sampled = recorded_arrays(row, start, end, options)
-        out.sequences.append(
-            encode_sequence(
-                ids,
-                lps,
-                sampled,
-                dtype=options.wire_dtype,
-                position_start=start,
-                sequence_index=i,
-            )
-        )
+        arrays = recorded_arrays(row, start, end, options)
+        out.sequences.append(encode_sequence(arrays, dtype=options.wire_dtype, sequence_index=i))
     return out
 
 

@@ -14,13 +14,13 @@ import numpy.typing as npt
 
 from teacher_server.flags import add_flags, from_args, temperature_arg
 from teacher_server.validation import ParsedRequest, ParsedSequence
-from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions
+from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions, SequenceArrays
+from topk_protocol._deprecation import deprecated_names
 
 __all__ = [
     "Backend",
     "BackendInfo",
     "ModelFlags",
-    "ScoredSequence",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
 ]
@@ -56,22 +56,6 @@ class ModelFlags:
     )
     """serve log_softmax(logits / T) instead of the model's own distribution (announced in
     GetInfo)"""
-
-
-@dataclass(frozen=True)
-class ScoredSequence:
-    """Top-k payload of positions ``[position_start, position_start + S)`` of one sequence.
-
-    ``ids`` ``[S, K]`` int32 and ``logprobs`` ``[S, K]`` float32, rows sorted descending;
-    ``sampled_logprobs`` ``[S]`` float32: log p(x[t+1] | x[..t]), NaN at the last position
-    of the sequence (docs/protocol.md, position alignment).
-    """
-
-    ids: npt.NDArray[np.int32]
-    logprobs: npt.NDArray[np.float32]
-    sampled_logprobs: npt.NDArray[np.float32]
-    position_start: int = 0
-    engine_seconds: float = field(default=0.0, compare=False)
 
 
 class Backend(abc.ABC):
@@ -139,9 +123,12 @@ class Backend(abc.ABC):
         before any sequence is scored. Default: accept."""
 
     @abc.abstractmethod
-    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         """Score positions ``[sequence.start, sequence.end)`` of ``sequence.token_ids``
-        (``[L]``, validated) as ``options`` asks (``options.top_k`` columns)."""
+        (``[L]``, validated) as ``options`` asks (``options.top_k`` columns): ``ids``
+        and ``logprobs`` ``[S, K]``, rows sorted descending, and ``sampled_logprobs``
+        ``[S]`` (NaN at the last position of the sequence; docs/protocol.md, position
+        alignment; a backend may leave it None when ``options`` does not ask for it)."""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -154,7 +141,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def topk_from_logprobs(
     logprobs: npt.NDArray[np.float32], token_ids: npt.NDArray[np.int32], top_k: int
-) -> ScoredSequence:
+) -> SequenceArrays:
     """Dense ``[L, V]`` log-probs (row t predicts x[t+1]) -> the payload of all L positions.
 
     Pure numpy; used by the transformers backend and in tests.
@@ -169,4 +156,9 @@ def topk_from_logprobs(
     sampled = np.full(n, np.nan, dtype=np.float32)
     if n > 1:
         sampled[:-1] = logprobs[np.arange(n - 1), token_ids[1:n]]
-    return ScoredSequence(ids, lps, sampled)
+    return SequenceArrays(ids, lps, sampled)
+
+
+#: Names this module (and ``teacher_server.backends``) exported before ``SequenceArrays``.
+DEPRECATED = {"ScoredSequence": ("topk_protocol.SequenceArrays", SequenceArrays)}
+__getattr__ = deprecated_names(__name__, DEPRECATED)

@@ -23,11 +23,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
+from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.validation import ParsedRequest, ParsedSequence
-from topk_protocol import RequestOptions, teacher_temperature
+from topk_protocol import RequestOptions, SequenceArrays, teacher_temperature
 from topk_protocol.multi_recording import read_manifest, teacher_recording_path
-from topk_protocol.recording import RecordedSequence, RecordingReader
+from topk_protocol.recording import RecordingReader
 from topk_protocol.replay import find_rows, recorded_arrays
 
 __all__ = ["ReplayBackend", "ReplayFlags", "replay_path"]
@@ -120,7 +120,7 @@ class ReplayBackend(Backend):
 
     def _rows(
         self, sequences: list[ParsedSequence], options: RequestOptions
-    ) -> list[RecordedSequence | None]:
+    ) -> list[SequenceArrays | None]:
         keys = [(np.asarray(s.token_ids, dtype="<i4").tobytes(), s.start, s.end) for s in sequences]
         return find_rows(self.reader, keys, options, self._where)
 
@@ -128,9 +128,6 @@ class ReplayBackend(Backend):
         """Refuse (:class:`NotRecordedError`) anything the recording cannot answer exactly."""
         self._rows(parsed.sequences, parsed.options)
 
-    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         (row,) = self._rows([sequence], options)
-        ids, lps, sampled = recorded_arrays(row, sequence.start, sequence.end, options)
-        if sampled is None:  # not asked for: the encoding leaves it out
-            sampled = np.full(len(ids), np.nan, np.float32)
-        return ScoredSequence(ids, lps, sampled, sequence.start)
+        return recorded_arrays(row, sequence.start, sequence.end, options)

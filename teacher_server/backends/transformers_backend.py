@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,12 @@ from teacher_server.backends.base import (
     Backend,
     BackendInfo,
     ModelFlags,
-    ScoredSequence,
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
 from teacher_server.config import ServerConfig
 from teacher_server.validation import ParsedSequence
-from topk_protocol import RequestOptions, check_temperature
+from topk_protocol import RequestOptions, SequenceArrays, check_temperature
 
 __all__ = ["TransformersBackend"]
 
@@ -112,7 +110,7 @@ class TransformersBackend(Backend):
             temperature=self._temperature,
         )
 
-    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         cancelled = threading.Event()
         try:
             return await asyncio.to_thread(self.score_sync, sequence, options, cancelled)
@@ -127,12 +125,11 @@ class TransformersBackend(Backend):
         sequence: ParsedSequence,
         options: RequestOptions,
         cancelled: threading.Event | None = None,
-    ) -> ScoredSequence:
+    ) -> SequenceArrays:
         """Blocking version of :meth:`score`; does nothing once ``cancelled`` is set."""
         import torch
 
         token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
-        t0 = time.perf_counter()
         with self._lock, torch.inference_mode():
             if cancelled is not None and cancelled.is_set():
                 raise RuntimeError("transformers backend: the request was cancelled")
@@ -142,7 +139,8 @@ class TransformersBackend(Backend):
             lp = tempered[start:end].cpu().numpy()
         full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), options.top_k)
         sampled = full.sampled_logprobs
+        assert sampled is not None  # topk_from_logprobs computes them
         if end < len(token_ids):
             # The last row of the slice has a following token inside the sequence.
             sampled[-1] = lp[-1, int(token_ids[end])]
-        return ScoredSequence(full.ids, full.logprobs, sampled, start, time.perf_counter() - t0)
+        return replace(full, sampled_logprobs=sampled, position_start=start)

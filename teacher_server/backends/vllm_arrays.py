@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from topk_protocol import SequenceArrays
+
 __all__ = [
     "LOGPROBS_PATHS",
     "MARKER",
@@ -129,14 +131,14 @@ def topk_payload(
     k: int,
     start: int,
     end: int,
-) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+) -> SequenceArrays:
     """Payload positions ``[start, end)`` of a sequence of ``length`` tokens.
 
     ``prompt``: chunks of the prompt rows (``length - 1`` rows in all; row ``t`` predicts
     ``x[t+1]``); ``sample``: the generated token's rows (row 0 is the distribution after
-    the whole sequence, used when ``end == length``). Returns ``(ids [S, K] int32,
-    logprobs [S, K] float32 sorted descending, actual [S] float32)`` with ``S = end -
-    start`` and ``actual[-1]`` NaN when ``end == length``.
+    the whole sequence, used when ``end == length``). Returns ``ids`` ``[S, K]``,
+    ``logprobs`` ``[S, K]`` sorted descending and ``sampled_logprobs`` ``[S]`` (the
+    actual next token's) with ``S = end - start``, NaN at the last when ``end == length``.
     """
     rows = sum(len(i) for i, _ in prompt)
     if rows != length - 1:
@@ -158,12 +160,10 @@ def topk_payload(
         order = np.argsort(-lps, axis=1, kind="stable")
         ids = np.take_along_axis(ids, order, axis=1)
         lps = np.take_along_axis(lps, order, axis=1)
-    return ids, lps, actual
+    return SequenceArrays(ids, lps, actual, start)
 
 
-def payload_from_output(
-    out: Any, length: int, k: int, start: int, end: int
-) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+def payload_from_output(out: Any, length: int, k: int, start: int, end: int) -> SequenceArrays:
     """:func:`topk_payload` of a final ``RequestOutput`` of a marked request."""
     prompt = out.prompt_logprobs
     sample = out.outputs[0].logprobs

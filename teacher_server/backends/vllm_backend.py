@@ -22,7 +22,7 @@ import argparse
 import asyncio
 import itertools
 import logging
-import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.backends import vllm_arrays
-from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence, tokenizer_fingerprint
+from teacher_server.backends.base import Backend, BackendInfo, tokenizer_fingerprint
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm_worker import (
@@ -46,7 +46,7 @@ from teacher_server.config import ServerConfig
 from teacher_server.flags import from_args
 from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
 from teacher_server.validation import ParsedSequence
-from topk_protocol import RequestOptions, check_temperature
+from topk_protocol import RequestOptions, SequenceArrays, check_temperature
 
 __all__ = ["VLLMBackend", "flat_to_topk"]
 
@@ -59,18 +59,20 @@ def flat_to_topk(
     starts: list[int],
     ends: list[int],
     top_k: int,
-) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    """Convert flat vLLM log-probs of ``P`` positions into ``[P, K]`` arrays with numpy.
+    position_start: int = 0,
+) -> SequenceArrays:
+    """Convert flat vLLM log-probs of ``P`` positions (from ``position_start``) into
+    ``[P, K]`` arrays with numpy.
 
     Every position holds the actual next token first (with its true rank) and then the
     top-K; when the actual token is itself in the top-K, vLLM may have de-duplicated it, so
-    a position holds K+1 or K entries. Returns ``(ids [P, K] int32, logprobs [P, K]
-    float32 sorted descending, actual [P] float32)``.
+    a position holds K+1 or K entries. Returns ``ids`` ``[P, K]``, ``logprobs`` ``[P, K]``
+    sorted descending and ``sampled_logprobs`` ``[P]`` (the actual token's).
     """
     n = len(starts)
     k = top_k
     if n == 0:
-        return np.zeros((0, k), np.int32), np.zeros((0, k), np.float32), np.zeros(0, np.float32)
+        return SequenceArrays.empty(k, position_start)
     st = np.asarray(starts, dtype=np.int64)
     cnt = np.asarray(ends, dtype=np.int64) - st
     base = st[0]
@@ -89,10 +91,11 @@ def flat_to_topk(
     ids = tid[cols]
     vals = lp[cols]
     order = np.argsort(-vals, axis=1, kind="stable")
-    return (
+    return SequenceArrays(
         np.take_along_axis(ids, order, axis=1),
         np.take_along_axis(vals, order, axis=1),
         actual,
+        position_start,
     )
 
 
@@ -301,7 +304,7 @@ class VLLMBackend(Backend):
             # Bounded: after ENGINE_SHUTDOWN_S vLLM kills its engine processes.
             await asyncio.to_thread(engine.shutdown, timeout=ENGINE_SHUTDOWN_S)
 
-    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         from vllm.inputs import TokensPrompt
 
         token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
@@ -309,7 +312,6 @@ class VLLMBackend(Backend):
         arrays = self.logprobs_path == "arrays"
         params = self.sampling_params(top_k, arrays)
         request_id = f"topk-{next(self._ids)}"
-        t0 = time.perf_counter()
         final = None
         try:
             async for out in self._engine.generate(
@@ -324,10 +326,8 @@ class VLLMBackend(Backend):
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")
         if arrays:
-            n = len(token_ids)
-            arr = vllm_arrays.payload_from_output(final, n, top_k, start, end)
-            return ScoredSequence(*arr, start, time.perf_counter() - t0)
-        return self._to_payload(final, token_ids, top_k, start, end, time.perf_counter() - t0)
+            return vllm_arrays.payload_from_output(final, len(token_ids), top_k, start, end)
+        return self._to_payload(final, token_ids, top_k, start, end)
 
     @staticmethod
     def sampling_params(top_k: int, arrays: bool) -> Any:
@@ -346,22 +346,22 @@ class VLLMBackend(Backend):
 
     @staticmethod
     def _to_payload(
-        out: Any, token_ids: npt.NDArray[np.int32], k: int, start: int, end: int, secs: float
-    ) -> ScoredSequence:
+        out: Any, token_ids: npt.NDArray[np.int32], k: int, start: int, end: int
+    ) -> SequenceArrays:
         n = len(token_ids)
         pl = out.prompt_logprobs  # FlatLogprobs, row 0 empty
         # Payload positions [start, min(end, n-1)) come from prompt rows [start+1, ...).
         p_end = min(end, n - 1)
         rows = slice(start + 1, p_end + 1)
-        ids, lps, actual = flat_to_topk(
-            pl.token_ids, pl.logprobs, pl.start_indices[rows], pl.end_indices[rows], k
+        head = flat_to_topk(
+            pl.token_ids, pl.logprobs, pl.start_indices[rows], pl.end_indices[rows], k, start
         )
-        if end == n:  # the last position: the generated token's distribution
-            gl = out.outputs[0].logprobs
-            l_ids, l_lps, _ = flat_to_topk(
-                gl.token_ids, gl.logprobs, gl.start_indices[:1], gl.end_indices[:1], k
-            )
-            ids = np.concatenate([ids, l_ids])
-            lps = np.concatenate([lps, l_lps])
-            actual = np.concatenate([actual, np.array([np.nan], np.float32)])
-        return ScoredSequence(ids, lps, actual, start, secs)
+        if end < n:
+            return head
+        # The last position: the generated token's distribution (no next token: NaN).
+        gl = out.outputs[0].logprobs
+        last = flat_to_topk(
+            gl.token_ids, gl.logprobs, gl.start_indices[:1], gl.end_indices[:1], k, n - 1
+        )
+        nan = np.full(1, np.nan, np.float32)
+        return SequenceArrays.concat([head, replace(last, sampled_logprobs=nan)])

@@ -41,7 +41,7 @@ def replay_server(tmp_path: Path, teacher_factory: Callable[..., Any]) -> Any:
     path = tmp_path / "rec"
     tokens, s = teacher_answer(8, seed=0)
     with RecordingWriter(path, INFO, top_k=K, dtype="float32") as w:
-        w.add(tokens, s.ids, s.logprobs, s.sampled_logprobs, start=0, dtype="float32")
+        w.add(tokens, s, dtype="float32")
     return teacher_factory(
         [
             "--backend",

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from teacher_server.backends.base import ScoredSequence, topk_from_logprobs
+from teacher_server.backends.base import topk_from_logprobs
 from teacher_server.backends.vllm_backend import flat_to_topk
 from teacher_server.payloads import iter_stream_responses
-from topk_protocol import RequestOptions, bytes_per_row, concat_chunks, decode_sequence, pb
+from topk_protocol import RequestOptions, SequenceArrays, bytes_per_row, decode_sequence, pb
 
 
 def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:
@@ -22,9 +22,11 @@ def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:
     starts, ends = [0, 4, 7], [4, 7, 11]
     # Deliberately offset the flat lists, as a slice of a longer FlatLogprobs would be.
     pad = [0] * 5
-    ids, lps, actual = flat_to_topk(
-        pad + token_ids, [0.0] * 5 + logprobs, [s + 5 for s in starts], [e + 5 for e in ends], k
+    out = flat_to_topk(
+        pad + token_ids, [0.0] * 5 + logprobs, [s + 5 for s in starts], [e + 5 for e in ends], k, 7
     )
+    ids, lps, actual = out.ids, out.logprobs, out.sampled_logprobs
+    assert out.position_start == 7
     np.testing.assert_array_equal(ids, [[1, 2, 3], [4, 5, 6], [7, 8, 2]])
     np.testing.assert_allclose(lps[0], [-0.5, -1.0, -2.0])
     np.testing.assert_allclose(lps[1], [-0.7, -1.5, -3.0])
@@ -39,8 +41,9 @@ def test_flat_to_topk_rejects_wrong_entry_count() -> None:
 
 
 def test_flat_to_topk_empty() -> None:
-    ids, lps, actual = flat_to_topk([], [], [], [], 5)
-    assert ids.shape == (0, 5) and lps.shape == (0, 5) and actual.shape == (0,)
+    out = flat_to_topk([], [], [], [], 5, 3)
+    assert out.ids.shape == (0, 5) and out.logprobs.shape == (0, 5) and out.position_start == 3
+    assert out.sampled_logprobs is not None and out.sampled_logprobs.shape == (0,)
 
 
 def test_topk_from_logprobs_alignment() -> None:
@@ -50,14 +53,15 @@ def test_topk_from_logprobs_alignment() -> None:
     tokens = rng.integers(0, 50, size=6).astype(np.int32)
     out = topk_from_logprobs(lp, tokens, 4)
     np.testing.assert_array_equal(out.ids, np.argsort(-lp, axis=1)[:, :4])
+    assert out.sampled_logprobs is not None
     np.testing.assert_allclose(out.sampled_logprobs[:-1], lp[np.arange(5), tokens[1:]])
     assert np.isnan(out.sampled_logprobs[-1])
 
 
-def _scored(n: int, k: int, start: int = 0) -> ScoredSequence:
+def _scored(n: int, k: int, start: int = 0) -> SequenceArrays:
     ids = np.arange(n * k, dtype=np.int32).reshape(n, k)
     lps = -np.arange(n * k, dtype=np.float32).reshape(n, k) / 10
-    return ScoredSequence(ids, lps, -np.arange(n, dtype=np.float32), start)
+    return SequenceArrays(ids, lps, -np.arange(n, dtype=np.float32), start)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 10, 1000])
@@ -76,7 +80,7 @@ def test_stream_chunks_cover_every_row_once_under_budget(chunk_rows: int) -> Non
         for p in m.sequences:
             pieces[p.sequence_index].append(decode_sequence(p))
     for i, seq in enumerate(seqs):
-        whole = concat_chunks(pieces[i])
+        whole = SequenceArrays.concat(pieces[i])
         np.testing.assert_array_equal(whole.ids, seq.ids)
         np.testing.assert_array_equal(whole.logprobs, seq.logprobs)
         assert whole.position_start == seq.position_start

@@ -5,6 +5,7 @@ passed over for one that has them; none has them: NOT_FOUND)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,9 @@ def test_replay_server_serves_recorded_values_or_not_found(
     a_tok, a = teacher_answer(25, seed=1)  # two copies: without sampled, then with
     b_tok, b = teacher_answer(18, seed=2)  # recorded without sampled only
     with RecordingWriter(path, INFO, top_k=K, dtype="float32") as w:
-        w.add(a_tok, a.ids, a.logprobs, None, start=0, dtype="float32")
-        w.add(b_tok, b.ids, b.logprobs, None, start=0, dtype="float32")
-        w.add(a_tok, a.ids, a.logprobs, a.sampled_logprobs, start=0, dtype="float32")
+        w.add(a_tok, replace(a, sampled_logprobs=None), dtype="float32")
+        w.add(b_tok, replace(b, sampled_logprobs=None), dtype="float32")
+        w.add(a_tok, a, dtype="float32")
     corpus = {a_tok.tobytes(): a, b_tok.tobytes(): b}
     server = teacher_factory(["--backend", "replay", "--recording", str(path)])
     with TeacherClient(server.target) as client, ReplayClient(path) as replay:
@@ -75,8 +76,8 @@ def test_replay_server_answers_a_damaged_row_with_data_loss_and_serves_the_other
     a_tok, a = teacher_answer(20, seed=3)
     b_tok, b = teacher_answer(22, seed=4)
     with RecordingWriter(path, INFO, top_k=K, dtype="float32", compression="none") as w:
-        w.add(a_tok, a.ids, a.logprobs, a.sampled_logprobs, start=0, dtype="float32")
-        w.add(b_tok, b.ids, b.logprobs, b.sampled_logprobs, start=0, dtype="float32")
+        w.add(a_tok, a, dtype="float32")
+        w.add(b_tok, b, dtype="float32")
     (shard,) = path.glob("*.arrow")
     data = bytearray(shard.read_bytes())
     data[bytes(data).index(b.logprobs.tobytes()) + 5] ^= 0x10  # one bit of row 1

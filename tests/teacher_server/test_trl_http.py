@@ -273,12 +273,14 @@ def test_trl_routes_on_replay_need_the_token(replay_with_token: ServerProcess) -
 
     server = replay_with_token
     with RecordingReader(ROOT / "tests" / "data" / "tiny_vllm_recording") as reader:
-        row = next(
-            r
-            for r in reader
-            if r.start == 0 and r.end >= len(r.token_ids) - 1 > 4 and r.sampled_logprobs is not None
+        tokens = next(
+            t
+            for t, r in reader
+            if r.position_start == 0
+            and r.position_end >= len(t) - 1 > 4
+            and r.sampled_logprobs is not None
         )
-        seq = row.token_ids.tolist()
+        seq = tokens.tolist()
     body = {"sequences": [seq], "prompt_lengths": [1], "top_logprobs": 8}
     _refused(_post(server, "/get_sequence_logprobs/", body), 401, "^authorization: ")
     _refused(_post(server, "/v1/completions", {"prompt": [seq]}), 401, "^authorization: ")

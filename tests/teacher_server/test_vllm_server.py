@@ -18,8 +18,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from devtools.tiny_model import TINY_SERVE_ARGS
 from teacher_server.validation import ParsedSequence
-from topk_protocol import RequestOptions, decode_sequence, encode_token_ids, pb, pb_grpc
-from topk_protocol.codec import DecodedSequence, concat_chunks
+from topk_protocol import (
+    RequestOptions,
+    SequenceArrays,
+    decode_sequence,
+    encode_token_ids,
+    pb,
+    pb_grpc,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -58,12 +64,10 @@ def _request(
     return req
 
 
-def _check_against_reference(
-    got: DecodedSequence, ref: DecodedSequence | object, tol: float = TOL
-) -> None:
+def _check_against_reference(got: SequenceArrays, ref: SequenceArrays, tol: float = TOL) -> None:
     """Same ids wherever neighbouring log-probs differ by more than the tolerance; log-probs
     within ``tol`` (float32)."""
-    ref_ids, ref_lp = ref.ids, ref.logprobs  # type: ignore[attr-defined]
+    ref_ids, ref_lp = ref.ids, ref.logprobs
     assert got.ids.shape == ref_ids.shape
     np.testing.assert_allclose(got.logprobs, ref_lp, atol=tol, rtol=0)
     gaps = np.abs(np.diff(ref_lp, axis=1))
@@ -91,7 +95,7 @@ def test_matches_transformers_reference(stub, reference_backend, k: int) -> None
     assert resp.final and len(resp.sequences) == len(seqs)
     for i, (seq, payload) in enumerate(zip(seqs, resp.sequences, strict=True)):
         got = decode_sequence(payload)
-        assert got.sequence_index == i and got.position_start == 0
+        assert payload.sequence_index == i and got.position_start == 0
         ref = reference_backend.score_sync(ParsedSequence(seq, 0, len(seq)), RequestOptions(k))
         _check_against_reference(got, ref)
         assert got.sampled_logprobs is not None
@@ -186,7 +190,7 @@ def test_score_stream_chunks_and_interleaves(stub) -> None:  # type: ignore[no-u
         assert [m.final for m in parts] == [False] * (len(parts) - 1) + [True], rid
     assert len(by_id["long"]) >= 8
     chunks = [decode_sequence(p) for m in by_id["long"] for p in m.sequences]
-    whole = concat_chunks(chunks)
+    whole = SequenceArrays.concat(chunks)
     unary = stub.Score(_request(long_seq, 256), timeout=120)
     ref = decode_sequence(unary.sequences[0])
     np.testing.assert_array_equal(whole.ids, ref.ids)
@@ -342,7 +346,7 @@ def test_fallback_warns_once_and_uses_vllms_way(
 ENGINE_TOL = 5e-5
 
 
-def _same_payloads(got: DecodedSequence, want: DecodedSequence, atol: float) -> None:
+def _same_payloads(got: SequenceArrays, want: SequenceArrays, atol: float) -> None:
     """Two engines' payloads of one sequence: equal up to float rounding (ids equal wherever
     neighbouring log-probs are further apart than that)."""
     assert got.position_start == want.position_start and got.ids.shape == want.ids.shape

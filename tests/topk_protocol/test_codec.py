@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from topk_protocol import (
+    SequenceArrays,
     decode_floats_into,
     decode_sequence,
     decode_token_ids,
@@ -15,20 +16,19 @@ from topk_protocol import (
     encode_token_ids,
     pb,
 )
-from topk_protocol.codec import concat_chunks
 
 SHAPES = [(0, 4), (1, 1), (1, 64), (47, 1), (47, 8), (3, 256), (129, 64)]
 DTYPES = ["float32", "float16", "bfloat16"]
 
 
-def _arrays(s: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(s: int, k: int, seed: int = 0, position_start: int = 0) -> SequenceArrays:
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 150_000, size=(s, k), dtype=np.int64)
     lp = -np.sort(rng.exponential(3.0, size=(s, k)), axis=1).astype(np.float32)
     sampled = -rng.exponential(3.0, size=s).astype(np.float32)
     if s:
         sampled[-1] = np.nan
-    return ids, lp, sampled
+    return SequenceArrays(ids, lp, sampled, position_start)
 
 
 def _expected(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -39,28 +39,28 @@ def _expected(x: np.ndarray, dtype: str) -> np.ndarray:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_round_trip_numpy(shape: tuple[int, int], dtype: str) -> None:
-    ids, lp, sampled = _arrays(*shape)
-    msg = encode_sequence(ids, lp, sampled, dtype=dtype, position_start=5, sequence_index=2)
+    a = _arrays(*shape, position_start=5)
+    msg = encode_sequence(a, dtype=dtype, sequence_index=2)
     wire = pb.SequencePayload.FromString(msg.SerializeToString())
     out = decode_sequence(wire)
     assert out.ids.shape == shape and out.ids.dtype == np.int32
-    np.testing.assert_array_equal(out.ids, ids)
+    np.testing.assert_array_equal(out.ids, a.ids)
     # Same rounding as torch's own conversion (bfloat16: round-to-nearest-even).
-    np.testing.assert_array_equal(out.logprobs, _expected(lp, dtype))
-    assert out.sampled_logprobs is not None
-    np.testing.assert_array_equal(out.sampled_logprobs, _expected(sampled, dtype))
-    assert (out.position_start, out.sequence_index) == (5, 2)
+    np.testing.assert_array_equal(out.logprobs, _expected(a.logprobs, dtype))
+    assert out.sampled_logprobs is not None and a.sampled_logprobs is not None
+    np.testing.assert_array_equal(out.sampled_logprobs, _expected(a.sampled_logprobs, dtype))
+    assert (out.position_start, wire.sequence_index) == (5, 2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_decode_floats_into_a_strided_view(shape: tuple[int, int], dtype: str) -> None:
     """The one decoder writes into a slice of a larger array (what the assembler does)."""
-    ids, lp, sampled = _arrays(*shape, seed=1)
-    msg = encode_sequence(ids, lp, sampled, dtype=dtype)
+    a = _arrays(*shape, seed=1)
+    msg = encode_sequence(a, dtype=dtype)
     big = np.full((2, shape[0] + 3, shape[1]), 7.0, np.float32)
     decode_floats_into(big[1, 2 : 2 + shape[0]], msg.logprobs, dtype_from_name(dtype), "lp")
-    np.testing.assert_array_equal(big[1, 2 : 2 + shape[0]], _expected(lp, dtype))
+    np.testing.assert_array_equal(big[1, 2 : 2 + shape[0]], _expected(a.logprobs, dtype))
     assert (
         (big[0] == 7.0).all()
         and (big[1, :2] == 7.0).all()
@@ -69,15 +69,14 @@ def test_decode_floats_into_a_strided_view(shape: tuple[int, int], dtype: str) -
 
 
 def test_payload_size_at_k64_float16() -> None:
-    ids, lp, sampled = _arrays(100, 64)
-    msg = encode_sequence(ids, lp, sampled, dtype="float16")
+    msg = encode_sequence(_arrays(100, 64), dtype="float16")
     per_position = len(msg.SerializeToString()) / 100
     assert 386 <= per_position <= 390  # 64 x (4 + 2) + 2 plus a few bytes of framing
 
 
 def test_bfloat16_rounding_and_nan() -> None:
     x = np.array([1.0, 1.00390625, 1.01171875, -0.0, np.inf, -np.inf, np.nan], np.float32)
-    msg = encode_sequence(np.zeros((1, 7), np.int32), x[None], None, dtype="bfloat16")
+    msg = encode_sequence(SequenceArrays(np.zeros((1, 7), np.int32), x[None]), dtype="bfloat16")
     got = decode_sequence(msg).logprobs[0]
     want = torch.from_numpy(x).bfloat16().float().numpy()
     np.testing.assert_array_equal(got[:-1], want[:-1])
@@ -85,8 +84,8 @@ def test_bfloat16_rounding_and_nan() -> None:
 
 
 def test_sampled_omitted() -> None:
-    ids, lp, _ = _arrays(4, 2)
-    msg = encode_sequence(ids, lp, None, dtype="float32")
+    a = _arrays(4, 2)
+    msg = encode_sequence(SequenceArrays(a.ids, a.logprobs), dtype="float32")
     assert decode_sequence(msg).sampled_logprobs is None
 
 
@@ -102,12 +101,12 @@ def test_token_ids_round_trip() -> None:
 
 
 def test_bad_messages_name_the_field() -> None:
-    ids, lp, sampled = _arrays(3, 4)
-    msg = encode_sequence(ids, lp, sampled, dtype="float16")
+    a = _arrays(3, 4)
+    msg = encode_sequence(a, dtype="float16")
     msg.num_positions = 4
     with pytest.raises(ValueError, match="ids"):
         decode_sequence(msg)
-    msg = encode_sequence(ids, lp, sampled, dtype="float16")
+    msg = encode_sequence(a, dtype="float16")
     msg.logprobs = msg.logprobs[:-2]
     with pytest.raises(ValueError, match="logprobs"):
         decode_sequence(msg)
@@ -120,16 +119,26 @@ def test_bad_messages_name_the_field() -> None:
     assert dtype_from_name(pb.LOGPROB_DTYPE_DEFAULT) == pb.LOGPROB_DTYPE_FLOAT16
 
 
-def test_concat_chunks() -> None:
-    ids, lp, sampled = _arrays(47, 8)
+def test_streamed_chunks_concat_to_the_whole() -> None:
+    whole = _arrays(47, 8)
     parts = [
-        decode_sequence(
-            encode_sequence(ids[a:b], lp[a:b], sampled[a:b], dtype="float32", position_start=a)
-        )
+        decode_sequence(encode_sequence(whole.rows(a, b), dtype="float32"))
         for a, b in [(0, 1), (1, 20), (20, 47)]
     ]
-    whole = concat_chunks(parts)
-    np.testing.assert_array_equal(whole.ids, ids)
-    np.testing.assert_array_equal(whole.logprobs, lp)
-    assert whole.sampled_logprobs is not None
-    np.testing.assert_array_equal(whole.sampled_logprobs, sampled)
+    joined = SequenceArrays.concat(parts)
+    np.testing.assert_array_equal(joined.ids, whole.ids)
+    np.testing.assert_array_equal(joined.logprobs, whole.logprobs)
+    assert joined.sampled_logprobs is not None
+    np.testing.assert_array_equal(joined.sampled_logprobs, whole.sampled_logprobs)
+
+
+def test_old_names_warn_and_still_work() -> None:
+    import topk_protocol
+    from topk_protocol import codec
+
+    for module in (topk_protocol, codec):
+        with pytest.warns(DeprecationWarning, match="use topk_protocol.SequenceArrays"):
+            assert module.DecodedSequence is SequenceArrays
+        with pytest.warns(DeprecationWarning, match="SequenceArrays.concat"):
+            concat = module.concat_chunks
+        assert len(concat([_arrays(3, 2)])) == 3

@@ -38,8 +38,8 @@ def test_student_side_imports_without_server_packages() -> None:
     """The wire code works with grpc_tools, vLLM, FastAPI and transformers unavailable."""
     code = _BLOCK_SERVER_PACKAGES + (
         "import numpy as np\n"
-        "from topk_protocol import encode_sequence, decode_sequence, pb_grpc\n"
-        "m = encode_sequence(np.zeros((2, 3), np.int32), np.zeros((2, 3)), None)\n"
+        "from topk_protocol import SequenceArrays, encode_sequence, decode_sequence, pb_grpc\n"
+        "m = encode_sequence(SequenceArrays(np.zeros((2, 3), np.int32), np.zeros((2, 3))))\n"
         "assert decode_sequence(m).ids.shape == (2, 3)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +22,26 @@ from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_ans
 from student_client.data.assembler import ResponseAssembler
 from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
 from student_client.offline.replay import ReplayClient
-from teacher_server.backends.base import ScoredSequence
 from topk_protocol import (
+    SequenceArrays,
     build_request,
     encode_sequence,
     pb,
 )
-from topk_protocol.recording import RecordingReader, RecordingWriter, sequence_key
+from topk_protocol.recording import (
+    RecordingReader,
+    RecordingWriter,
+    RowSpan,
+    cast_like_teacher,
+    sequence_key,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _record(
     path: Path, n: int, *, dtype: str = "float32", **kwargs: Any
-) -> dict[bytes, ScoredSequence]:
+) -> dict[bytes, SequenceArrays]:
     """Record n sequences (through ``write``, as the client does); returns the corpus."""
     corpus = {}
     with RecordingWriter(path, INFO, **kwargs) as w:
@@ -49,9 +56,11 @@ def _record(
                     final=True,
                     sequences=[
                         encode_sequence(
-                            live.ids[0].numpy(),
-                            live.logprobs[0].numpy(),
-                            live.sampled_logprobs[0].numpy(),  # type: ignore[index]
+                            SequenceArrays(
+                                live.ids[0].numpy(),
+                                live.logprobs[0].numpy(),
+                                live.sampled_logprobs[0].numpy(),  # type: ignore[index]
+                            ),
                             dtype=dtype,
                         )
                     ],
@@ -70,11 +79,13 @@ def test_round_trip_and_metadata(tmp_path: Path, dtype: str) -> None:
         assert r.info == INFO
         meta = json.loads((tmp_path / "rec" / "metadata.json").read_text())
         assert meta["vocab_size"] == 512 and meta["tokenizer_fingerprint"] == "ab" * 32
-        for row in r:
-            full = corpus[row.token_ids.tobytes()]
+        for tokens, row in r:
+            full = corpus[tokens.tobytes()]
             assert np.array_equal(row.ids, full.ids)
-            assert row.logprobs.dtype == (np.float16 if dtype == "float16" else np.float32)
-            assert (row.start, row.end) == (0, len(full.ids))
+            assert row.logprobs.dtype == np.float32  # the dtype's values, widened exactly
+            want = cast_like_teacher(full.logprobs, dtype).astype(np.float32)
+            assert row.logprobs.tobytes() == want.tobytes()
+            assert (row.position_start, row.position_end) == (0, len(full.ids))
 
 
 def test_flexible_replay_is_byte_identical_to_theteacher_answer(tmp_path: Path) -> None:
@@ -119,16 +130,14 @@ def test_copies_positions_and_sampled(tmp_path: Path) -> None:
     tokens, full = teacher_answer(30, seed=9)
     corpus = {tokens.tobytes(): full}
     with RecordingWriter(tmp_path / "rec", INFO, top_k=K, dtype="float32") as w:
-        assert w.add(tokens, full.ids[:10], full.logprobs[:10], None, start=0, dtype="float32")
-        assert not w.add(tokens, full.ids[2:8], full.logprobs[2:8], None, start=2, dtype="float32")
-        assert w.add(
-            tokens,
-            full.ids[5:],
-            full.logprobs[5:],
-            full.sampled_logprobs[5:],
-            start=5,
-            dtype="float32",
-        )
+        unsampled = replace(full, sampled_logprobs=None)
+        assert w.add(tokens, unsampled.rows(0, 10), dtype="float32")
+        assert not w.add(tokens, unsampled.rows(2, 8), dtype="float32")
+        assert w.add(tokens, full.rows(5, 30), dtype="float32")
+        assert w.index.rows_of(sequence_key(tokens)) == [
+            RowSpan(0, 0, 10, False),
+            RowSpan(1, 5, 30, True),
+        ]
     with ReplayClient(tmp_path / "rec") as replay:
         for pos, sampled in (((0, 10), False), ((6, 30), True), ((5, 9), True)):
             kw: dict[str, Any] = {"positions": [pos], "include_sampled": sampled}
@@ -150,16 +159,18 @@ def test_resume_appends_a_shard_and_checks_theteacher_answer(tmp_path: Path) -> 
     tokens, full = teacher_answer(12, seed=77)
     with RecordingWriter(path, INFO) as w:  # K and dtype come from metadata.json
         assert len(w) == 2 and (w.top_k, w.dtype) == (K, "float32")
-        assert w.add(
-            tokens, full.ids, full.logprobs, full.sampled_logprobs, start=0, dtype="float32"
-        )
+        assert w.add(tokens, full, dtype="float32")
         with pytest.raises(RecordingError, match="top_k: 8 is less than the recorded 16"):
-            w.add(tokens, full.ids[:, :8], full.logprobs[:, :8], None, start=0, dtype="float32")
+            w.add(tokens, full.top(8), dtype="float32")
         with pytest.raises(RecordingError, match="dtype: float16 log-probs cannot give"):
-            w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float16")
+            w.add(tokens, full, dtype="float16")
+        # One index: the resumed rows, then this session's, numbered as a reader sees them.
+        spans = [w.index.rows_of(w.index.key(i)) for i in range(3)]
     assert len(list(path.glob("*.arrow"))) == 2
     with RecordingReader(path) as r:
         assert len(r) == 3
+        assert [r.index.rows_of(r.key(i)) for i in range(3)] == spans
+        assert spans[2] == [RowSpan(2, 0, 12, True)]
     other = pb.TeacherInfo()
     other.CopyFrom(INFO)
     other.vocab_size = 320
@@ -216,10 +227,7 @@ def test_plain_pyarrow_and_datasets_read_what_the_project_decodes(
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     with RecordingReader(path) as r:
-        mine = [
-            [row.token_ids.tolist(), row.ids.tolist(), row.logprobs.astype(np.float32).tolist()]
-            for row in r
-        ]
+        mine = [[t.tolist(), row.ids.tolist(), row.logprobs.tolist()] for t, row in r]
     assert len(mine) == 3
     assert got["pyarrow"] == mine
     assert got["datasets"] == mine
@@ -230,7 +238,7 @@ _KILLED_WRITER = textwrap.dedent(
     import sys, time
     import numpy as np
     from topk_protocol.recording import RecordingWriter
-    from topk_protocol import pb
+    from topk_protocol import SequenceArrays, pb
     info = pb.TeacherInfo(model_name="fake", vocab_size=512, max_top_k=64, schema_version=1)
     w = RecordingWriter(sys.argv[1], info, top_k=4, dtype="float16", flush_interval_s=0.2)
     rng = np.random.default_rng(0)
@@ -241,7 +249,7 @@ _KILLED_WRITER = textwrap.dedent(
         tok[0] = i // 512
         ids = np.tile(np.arange(4, dtype=np.int32), (n, 1)) + i % 100
         lps = -np.sort(rng.exponential(2.0, (n, 4)).astype(np.float32), axis=1)
-        w.add(tok, ids, lps, lps[:, 0], start=0, dtype="float32")
+        w.add(tok, SequenceArrays(ids, lps, lps[:, 0]), dtype="float32")
         # row i is added (it reaches the file at the next flush); rows_written are on disk
         print(i, w.rows_written, flush=True)
         i += 1
@@ -278,14 +286,15 @@ def test_a_sigkilled_writer_loses_at_most_the_last_flush_interval(tmp_path: Path
         n = len(r)
         assert 0 < flushed <= n <= added_before_kill
         # Every kept row is byte-identical to what was written, in order.
-        for i, row in enumerate(r):
+        for i, (tokens, row) in enumerate(r):
             m = 3 + i % 20
             lps = -np.sort(rng.exponential(2.0, (m, 4)).astype(np.float32), axis=1)
-            assert row.logprobs.tobytes() == lps.astype(np.float16).tobytes()
+            f16 = lps.astype(np.float16).astype(np.float32)  # stored float16, read widened
+            assert row.logprobs.tobytes() == f16.tobytes()
             assert row.sampled_logprobs is not None
-            assert row.sampled_logprobs.tobytes() == lps[:, 0].astype(np.float16).tobytes()
+            assert row.sampled_logprobs.tobytes() == f16[:, 0].tobytes()
             assert row.ids.tolist() == (np.tile(np.arange(4), (m, 1)) + i % 100).tolist()
-            assert row.token_ids[0] == i // 512
+            assert tokens[0] == i // 512
         print(f"kept {n} of {added_before_kill} rows added ({flushed} known flushed); {r.skipped}")
     # Rows added more than a flush interval (0.2 s) before the kill were flushed: the
     # writer added about one row per 2-3 ms, so at most ~0.6 s of rows may be missing.
@@ -298,7 +307,7 @@ def test_truncated_last_batch_is_skipped_and_reported(tmp_path: Path) -> None:
     with RecordingWriter(path, INFO, flush_interval_s=1000) as w:
         for i in range(2):
             tokens, full = teacher_answer(40, seed=100 + i)
-            w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
+            w.add(tokens, replace(full, sampled_logprobs=None), dtype="float32")
             w.flush()
     shard = sorted(path.glob("*.arrow"))[-1]
     data = shard.read_bytes()
@@ -328,13 +337,13 @@ _STUDENT_ONLY = textwrap.dedent(
     import numpy as np
     from topk_protocol.recording import RecordingWriter
     from student_client.offline.replay import ReplayClient
-    from topk_protocol import pb
+    from topk_protocol import SequenceArrays, pb
     info = pb.TeacherInfo(model_name="m", vocab_size=512, max_top_k=64, schema_version=1)
     rng = np.random.default_rng(0)
     with RecordingWriter(sys.argv[1], info, top_k=8, dtype="float32") as w:
         ids = np.argsort(rng.random((9, 512)), 1)[:, :8]
         lps = -np.sort(rng.exponential(2, (9, 8)).astype(np.float32), 1)
-        w.add(np.arange(9), ids, lps, None, start=0, dtype="float32")
+        w.add(np.arange(9), SequenceArrays(ids, lps), dtype="float32")
     with ReplayClient(sys.argv[1]) as c:
         p = c.score([np.arange(9)], 4, dtype="bfloat16", include_sampled=False)
     print(tuple(p.ids.shape), p.dtype)

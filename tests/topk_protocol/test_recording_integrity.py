@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +16,17 @@ from recording_fakes import INFO, K, teacher_answer
 
 from student_client.errors import DataLossError, RecordingDamagedError, RecordingError
 from student_client.offline.replay import ReplayClient
+from topk_protocol import SequenceArrays
 from topk_protocol.integrity import CHECKSUM_COLUMN
 from topk_protocol.recording import (
     METADATA_FILE,
-    RecordedSequence,
     RecordingReader,
     RecordingWriter,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "tiny_vllm_recording"  # written before checksums
+CHECKSUMMED = ROOT / "tests" / "data" / "checksummed_recording"
 
 
 def _write(path: Path, compression: str, dtype: str = "float16", n: int = 6) -> None:
@@ -34,22 +37,21 @@ def _write(path: Path, compression: str, dtype: str = "float16", n: int = 6) -> 
         for i in range(n):
             tokens, s = teacher_answer(9 + 5 * i, seed=50 + i)
             a = i % 3  # rows [a, L) of the sequence
-            sp = s.sampled_logprobs[a:] if i % 2 else None
-            w.add(tokens, s.ids[a:], s.logprobs[a:], sp, start=a, dtype="float32")
+            row = s.rows(a, len(s))
+            w.add(tokens, row if i % 2 else replace(row, sampled_logprobs=None), dtype="float32")
             if i == n // 2:
                 w.flush()
 
 
 def _snapshot(r: RecordingReader) -> dict[bytes, tuple[bytes, ...]]:
     """token ids -> the bytes of everything a row serves."""
-    return {row.token_ids.tobytes(): _row_bytes(row) for row in r}
+    return {tokens.tobytes(): _row_bytes(row) for tokens, row in r}
 
 
-def _row_bytes(row: RecordedSequence) -> tuple[bytes, ...]:
+def _row_bytes(row: SequenceArrays) -> tuple[bytes, ...]:
     sp = b"-" if row.sampled_logprobs is None else row.sampled_logprobs.tobytes()
     return (
-        row.token_ids.tobytes(),
-        np.array([row.start, row.end]).tobytes(),
+        np.array([row.position_start, row.position_end]).tobytes(),
         row.ids.tobytes(),
         str(row.logprobs.dtype).encode(),
         row.logprobs.tobytes(),
@@ -94,8 +96,12 @@ def test_every_flipped_byte_gives_a_typed_error_or_the_intact_rows(
         assert r.damaged == [] and r.unverified == [] and len(r) == 6
         want = _snapshot(r)
         spans = {
-            row.token_ids.tobytes(): (row.start, row.end, row.sampled_logprobs is not None)
-            for row in r
+            tokens.tobytes(): (
+                row.position_start,
+                row.position_end,
+                row.sampled_logprobs is not None,
+            )
+            for tokens, row in r
         }
     work = tmp_path / "work"
     shutil.copytree(clean, work)
@@ -186,8 +192,8 @@ def test_a_damaged_row_is_a_typed_error_naming_the_shard_and_row_others_replay(
     _write(path, "none")
     with RecordingReader(path) as r:
         rows = list(r)
-        target = rows[4]
-        victim = r.row(4).logprobs.tobytes()
+        target_tokens, target = rows[4]
+        victim = target.logprobs.astype(np.float16).tobytes()  # as the shard stores it
     (shard,) = sorted(path.glob("*.arrow"))
     data = bytearray(shard.read_bytes())
     at = bytes(data).index(victim)
@@ -197,12 +203,18 @@ def test_a_damaged_row_is_a_typed_error_naming_the_shard_and_row_others_replay(
         assert r.verify() and all(e.row == 4 for e in r.verify())
         with pytest.raises(RecordingDamagedError, match=rf"{shard.name}: row 4: checksum") as e:
             replay.score(
-                [target.token_ids], K, positions=[(target.start, target.end)], include_sampled=False
+                [target_tokens],
+                K,
+                positions=[(target.position_start, target.position_end)],
+                include_sampled=False,
             )
         assert isinstance(e.value, DataLossError) and e.value.path == shard
-        for row in rows[:4]:  # the intact rows still replay
+        for tokens, row in rows[:4]:  # the intact rows still replay
             p = replay.score(
-                [row.token_ids], K, positions=[(row.start, row.end)], include_sampled=False
+                [tokens],
+                K,
+                positions=[(row.position_start, row.position_end)],
+                include_sampled=False,
             )
             assert np.array_equal(p.ids[0].numpy(), row.ids)
 
@@ -246,3 +258,24 @@ def test_checksums_are_a_column_plain_readers_see(tmp_path: Path) -> None:
     table = pa.ipc.open_stream(str(shard)).read_all()
     assert table.column(CHECKSUM_COLUMN).type == pa.uint32()
     assert json.loads(table.schema.metadata[b"topk_distill"])["vocab_size"] == INFO.vocab_size
+
+
+def test_a_checksummed_recording_of_the_previous_writer_still_verifies() -> None:
+    """Written (K 4, float16, zstd) by the writer before ``SequenceArrays`` listed the
+    array columns generically: its row checksums still match, and its rows read back as
+    the values it was given (sequence ``i``: ``teacher_answer(5 + 3 i, seed=200 + i)``,
+    rows ``[i % 2, L)``, sampled log-probs on even rows)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = RecordingReader(CHECKSUMMED)
+    with r:
+        assert r.verify() == [] and r.unverified == [] and len(r) == 4
+        for i, (tokens, row) in enumerate(r):
+            want_tokens, full = teacher_answer(5 + 3 * i, seed=200 + i)
+            want = full.rows(i % 2, len(full)).top(4)
+            assert np.array_equal(tokens, want_tokens)
+            assert (row.position_start, row.position_end) == (want.position_start, len(full))
+            assert np.array_equal(row.ids, want.ids)
+            f16 = want.logprobs.astype(np.float16).astype(np.float32)
+            assert row.logprobs.tobytes() == f16.tobytes()
+            assert (row.sampled_logprobs is not None) == (i % 2 == 0)

@@ -7,7 +7,7 @@ no other code)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +33,9 @@ def _answer(
 ) -> tuple[pb.ScoreRequest, pb.ScoreResponse]:
     _, scored = teacher_answer(len(tokens), seed=int(tokens[0]))
     req = build_request([tokens], options)
-    sampled = scored.sampled_logprobs if options.include_sampled else None
-    payload = encode_sequence(scored.ids, scored.logprobs, sampled, dtype=options.dtype)
+    if not options.include_sampled:
+        scored = replace(scored, sampled_logprobs=None)
+    payload = encode_sequence(scored, dtype=options.dtype)
     return req, pb.ScoreResponse(final=True, sequences=[payload])
 
 
@@ -52,9 +53,15 @@ def test_what_a_recording_answers_and_the_message_naming_what_not(tmp_path: Path
     with RecordingReader(tmp_path / "r") as reader:
         keys = [(s.tobytes(), 1, len(s)) for s in seqs]
         rows = find_rows(reader, keys, RequestOptions(4, "float16"), "rec")
-        ids, lps, sampled = recorded_arrays(rows[0], 1, len(seqs[0]), RequestOptions(4))
-        assert ids.shape == (len(seqs[0]) - 1, 4) and lps.dtype == np.float32
-        assert sampled is not None and sampled.shape == (len(seqs[0]) - 1,)
+        got = recorded_arrays(rows[0], 1, len(seqs[0]), RequestOptions(4))
+        assert got.ids.shape == (len(seqs[0]) - 1, 4) and got.logprobs.dtype == np.float32
+        assert got.sampled_logprobs is not None
+        assert got.sampled_logprobs.shape == (len(seqs[0]) - 1,)
+        assert got.position_start == 1
+        unasked = recorded_arrays(rows[0], 1, 3, RequestOptions(2, include_sampled=False))
+        assert unasked.sampled_logprobs is None and unasked.ids.shape == (2, 2)
+        empty = recorded_arrays(None, 4, 4, RequestOptions(3))
+        assert empty.ids.shape == (0, 3) and empty.position_start == 4
         assert find_rows(reader, [(seqs[0].tobytes(), 2, 2)], RequestOptions(4), "rec") == [None]
         unknown = np.array([1, 2, 3], np.int32)
         with pytest.raises(NotRecordedError) as e:

@@ -23,10 +23,10 @@ from student_client.data.alignment import PaddedLayout
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 from student_client.errors import DeadlineExceededError, InvalidRequestError
-from teacher_server.backends.base import Backend, BackendInfo, ScoredSequence
+from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence
-from topk_protocol import RequestOptions
+from topk_protocol import RequestOptions, SequenceArrays
 
 
 class EchoBackend(Backend):
@@ -37,14 +37,14 @@ class EchoBackend(Backend):
         self.info = BackendInfo("echo", 512, "f" * 64, 64, 0, "echo")
         self.received: list[tuple[float, int]] = []  # (time, x[0]) per sequence
 
-    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> ScoredSequence:
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         token_ids = sequence.token_ids
         self.received.append((time.monotonic(), int(token_ids[0])))
         await asyncio.sleep(int(token_ids[0]) / 1000)
         return expected_rows(np.asarray(token_ids), options.top_k, sequence.start, sequence.end)
 
 
-def expected_rows(x: npt.NDArray[np.int64], k: int, start: int, end: int) -> ScoredSequence:
+def expected_rows(x: npt.NDArray[np.int64], k: int, start: int, end: int) -> SequenceArrays:
     t = x[start:end].astype(np.int64)
     ids = ((t[:, None] + np.arange(k)[None, :]) % 512).astype(np.int32)
     lps = (-(np.arange(k)[None, :] + 1.0) - t[:, None] / 1000).astype(np.float32)
@@ -52,7 +52,7 @@ def expected_rows(x: npt.NDArray[np.int64], k: int, start: int, end: int) -> Sco
     sampled = (-nxt / 100).astype(np.float32)
     if end == len(x) and end > start:
         sampled[-1] = np.nan
-    return ScoredSequence(ids, lps, sampled, start)
+    return SequenceArrays(ids, lps, sampled, start)
 
 
 class InProcessTeacher:

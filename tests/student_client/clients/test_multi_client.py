@@ -405,18 +405,17 @@ def test_multi_teacher_recording_replays_byte_identically(
     ds = PayloadDataset(rec, include_sampled=True)
     assert ds.teachers == ["vllm", "other"] and len(ds) == len(rows)
     for i in range(len(ds)):
-        tokens, item = ds[i]
+        item = ds[i]
         assert item.teacher is not None
-        want = rows[(item.teacher, tokens.numpy().astype("<i4").tobytes())]
+        want = rows[(item.teacher, item.token_ids.numpy().astype("<i4").tobytes())]
         n = int(want.lengths[0])
-        assert torch.equal(item.ids, want.ids[0, :n])
-        assert torch.equal(item.logprobs.view(torch.int32), want.logprobs[0, :n].view(torch.int32))
-        assert want.sampled_logprobs is not None and item.sampled_logprobs is not None
-        assert torch.equal(
-            item.sampled_logprobs.view(torch.int32), want.sampled_logprobs[0, :n].view(torch.int32)
-        )
+        got = item.arrays
+        assert np.array_equal(got.ids, want.ids[0, :n].numpy())
+        assert got.logprobs.tobytes() == want.logprobs[0, :n].numpy().tobytes()
+        assert want.sampled_logprobs is not None and got.sampled_logprobs is not None
+        assert got.sampled_logprobs.tobytes() == want.sampled_logprobs[0, :n].numpy().tobytes()
     collated = collate_payloads([ds[i] for i in range(len(ds))])
-    assert collated.teachers == tuple(ds[i][1].teacher for i in range(len(ds)))
+    assert collated.teachers == tuple(ds[i].teacher for i in range(len(ds)))
 
     # One teacher of the recording: as a single-teacher replay, and served by the server.
     seqs = [s for b in batches for s, t in zip(b.sequences, b.teacher, strict=True) if t == "other"]
@@ -449,10 +448,10 @@ def test_multi_teacher_recording_replays_byte_identically(
     by_cli = PayloadDataset(tmp_path / "cli", include_sampled=True)
     assert len(by_cli) == len(rows)
     for i in range(len(by_cli)):
-        tokens, item = by_cli[i]
+        item = by_cli[i]
         assert item.teacher is not None
-        want = rows[(item.teacher, tokens.numpy().astype("<i4").tobytes())]
-        assert torch.equal(item.logprobs.view(torch.int32), want.logprobs[0].view(torch.int32))
+        want = rows[(item.teacher, item.token_ids.numpy().astype("<i4").tobytes())]
+        assert item.arrays.logprobs.tobytes() == want.logprobs[0].numpy().tobytes()
     assert record_main(cli) == 0  # resumes: nothing left to score
 
 

@@ -12,24 +12,23 @@ from student_client.errors import (
     InvalidRequestError,
     TeacherError,
 )
-from teacher_server.backends.base import ScoredSequence
 from teacher_server.payloads import encode_scored, iter_stream_responses
-from topk_protocol import RequestOptions, build_request, pb, request_spans
+from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
 
 
-def _scored(rng: np.random.Generator, n: int, k: int, start: int, last: bool) -> ScoredSequence:
+def _scored(rng: np.random.Generator, n: int, k: int, start: int, last: bool) -> SequenceArrays:
     """Random rows sorted descending, with a NaN sampled log-prob at the sequence end."""
     ids = np.argsort(rng.random((n, 512)), axis=1)[:, :k].astype(np.int32)
     lps = -np.sort(rng.exponential(2.0, size=(n, k)).astype(np.float32), axis=1)
     sampled = -rng.exponential(3.0, size=n).astype(np.float32)
     if last and n:
         sampled[-1] = np.nan
-    return ScoredSequence(ids, lps, sampled, start)
+    return SequenceArrays(ids, lps, sampled, start)
 
 
 def _case(
     lengths: list[int], spans: list[tuple[int, int]], k: int, seed: int = 0
-) -> tuple[list[list[int]], list[ScoredSequence]]:
+) -> tuple[list[list[int]], list[SequenceArrays]]:
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(0, 512, size=n).tolist() for n in lengths]
     scored = [
@@ -188,7 +187,7 @@ def test_build_request_rejects_bad_input(kwargs: dict[str, object], field: str) 
     assert isinstance(e.value, ValueError)
 
 
-def _one_chunk(req: pb.ScoreRequest, scored: list[ScoredSequence]) -> pb.ScoreResponse:
+def _one_chunk(req: pb.ScoreRequest, scored: list[SequenceArrays]) -> pb.ScoreResponse:
     return next(
         iter_stream_responses(
             req.request_id,
@@ -210,7 +209,7 @@ def test_answer_that_contradicts_the_request_is_refused() -> None:
     with pytest.raises(TeacherError, match="starts at position 0, expected 1"):
         ResponseAssembler(req).add(_one_chunk(req, scored))
     # Missing rows at the final message.
-    short = [ScoredSequence(s.ids[:3], s.logprobs[:3], s.sampled_logprobs[:3], 0) for s in scored]
+    short = [s.rows(0, 3) for s in scored]
     req = build_request(seqs, 4)
     with pytest.raises(TeacherError, match="got 3 rows, expected 5"):
         ResponseAssembler(req).add(_one_chunk(req, short))

@@ -4,6 +4,7 @@ worker processes sees every row once per epoch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from student_client.errors import NotRecordedError
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
+from topk_protocol import SequenceArrays
 from topk_protocol.recording import RecordingWriter
 
 
@@ -25,14 +27,7 @@ def recording(tmp_path: Path) -> Path:
         for i in range(12):
             tokens, full = teacher_answer(4 + 3 * i, seed=i)
             s = i % 3  # some rows start later than position 0
-            w.add(
-                tokens,
-                full.ids[s:],
-                full.logprobs[s:],
-                full.sampled_logprobs[s:],
-                start=s,
-                dtype="float32",
-            )
+            w.add(tokens, full.rows(s, len(full)), dtype="float32")
     return path
 
 
@@ -43,8 +38,8 @@ def test_collated_batches_equal_the_replayed_payloads(recording: Path, k: int, d
     order = [7, 2, 11, 0]
     batch = collate_payloads([ds[i] for i in order])
     with ReplayClient(recording) as replay:
-        seqs = [ds[i][0] for i in order]
-        starts = [ds[i][1].position_start for i in order]
+        seqs = [ds[i].token_ids for i in order]
+        starts = [ds[i].arrays.position_start for i in order]
         want = replay.score(
             seqs, k, dtype=dtype, positions=[(s, len(t)) for s, t in zip(starts, seqs, strict=True)]
         )
@@ -78,7 +73,7 @@ def test_dataloader_shuffles_with_two_workers(recording: Path) -> None:
                 n = int(batch.attention_mask[b].sum())
                 seen.append(tuple(batch.token_ids[b, :n].tolist()))
             assert batch.payload.sampled_logprobs is None
-        assert sorted(seen) == sorted(tuple(ds[i][0].tolist()) for i in range(len(ds)))
+        assert sorted(seen) == sorted(tuple(ds[i].token_ids.tolist()) for i in range(len(ds)))
 
 
 def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
@@ -87,11 +82,24 @@ def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
     path = tmp_path / "f16"
     tokens, full = teacher_answer(6, seed=1)
     with RecordingWriter(path, INFO, top_k=K, dtype="float16") as w:
-        w.add(tokens, full.ids, full.logprobs, None, start=0, dtype="float32")
+        w.add(tokens, replace(full, sampled_logprobs=None), dtype="float32")
     with pytest.raises(
         NotRecordedError, match="holds float16 log-probs, which do not give the teacher's float32"
     ):
         PayloadDataset(path, dtype="float32")
     with pytest.raises(NotRecordedError, match="row 0: sampled log-probs are not recorded"):
         PayloadDataset(path, include_sampled=True)[0]
-    assert np.array_equal(PayloadDataset(path)[0][1].ids.numpy(), full.ids)
+    assert np.array_equal(PayloadDataset(path)[0].arrays.ids, full.ids)
+
+
+def test_items_are_sequence_arrays_and_the_old_name_warns(recording: Path) -> None:
+    import student_client.offline.dataset as dataset
+
+    item = PayloadDataset(recording, top_k=3, dtype="float16")[5]
+    assert isinstance(item.arrays, SequenceArrays) and item.arrays.top_k == 3
+    assert (item.dtype, item.teacher, item.arrays.sampled_logprobs) == ("float16", None, None)
+    assert len(item.token_ids) == 4 + 3 * 5 and item.arrays.position_end == len(item.token_ids)
+    f16 = item.arrays.logprobs.astype(np.float16).astype(np.float32)
+    assert item.arrays.logprobs.tobytes() == f16.tobytes()  # the float16 values, widened
+    with pytest.warns(DeprecationWarning, match="use topk_protocol.SequenceArrays"):
+        assert dataset.SequencePayload is SequenceArrays

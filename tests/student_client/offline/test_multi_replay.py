@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.clients.routing import merge_payloads
@@ -30,8 +29,7 @@ def _record(root: Path) -> tuple[list[np.ndarray], dict[str, dict[bytes, object]
                 tokens, _ = teacher_answer(n, i)  # the same sequences for both teachers
                 _, answer = teacher_answer(n, seed + i)  # different answers
                 corpus[tokens.tobytes()] = answer
-                w.add(tokens, answer.ids, answer.logprobs, answer.sampled_logprobs,
-                      start=0, dtype="float32")  # fmt: skip
+                w.add(tokens, answer, dtype="float32")
                 if name == "code":
                     seqs.append(tokens)
         corpora[name] = corpus
@@ -58,11 +56,11 @@ def test_routed_replay_and_teacher_column(tmp_path: Path) -> None:
             replay.score(seqs[:1], K, teacher="math")
     ds = PayloadDataset(tmp_path)
     assert ds.teachers == ["code", "docs"] and len(ds) == 6
-    names = [ds[i][1].teacher for i in range(len(ds))]
+    names = [ds[i].teacher for i in range(len(ds))]
     assert names == ["code"] * 3 + ["docs"] * 3
-    tokens, item = ds[4]
-    answer = corpora["docs"][tokens.numpy().astype(np.int32).tobytes()]
-    assert torch.equal(item.ids, torch.from_numpy(answer.ids.astype(np.int64)))  # type: ignore[attr-defined]
+    item = ds[4]
+    answer = corpora["docs"][item.token_ids.numpy().astype(np.int32).tobytes()]
+    assert np.array_equal(item.arrays.ids, answer.ids)  # type: ignore[attr-defined]
     with ReplayClient(tmp_path, teacher="docs") as one:
         single = one.score(seqs[:2], K)
     assert_bit_equal(single, live_payload(corpora["docs"], seqs[:2], K))  # type: ignore[arg-type]

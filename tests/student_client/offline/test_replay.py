@@ -35,8 +35,8 @@ pytestmark = pytest.mark.vllm
 def _fixture_rows() -> list[tuple[np.ndarray, int, int, bool]]:
     with RecordingReader(FIXTURE) as r:
         return [
-            (row.token_ids.copy(), row.start, row.end, row.sampled_logprobs is not None)
-            for row in r
+            (t.copy(), row.position_start, row.position_end, row.sampled_logprobs is not None)
+            for t, row in r
         ]
 
 

@@ -120,14 +120,16 @@ def test_array_path_matches_flat_path_and_reference(
     ref = topk_from_logprobs(dense, x, k)
     for a, b in ranges:
         got = va.payload_from_output(arr, length, k, a, b)
-        want = VLLMBackend._to_payload(flat, x, k, a, b, 0.0)
-        assert got[0].dtype == np.int32 and got[1].dtype == got[2].dtype == np.float32
-        np.testing.assert_array_equal(got[0], want.ids)
-        np.testing.assert_array_equal(got[1], want.logprobs)
-        np.testing.assert_array_equal(got[2], want.sampled_logprobs)  # NaN at L-1 in both
-        np.testing.assert_array_equal(got[0], ref.ids[a:b])
-        np.testing.assert_array_equal(got[1], ref.logprobs[a:b])
-        np.testing.assert_array_equal(got[2], ref.sampled_logprobs[a:b])
+        want = VLLMBackend._to_payload(flat, x, k, a, b)
+        assert got.position_start == want.position_start == a and len(got) == b - a
+        assert got.sampled_logprobs is not None and want.sampled_logprobs is not None
+        assert ref.sampled_logprobs is not None
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.logprobs, want.logprobs)
+        np.testing.assert_array_equal(got.sampled_logprobs, want.sampled_logprobs)  # NaN at L-1
+        np.testing.assert_array_equal(got.ids, ref.ids[a:b])
+        np.testing.assert_array_equal(got.logprobs, ref.logprobs[a:b])
+        np.testing.assert_array_equal(got.sampled_logprobs, ref.sampled_logprobs[a:b])
 
 
 def test_unsorted_and_tied_rows_are_sorted_like_the_flat_path() -> None:
@@ -144,10 +146,11 @@ def test_unsorted_and_tied_rows_are_sorted_like_the_flat_path() -> None:
     flat_lps = np.concatenate([lps.ravel(), sample_lps[0, :cnt]]).tolist()
     starts = list(range(0, (rows + 1) * cnt, cnt))
     want = flat_to_topk(flat_ids, flat_lps, starts, [s + cnt for s in starts], k)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-    np.testing.assert_array_equal(got[2][:-1], want[2][:-1])
-    assert np.all(np.diff(got[1], axis=1) <= 0)
+    np.testing.assert_array_equal(got.ids, want.ids)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    assert got.sampled_logprobs is not None and want.sampled_logprobs is not None
+    np.testing.assert_array_equal(got.sampled_logprobs[:-1], want.sampled_logprobs[:-1])
+    assert np.all(np.diff(got.logprobs, axis=1) <= 0)
 
 
 def test_malformed_rows_are_refused() -> None:

@@ -1,0 +1,197 @@
+"""``SequenceArrays``: one sequence's payload rows, the one type every layer hands on.
+
+The teacher's backends return it, the codec encodes and decodes it, a recording writes
+and reads it, replay and the payload dataset serve it. Row ``j`` is position
+``position_start + j``; every array field is either ``[S, K]`` (a column per top-k entry,
+cut by :meth:`SequenceArrays.top`) or ``[S]`` (one value per row). The methods that cut,
+join and build arrays go over the fields generically (:data:`ARRAY_FIELDS`), so a new
+per-row field is declared here once and carried through every slice, join and empty
+answer without further code. A new field goes after ``position_start``, with a default
+(None for an optional one), so that positional construction keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from itertools import pairwise
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ARRAY_FIELDS", "ArrayField", "SequenceArrays"]
+
+
+@dataclass(frozen=True)
+class ArrayField:
+    """How one array field of :class:`SequenceArrays` is shaped: ``columns`` True for
+    ``[S, K]``, False for ``[S]``; ``dtype`` its numpy dtype; ``optional``: may be None."""
+
+    name: str
+    dtype: type[np.generic]
+    columns: bool
+    optional: bool
+
+
+def _array(dtype: type[np.generic], columns: bool, optional: bool = False) -> dict[str, Any]:
+    """The metadata of a dataclass field holding an array of :class:`SequenceArrays`."""
+    return {"array": (dtype, columns, optional)}
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceArrays:
+    """Top-k payload of positions ``[position_start, position_start + S)`` of one sequence.
+
+    Attributes:
+        ids: ``[S, K]`` int32 token ids, each row sorted by log-prob, descending.
+        logprobs: ``[S, K]`` float32 log-probs (float16 / bfloat16 values widened exactly).
+        sampled_logprobs: ``[S]`` float32, log p(x[t+1] | x[..t]), NaN at the last
+            position of the sequence; None when not computed or not asked for.
+        position_start: the absolute position of row 0 (>= 0).
+
+    Arrays are converted to their dtypes when built (no copy when they already have
+    them) and their shapes checked here, once: a bad one raises ``ValueError`` naming the
+    field. Arrays may be read-only views (of a wire buffer or a memory-mapped recording);
+    treat them as immutable. Compared by identity (``==`` on arrays is element-wise).
+    """
+
+    ids: npt.NDArray[np.int32] = field(metadata=_array(np.int32, columns=True))
+    logprobs: npt.NDArray[np.float32] = field(metadata=_array(np.float32, columns=True))
+    sampled_logprobs: npt.NDArray[np.float32] | None = field(
+        default=None, metadata=_array(np.float32, columns=False, optional=True)
+    )
+    position_start: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            start = operator.index(self.position_start)
+        except TypeError:
+            raise ValueError(
+                f"position_start: expected an int, got {type(self.position_start).__name__}"
+            ) from None
+        if start < 0:
+            raise ValueError(f"position_start: must be >= 0, got {start}")
+        object.__setattr__(self, "position_start", start)
+        ids = np.asarray(self.ids, dtype=np.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"ids: expected [S, K], got shape {ids.shape}")
+        for f in ARRAY_FIELDS:
+            value = getattr(self, f.name)
+            if value is None:
+                if not f.optional:
+                    raise ValueError(f"{f.name}: required, got None")
+                continue
+            arr = np.asarray(value, dtype=f.dtype)
+            want = ids.shape if f.columns else ids.shape[:1]
+            if arr.shape != want:
+                shape = "[S, K]" if f.columns else "[S]"
+                raise ValueError(
+                    f"{f.name}: expected shape {shape} = {want} (the shape of ids), got {arr.shape}"
+                )
+            object.__setattr__(self, f.name, arr)
+
+    # -- shape ------------------------------------------------------------------------
+    @property
+    def num_positions(self) -> int:
+        """``S``: rows (positions)."""
+        return int(self.ids.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        """``K``: columns."""
+        return int(self.ids.shape[1])
+
+    @property
+    def position_end(self) -> int:
+        """The position after the last row (``position_start + S``)."""
+        return self.position_start + self.num_positions
+
+    def __len__(self) -> int:
+        return self.num_positions
+
+    def __repr__(self) -> str:
+        present = [f.name for f in ARRAY_FIELDS if getattr(self, f.name) is not None]
+        return (
+            f"SequenceArrays(positions=[{self.position_start}, {self.position_end}), "
+            f"top_k={self.top_k}, fields={present})"
+        )
+
+    # -- cut, join, build -------------------------------------------------------------
+    def rows(self, start: int, stop: int) -> SequenceArrays:
+        """Rows ``[start, stop)`` (relative to row 0; views, no copy), ``position_start``
+        moved with them. Raises ``ValueError`` unless ``0 <= start <= stop <= S``."""
+        if not 0 <= start <= stop <= self.num_positions:
+            raise ValueError(f"rows: [{start}, {stop}) is not inside [0, {self.num_positions})")
+        return self._map(lambda a, _: a[start:stop], self.position_start + start)
+
+    def positions(self, start: int, end: int) -> SequenceArrays:
+        """The rows of absolute positions ``[start, end)``, which must lie inside
+        ``[position_start, position_end)`` (``ValueError`` otherwise)."""
+        if not self.position_start <= start <= end <= self.position_end:
+            raise ValueError(
+                f"positions: [{start}, {end}) is not inside the rows' "
+                f"[{self.position_start}, {self.position_end})"
+            )
+        return self.rows(start - self.position_start, end - self.position_start)
+
+    def top(self, k: int) -> SequenceArrays:
+        """The first ``k`` columns of every ``[S, K]`` field (rows are sorted, so this is
+        the top-k; views, no copy). Raises ``ValueError`` unless ``1 <= k <= K``."""
+        if not 1 <= k <= self.top_k:
+            raise ValueError(f"top_k: {k} is not in [1, {self.top_k}]")
+        if k == self.top_k:
+            return self
+        return self._map(lambda a, f: a[:, :k] if f.columns else a, self.position_start)
+
+    def _map(self, fn: Any, position_start: int) -> SequenceArrays:
+        """Apply ``fn(array, field)`` to every present array field."""
+        changed = {
+            f.name: fn(getattr(self, f.name), f)
+            for f in ARRAY_FIELDS
+            if getattr(self, f.name) is not None
+        }
+        return replace(self, position_start=position_start, **changed)
+
+    @classmethod
+    def concat(cls, parts: Sequence[SequenceArrays]) -> SequenceArrays:
+        """Join consecutive row chunks of one sequence, in order (e.g. a streamed answer).
+
+        Each part must start where the one before ends and have the same K; an optional
+        field is kept only when every part has it. ``ValueError`` names what differs.
+        """
+        if not parts:
+            raise ValueError("parts: need at least one chunk")
+        first = parts[0]
+        for i, (a, b) in enumerate(pairwise(parts), start=1):
+            if b.position_start != a.position_end:
+                raise ValueError(
+                    f"parts[{i}]: starts at position {b.position_start}, the part before "
+                    f"ends at {a.position_end}"
+                )
+            if b.top_k != first.top_k:
+                raise ValueError(f"parts[{i}]: top_k {b.top_k}, parts[0] has {first.top_k}")
+        if len(parts) == 1:
+            return first
+        joined: dict[str, Any] = {}
+        for f in ARRAY_FIELDS:
+            arrays = [getattr(p, f.name) for p in parts]
+            joined[f.name] = None if any(a is None for a in arrays) else np.concatenate(arrays)
+        return cls(**joined, position_start=first.position_start)
+
+    @classmethod
+    def empty(cls, top_k: int, position_start: int = 0) -> SequenceArrays:
+        """No rows (``S = 0``), every field present: the answer to an empty range."""
+        return cls(
+            **{f.name: np.zeros((0, top_k) if f.columns else (0,), f.dtype) for f in ARRAY_FIELDS},
+            position_start=position_start,
+        )
+
+
+#: The array fields of :class:`SequenceArrays`, in declaration order.
+ARRAY_FIELDS: Final[tuple[ArrayField, ...]] = tuple(
+    ArrayField(f.name, *f.metadata["array"])
+    for f in fields(SequenceArrays)
+    if "array" in f.metadata
+)

@@ -1,0 +1,354 @@
+"""Write a recording: scored sequences appended as Arrow record batches, crash-safe.
+
+The writer buffers rows and writes them as one record batch every ``flush_interval_s``
+seconds (a background thread flushes even when no new row comes), so a killed writer
+loses at most that interval's rows; the reader keeps every complete batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+from google.protobuf import json_format
+
+from topk_protocol import (
+    RequestOptions,
+    decode_sequence,
+    dtype_from_name,
+    dtype_name,
+    pb,
+    request_spans,
+    teacher_temperature,
+)
+from topk_protocol._closeable import Closeable
+from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
+from topk_protocol.errors import RecordingError
+from topk_protocol.recording.format import (
+    COMPRESSIONS,
+    DEFAULT_FLUSH_INTERVAL_S,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    SHARD_SUFFIX,
+    can_serve_dtype,
+    cast_arrays,
+    recording_schema,
+    row_crc,
+    sequence_key,
+    shards,
+    storage_dtype,
+    write_json_atomic,
+)
+from topk_protocol.recording.index import RowIndex
+from topk_protocol.recording.reader import RecordingReader
+
+__all__ = ["RecordingWriter"]
+
+log = logging.getLogger(__name__)
+
+
+def _list_column(rows: list[npt.NDArray[Any] | None], typ: pa.DataType, width: int = 0) -> pa.Array:
+    """``[n_i]`` (or ``[n_i, width]``) arrays -> ``list<typ>`` (or
+    ``list<fixed_size_list<typ, width>>``); a None row is a null list."""
+    present = [r for r in rows if r is not None]
+    lengths = np.array([0 if r is None else len(r) for r in rows], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    flat = np.concatenate([r.reshape(-1) for r in present]) if present else np.zeros(0)
+    values = pa.array(flat, type=typ)
+    if width:
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    if len(present) == len(rows):
+        return pa.ListArray.from_arrays(offsets, values)
+    mask = pa.array([r is None for r in rows], type=pa.bool_())
+    return pa.ListArray.from_arrays(offsets, values, mask=mask)
+
+
+class RecordingWriter(Closeable):
+    """Appends scored sequences to a recording directory (created, or resumed).
+
+    Args:
+        path: the directory. When it holds a recording already, new rows go to a new shard
+            and the teacher (vocabulary, tokenizer), K and dtype must match it.
+        info: the teacher's ``TeacherInfo`` message (stored in ``metadata.json``).
+        top_k, dtype: what the recording stores; ``None`` takes them from the first
+            request written. Later requests may ask for more K or a more precise dtype
+            (the rows are cut / cast exactly as the teacher casts); less raises.
+        flush_interval_s: longest time a written row stays in memory only.
+        compression: Arrow IPC buffer codec, ``"zstd"`` (``"auto"``), ``"lz4"`` or
+            ``"none"`` (shards are then memory-mapped when read: no decompression).
+        metadata: extra JSON-serializable entries for ``metadata.json``.
+
+    Thread-safe. A sequence whose positions (and sampled log-probs) are covered by a
+    recorded row is not written again.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        info: pb.TeacherInfo,
+        *,
+        top_k: int | None = None,
+        dtype: str | None = None,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        compression: str = "zstd",
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression: {compression!r}; use one of {COMPRESSIONS}")
+        if not flush_interval_s > 0:
+            raise ValueError(f"flush_interval_s: must be > 0, got {flush_interval_s}")
+        if dtype is not None:
+            dtype = dtype_name(dtype_from_name(dtype))
+        self.path = Path(path)
+        self.info = info
+        self.compression = "zstd" if compression == "auto" else compression
+        self.flush_interval_s = float(flush_interval_s)
+        self._extra = dict(metadata or {})
+        self._lock = threading.RLock()
+        self._closed = False
+        #: (key, token ids [L], arrays: values already cast as the recording stores them)
+        self._buffer: list[tuple[bytes, npt.NDArray[np.int32], SequenceArrays]] = []
+        self._file: Any = None
+        self._stream: pa.ipc.RecordBatchStreamWriter | None = None
+        self._shard: Path | None = None
+        #: Every row recorded, the resumed ones included.
+        self.index = RowIndex()
+        self.rows_written = 0
+        self.top_k: int | None = top_k
+        self.dtype: str | None = dtype
+        #: The recorded request options (``RequestOptions.recorded``); None: not fixed yet.
+        self.options: dict[str, Any] | None = None
+        self.path.mkdir(parents=True, exist_ok=True)
+        if (self.path / METADATA_FILE).exists():
+            self._resume()
+        elif self.top_k is not None and self.dtype is not None:
+            self._write_metadata()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._flusher, daemon=True, name="recording-flush")
+        self._thread.start()
+
+    # -- metadata ----------------------------------------------------------------------
+    def _resume(self) -> None:
+        with RecordingReader(self.path) as r:
+            problems = []
+            for field in ("vocab_size", "tokenizer_fingerprint"):
+                old, new = getattr(r.info, field), getattr(self.info, field)
+                if old != new:
+                    problems.append(f"{field}: recorded {old!r}, this teacher has {new!r}")
+            if r.temperature != teacher_temperature(self.info):
+                problems.append(
+                    f"temperature: recorded {r.temperature!r}, this teacher has "
+                    f"{teacher_temperature(self.info)!r}"
+                )
+            for name, mine, theirs in (
+                ("top_k", self.top_k, r.top_k),
+                ("dtype", self.dtype, r.dtype),
+            ):
+                if mine is not None and mine != theirs:
+                    problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
+            if problems:
+                raise RecordingError(self.path, None, "cannot append: " + "; ".join(problems))
+            self.top_k, self.dtype, self.options = r.top_k, r.dtype, r.options
+            self.index = r.index
+
+    def _write_metadata(self) -> None:
+        assert self.top_k is not None and self.dtype is not None
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "created_unix": time.time(),
+            "teacher": json_format.MessageToDict(self.info, preserving_proto_field_name=True),
+            "model_name": self.info.model_name,
+            "vocab_size": int(self.info.vocab_size),
+            "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
+            "schema_version": int(self.info.schema_version),
+            "temperature": teacher_temperature(self.info),
+            "top_k": int(self.top_k),
+            "dtype": self.dtype,
+            "options": self.options or RequestOptions.recorded_defaults(),
+            "compression": self.compression,
+            "extra": self._extra,
+        }
+        write_json_atomic(self.path / METADATA_FILE, meta)
+
+    # -- writing -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Rows recorded (this session's and the resumed ones)."""
+        return len(self.index)
+
+    def covers(self, token_ids: bytes, start: int, end: int, sampled: bool) -> bool:
+        """Whether a recorded row holds positions ``[start, end)`` of this sequence (and
+        its sampled log-probs when ``sampled``)."""
+        return not isinstance(
+            self.index.covering(sequence_key(token_ids), start, end, sampled), str
+        )
+
+    def _fix_format(self, top_k: int, dtype: str) -> None:
+        if self.top_k is None:
+            self.top_k = top_k
+        if self.dtype is None:
+            self.dtype = dtype
+        if not (self.path / METADATA_FILE).exists():
+            self._write_metadata()
+        if top_k < self.top_k:
+            raise RecordingError(
+                self.path, None, f"top_k: {top_k} is less than the recorded {self.top_k}"
+            )
+        if not can_serve_dtype(dtype, self.dtype):
+            raise RecordingError(
+                self.path,
+                None,
+                f"dtype: {dtype} log-probs cannot give the recorded {self.dtype} exactly",
+            )
+
+    def add(self, token_ids: npt.ArrayLike, arrays: SequenceArrays, *, dtype: str) -> bool:
+        """Record one scored sequence: ``token_ids`` ``[L]`` and the ``arrays`` of its
+        positions ``[arrays.position_start, arrays.position_end)``; ``dtype`` is what the
+        values came as (float32 values of a ``dtype`` answer). False when already covered."""
+        tok = np.ascontiguousarray(token_ids, dtype="<i4")
+        start, end = arrays.position_start, arrays.position_end
+        if not end <= len(tok):
+            raise ValueError(f"positions: [{start}, {end}) is outside the {len(tok)} tokens")
+        with self._lock:
+            if self._closed:
+                raise RecordingError(self.path, None, "the writer is closed")
+            self._fix_format(arrays.top_k, dtype)
+            assert self.top_k is not None and self.dtype is not None
+            key = sequence_key(tok.tobytes())
+            has_sampled = arrays.sampled_logprobs is not None
+            if self.covers(tok.tobytes(), start, end, has_sampled):
+                return False
+            self._buffer.append((key, tok, cast_arrays(arrays.top(self.top_k), self.dtype)))
+            self.index.add(key, start, end, has_sampled)
+        return True
+
+    def _fix_options(self, recorded: dict[str, Any]) -> None:
+        """The first request fixes the recorded options; a later one must ask the same."""
+        with self._lock:
+            if self.options is None:
+                self.options = recorded
+                if (self.path / METADATA_FILE).exists():
+                    self._write_metadata()
+            elif recorded != self.options:
+                raise RecordingError(
+                    self.path, None, f"options: recorded {self.options}, this request {recorded}"
+                )
+
+    def write(
+        self,
+        request: pb.ScoreRequest,
+        response: pb.ScoreResponse,
+        options: RequestOptions | None = None,
+    ) -> int:
+        """Record every sequence of an answered request (``response`` complete, e.g.
+        :meth:`~student_client.payload.ResponseAssembler.merged_response`; ``options``
+        default: the request's). Returns the number of rows written (covered sequences
+        are skipped)."""
+        options = RequestOptions.from_proto(request) if options is None else options
+        self._fix_options(options.recorded())
+        spans = request_spans(request)
+        by_index = {int(p.sequence_index): p for p in response.sequences}
+        n = 0
+        for i, (seq, (start, end)) in enumerate(zip(request.sequences, spans, strict=True)):
+            if i not in by_index:
+                raise ValueError(f"response: sequence {i} is missing")
+            if start == end:
+                continue  # an empty range: nothing to record
+            arrays = decode_sequence(by_index[i])
+            if not options.include_sampled:
+                arrays = replace(arrays, sampled_logprobs=None)
+            tokens = np.frombuffer(seq.token_ids, dtype="<i4")
+            n += self.add(tokens, arrays, dtype=options.dtype)
+        return n
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            try:
+                self.flush()
+            except Exception:  # pragma: no cover - surfaced again by close()
+                log.exception("recording %s: background flush failed", self.path)
+
+    def flush(self) -> None:
+        """Write the buffered rows as one record batch and hand it to the OS."""
+        with self._lock:
+            if not self._buffer:
+                return
+            assert self.top_k is not None and self.dtype is not None
+            schema = recording_schema(self.top_k, self.dtype, self._format())
+            if self._stream is None:
+                self._open_shard(schema)
+            # Each row's array fields in the storage dtype (exact: the values were cast).
+            stored = [
+                {
+                    f.name: None
+                    if getattr(a, f.name) is None
+                    else getattr(a, f.name).astype(storage_dtype(f, self.dtype), copy=False)
+                    for f in ARRAY_FIELDS
+                }
+                for _, _, a in self._buffer
+            ]
+            columns = [
+                pa.array([k for k, _, _ in self._buffer], pa.binary()),
+                _list_column([t for _, t, _ in self._buffer], pa.int32()),
+                pa.array([a.position_start for _, _, a in self._buffer], pa.int32()),
+                pa.array([a.position_end for _, _, a in self._buffer], pa.int32()),
+            ]
+            for f in ARRAY_FIELDS:
+                typ = pa.from_numpy_dtype(storage_dtype(f, self.dtype))
+                width = self.top_k if f.columns else 0
+                columns.append(_list_column([v[f.name] for v in stored], typ, width))
+            checksums = [
+                row_crc(k, t, a.position_start, a.position_end, v)
+                for (k, t, a), v in zip(self._buffer, stored, strict=True)
+            ]
+            columns.append(pa.array(checksums, pa.uint32()))
+            batch = pa.record_batch(columns, schema=schema)
+            assert self._stream is not None
+            self._stream.write_batch(batch)
+            self._file.flush()
+            self.rows_written += len(stored)
+            self._buffer.clear()
+
+    def _format(self) -> dict[str, Any]:
+        """The format fields (besides K and dtype) every shard's schema repeats."""
+        return {
+            "vocab_size": int(self.info.vocab_size),
+            "tokenizer_fingerprint": self.info.tokenizer_fingerprint,
+            "temperature": teacher_temperature(self.info),
+        }
+
+    def _open_shard(self, schema: pa.Schema) -> None:
+        n = len(shards(self.path))
+        self._shard = self.path / f"shard-{n:05d}-{uuid.uuid4().hex[:8]}{SHARD_SUFFIX}"
+        self._file = open(self._shard, "xb")  # noqa: SIM115 - closed in close()
+        codec = None if self.compression == "none" else self.compression
+        self._stream = pa.ipc.new_stream(
+            self._file, schema, options=pa.ipc.IpcWriteOptions(compression=codec)
+        )
+
+    def close(self) -> None:
+        """Flush, end the stream and sync the shard to disk."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            self.flush()
+            if self._stream is not None:
+                self._stream.close()
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._stream = None
