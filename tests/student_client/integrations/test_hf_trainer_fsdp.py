@@ -35,7 +35,7 @@ from transformers import Qwen2ForCausalLM
 from devtools.tiny_model import tiny_qwen2_config
 from student_client.integrations.hf_trainer import DistillationConfig, TopKDistillationTrainer
 from student_client.offline.replay import ReplayClient
-from topk_protocol import pb
+from topk_protocol import SequenceArrays, pb
 from topk_protocol.recording import RecordingWriter
 
 VOCAB, K, SEQ, BATCH, WORLD, STEPS, LR = 320, 8, 12, 2, 2, 3, 1.0
@@ -78,7 +78,8 @@ def _write_inputs(root: Path) -> None:
         for example in _examples():
             teacher = torch.log_softmax(torch.randn(SEQ, VOCAB) * 3, -1)
             logprobs, ids = teacher.topk(K, dim=-1)
-            writer.add(example["input_ids"], ids, logprobs, None, start=0, dtype="float32")
+            arrays = SequenceArrays(ids.numpy(), logprobs.numpy())
+            writer.add(example["input_ids"], arrays, dtype="float32")
 
 
 def _train(model: Any, root: Path, out: str, batch_size: int) -> TopKDistillationTrainer:
