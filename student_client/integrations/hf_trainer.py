@@ -201,6 +201,15 @@ class TopKDistillationTrainer(Trainer):
         teacher_column: str = TEACHER_COLUMN,
         **kwargs: Any,
     ) -> None:
+        is_target = isinstance(teacher, str) or (
+            isinstance(teacher, Sequence) and all(isinstance(t, str) for t in teacher)
+        )
+        if not (teacher is None or is_target or isinstance(teacher, Mapping | TeacherSource)):
+            raise TypeError(
+                "teacher: expected a target string, {name: target}, a client (a "
+                f"student_client.clients.protocol.TeacherSource), or None; got "
+                f"{type(teacher).__name__}"
+            )
         super().__init__(*args, **kwargs)
         self.distill = distill or DistillationConfig()
         self.teacher_column = teacher_column
@@ -212,16 +221,8 @@ class TopKDistillationTrainer(Trainer):
             self.teacher_client = teacher
         elif isinstance(teacher, Mapping):
             self.teacher_client = MultiTeacherClient(teacher, **options)
-        elif isinstance(teacher, str) or (
-            isinstance(teacher, Sequence) and all(isinstance(t, str) for t in teacher)
-        ):
+        elif teacher is not None:  # a target (checked above)
             self.teacher_client = TeacherClient(teacher, **options)
-        elif teacher is not None:
-            raise TypeError(
-                "teacher: expected a target string, {name: target}, a client (a "
-                f"student_client.clients.protocol.TeacherSource), or None; got "
-                f"{type(teacher).__name__}"
-            )
         # The loss is a per-micro-batch mean: the Trainer scales it for accumulation.
         self.loss_is_scaled_for_ga = False
         self._prefetchers: dict[int, _Prefetcher] = {}
