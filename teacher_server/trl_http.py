@@ -41,16 +41,18 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.backends.base import ScoredSequence
-from teacher_server.validation import (
-    Limits,
-    check_token_ids,
-    check_top_k,
-    check_total_tokens,
-)
+from teacher_server.validation import Limits
 from topk_protocol import encode_token_ids, pb, temperature_mismatch
+from topk_protocol.checks import check_token_ids, check_top_k, check_total_tokens
 from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
 from topk_protocol.status import status_of
-from topk_protocol.trl_layout import JSON_NEG_INF, TRLRows, trl_rows, trl_span
+from topk_protocol.trl_layout import (
+    JSON_NEG_INF,
+    TRLRows,
+    check_prompt_lengths,
+    trl_rows,
+    trl_span,
+)
 
 __all__ = [
     "COMPLETIONS_METHOD",
@@ -149,10 +151,6 @@ def _token_ids(seq: Any, field: str, limits: Limits) -> npt.NDArray[np.int32]:
         for j, v in enumerate(seq):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise _invalid(f"{field}[{j}]: expected a token id (int), got {json.dumps(v)[:40]}")
-            if not 0 <= v < limits.vocab_size:
-                raise _invalid(
-                    f"{field}[{j}]: {v} is outside the vocabulary [0, {limits.vocab_size})"
-                )
     check_token_ids(arr, limits, field)
     return arr.astype(np.int32)
 
@@ -248,19 +246,8 @@ def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: 
         raise _invalid(f"response_format: {json.dumps(fmt)[:40]} is not one of json, binary")
     _check_temperature(data, info.teacher_temperature)
     seqs = _sequences(data.get("sequences"), "sequences", limits)
-    lengths = data.get("prompt_lengths")
-    if not isinstance(lengths, list):
-        raise _invalid("prompt_lengths: missing; expected one int per sequence")
-    if len(lengths) != len(seqs):
-        raise _invalid(f"prompt_lengths: {len(lengths)} values for {len(seqs)} sequences")
-    for i, (p, s) in enumerate(zip(lengths, seqs, strict=True)):
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise _invalid(f"prompt_lengths[{i}]: expected an int, got {json.dumps(p)[:40]}")
-        if not 0 <= p <= len(s):
-            raise _invalid(
-                f"prompt_lengths[{i}]: {p} is outside [0, {len(s)}] (the sequence's length)"
-            )
-    return _Parsed(seqs, list(lengths), top_k, fmt)
+    lengths = check_prompt_lengths(data.get("prompt_lengths"), [len(s) for s in seqs])
+    return _Parsed(seqs, lengths, top_k, fmt)
 
 
 # -- answers -------------------------------------------------------------------------------
