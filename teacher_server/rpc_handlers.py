@@ -41,8 +41,8 @@ def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Any]:
 
 
 def _serialize(message: Message | bytes) -> bytes:
-    """A response message's bytes; a large one arrives serialized already (in a worker
-    thread, ``teacher_server.offload``) and passes through."""
+    """A response message's bytes; the answers of ``Score`` and ``ScoreStream`` arrive
+    serialized already (:mod:`teacher_server.answers`) and pass through."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

@@ -11,7 +11,7 @@ import torch
 
 from student_client.payload import ResponseAssembler, TeacherPayload
 from teacher_server.backends.base import ScoredSequence
-from teacher_server.payloads import iter_stream_responses
+from teacher_server.answers import iter_stream_responses
 from topk_protocol import RequestOptions, build_request, pb, request_spans
 
 __all__ = ["INFO", "K", "assert_bit_equal", "live_payload", "teacher_answer"]

@@ -1,14 +1,37 @@
-"""Scored arrays -> response messages: one message per request (Score) or row chunks
-that stay under a byte budget (ScoreStream)."""
+"""Scored arrays -> the answer messages of the gRPC methods, serialized ready to send.
+
+``Score`` answers every sequence in one ``ScoreResponse`` (:func:`encode_response`);
+``ScoreStream`` packs the rows, in order, into messages that stay under a byte budget
+(:func:`iter_stream_responses`, :func:`encode_stream`). Pure and synchronous: the request
+pipeline (:mod:`teacher_server.pipeline`) runs them in a worker thread for large
+requests, so the answers leave serialized (the handlers' serializer passes bytes through:
+:mod:`teacher_server.rpc_handlers`), and gRPC has nothing left to do on the event loop.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from teacher_server.backends.base import ScoredSequence
+from teacher_server.validation import ParsedRequest
 from topk_protocol import RequestOptions, encode_sequence, pb
 
-__all__ = ["encode_scored", "iter_stream_responses"]
+__all__ = [
+    "Outgoing",
+    "encode_response",
+    "encode_scored",
+    "encode_stream",
+    "iter_stream_responses",
+]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One serialized ``ScoreResponse`` of a stream; ``final``: its request's last."""
+
+    message: bytes
+    final: bool
 
 
 def encode_scored(
@@ -29,6 +52,20 @@ def encode_scored(
         position_start=scored.position_start + start,
         sequence_index=sequence_index,
     )
+
+
+def encode_response(
+    parsed: ParsedRequest, scored: Sequence[ScoredSequence], teacher_seconds: float
+) -> bytes:
+    """The ``Score`` answer: every sequence of ``parsed`` in one final message."""
+    return pb.ScoreResponse(
+        request_id=parsed.request_id,
+        sequences=[
+            encode_scored(s, parsed.options, sequence_index=i) for i, s in enumerate(scored)
+        ],
+        final=True,
+        teacher_seconds=teacher_seconds,
+    ).SerializeToString()
 
 
 def iter_stream_responses(
@@ -65,3 +102,24 @@ def iter_stream_responses(
     msg.final = True
     msg.teacher_seconds = teacher_seconds
     yield msg
+
+
+def encode_stream(
+    parsed: ParsedRequest,
+    scored: Sequence[ScoredSequence],
+    teacher_seconds: float,
+    *,
+    chunk_bytes: int,
+) -> list[Outgoing]:
+    """The ``ScoreStream`` answer to one request: :func:`iter_stream_responses`,
+    serialized."""
+    return [
+        Outgoing(m.SerializeToString(), m.final)
+        for m in iter_stream_responses(
+            parsed.request_id,
+            scored,
+            parsed.options,
+            chunk_bytes=chunk_bytes,
+            teacher_seconds=teacher_seconds,
+        )
+    ]
