@@ -2,8 +2,8 @@
 
 The generated ``add_TeacherServicer_to_server`` deserializes with ``FromString``: bytes
 that do not parse fail inside gRPC with ``UNKNOWN`` ("Unexpected DecodeError"). Here a
-message that does not parse becomes an :class:`Undecodable` request, which the servicer
-answers with ``INVALID_ARGUMENT``; the server keeps serving.
+message that does not parse becomes an :class:`Undecodable` request, which the request
+pipeline answers with ``INVALID_ARGUMENT``; the server keeps serving.
 """
 
 from __future__ import annotations

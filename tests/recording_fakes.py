@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from student_client.payload import ResponseAssembler, TeacherPayload
-from teacher_server.backends.base import ScoredSequence
 from teacher_server.answers import iter_stream_responses
+from teacher_server.backends.base import ScoredSequence
 from topk_protocol import RequestOptions, build_request, pb, request_spans
 
 __all__ = ["INFO", "K", "assert_bit_equal", "live_payload", "teacher_answer"]

@@ -12,8 +12,8 @@ from student_client.errors import (
     TeacherError,
 )
 from student_client.payload import ResponseAssembler
-from teacher_server.backends.base import ScoredSequence
 from teacher_server.answers import encode_scored, iter_stream_responses
+from teacher_server.backends.base import ScoredSequence
 from topk_protocol import RequestOptions, build_request, pb, request_spans
 
 
