@@ -1,10 +1,10 @@
 """Bounded admission: at most ``max_inflight`` requests work at once, at most
 ``max_queued`` more wait for a slot (first come, first served), the rest are refused.
 
-Plain asyncio, no gRPC: the servicer turns :class:`AdmissionRefused` into a retryable
-``UNAVAILABLE``. Written here rather than with ``asyncio.Semaphore`` because the queue
-must be bounded (a semaphore lets any number wait) and must refuse every waiter at once
-when draining starts.
+Plain asyncio, no gRPC: the request pipeline turns :class:`AdmissionRefused` into a
+retryable ``UNAVAILABLE``. Written here rather than with ``asyncio.Semaphore`` because
+the queue must be bounded (a semaphore lets any number wait) and must refuse every
+waiter at once when draining starts.
 """
 
 from __future__ import annotations

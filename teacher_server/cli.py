@@ -194,7 +194,8 @@ def serve(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """``teacher-server`` / ``python -m teacher_server``: :func:`serve`, then exit at once.
+    """``teacher-server`` (through :mod:`teacher_server.__main__`, which names a missing
+    server extra first): :func:`serve`, then exit at once.
 
     The server has drained and closed the engine by the time :func:`serve` returns; the
     interpreter's own teardown after a vLLM engine (atexit hooks, joining idle worker
@@ -207,7 +208,3 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

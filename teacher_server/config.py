@@ -3,7 +3,7 @@
 :class:`ServerConfig` is what ``teacher-server serve`` takes besides the backend's own
 flags: every field is a flag of the same name (``max_top_k`` -> ``--max-top-k``) whose
 help text is the field's docstring (:mod:`teacher_server.flags`). The limits the
-servicer enforces (:class:`teacher_server.validation.Limits`) and the backends' own
+request pipeline enforces (:class:`teacher_server.validation.Limits`) and the backends' own
 ``max_top_k`` default read their defaults from here, so each literal is written once.
 """
 
@@ -31,7 +31,7 @@ MIB = 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where and how to serve; ``max_top_k`` etc. become the servicer's ``Limits``."""
+    """Where and how to serve; ``max_top_k`` etc. become the request pipeline's ``Limits``."""
 
     host: str = "0.0.0.0"
     """gRPC address"""

@@ -2,8 +2,8 @@
 
 The generated ``add_TeacherServicer_to_server`` deserializes with ``FromString``: bytes
 that do not parse fail inside gRPC with ``UNKNOWN`` ("Unexpected DecodeError"). Here a
-message that does not parse becomes an :class:`Undecodable` request, which the servicer
-answers with ``INVALID_ARGUMENT``; the server keeps serving.
+message that does not parse becomes an :class:`Undecodable` request, which the request
+pipeline answers with ``INVALID_ARGUMENT``; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Any]:
 
 
 def _serialize(message: Message | bytes) -> bytes:
-    """A response message's bytes; a large one arrives serialized already (in a worker
-    thread, ``teacher_server.offload``) and passes through."""
+    """A response message's bytes; the answers of ``Score`` and ``ScoreStream`` arrive
+    serialized already (:mod:`teacher_server.answers`) and pass through."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

@@ -32,6 +32,7 @@ from teacher_server.lifecycle import (
 )
 from teacher_server.malloc_trim import trim_when_idle
 from teacher_server.metrics import TeacherMetrics
+from teacher_server.pipeline import RequestPipeline
 from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.servicer import TeacherServicer, teacher_info_message
 from teacher_server.trl_http import TRLEndpoints
@@ -69,12 +70,11 @@ class TeacherServer:
         self._admission = AdmissionQueue(
             config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
         )
+        self._pipeline = RequestPipeline(
+            backend, self._limits, self._metrics, self.lifecycle, self._admission
+        )
         self._servicer = TeacherServicer(
-            backend,
-            self._limits,
-            self._metrics,
-            self.lifecycle,
-            self._admission,
+            self._pipeline,
             stream_budget=(
                 config.stream_max_unsent_requests,
                 config.stream_max_unsent_mb * MIB,
@@ -165,7 +165,7 @@ class TeacherServer:
 
     async def _start_http(self, tls: tuple[Path, Path] | None) -> None:
         cfg = self._config
-        trl = TRLEndpoints(self._servicer.score_rendered, self.info, lambda: self._servicer.limits)
+        trl = TRLEndpoints(self._pipeline, self.info)
         app = build_http_app(
             lifecycle=self.lifecycle,
             info=self.info,
@@ -214,7 +214,7 @@ class TeacherServer:
                     f"max_top_k: {self._config.max_top_k} exceeds what the engine "
                     f"serves ({info.max_top_k})"
                 )
-            self._servicer.set_limits(self._limits)
+            self._pipeline.set_limits(self._limits)
             if self._config.warmup:
                 await self._backend.warmup()
             _freeze_startup_objects()

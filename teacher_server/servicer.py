@@ -1,55 +1,35 @@
-"""The ``topk_distill.v1.Teacher`` gRPC servicer: validation, admission, scoring, packing.
+"""The ``topk_distill.v1.Teacher`` gRPC servicer: each RPC through the request pipeline.
 
-State lives in private fields. Validation, admission and the backends raise the
-protocol's typed errors (:mod:`topk_protocol.errors`); this module alone turns them into
-gRPC statuses (:func:`topk_protocol.status.status_of`): ``context.abort`` with the code
-(unary; the error's reason in the trailing metadata) or an ``Error`` in the response for
-that request (stream, which goes on).
+``Score`` and every request of a ``ScoreStream`` run through
+:meth:`~teacher_server.pipeline.RequestPipeline.run` (validation, admission, backend,
+metrics); this module only maps its :class:`~teacher_server.pipeline.Outcome` to gRPC:
+``context.abort`` with the status code (unary; the error's reason in the trailing
+metadata), or an ``Error`` in the response for that request (stream, which goes on).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
 
-from teacher_server.admission import AdmissionQueue, AdmissionRefused
+from teacher_server.answers import Outgoing, encode_response, encode_stream
 from teacher_server.backends.base import Backend
 from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,
 )
-from teacher_server.lifecycle import Lifecycle
-from teacher_server.metrics import TeacherMetrics
-from teacher_server.offload import (
-    Outgoing,
-    encode_response_off_loop,
-    gather_bounded,
-    parse_off_loop,
-    stream_responses_off_loop,
-)
+from teacher_server.pipeline import Answered, Refused, RequestPipeline
 from teacher_server.rpc_handlers import Undecodable
-from teacher_server.validation import Limits, ParsedRequest, ParsedSequence
+from teacher_server.validation import Limits, ParsedRequest
 from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, SequenceArrays, fits_one_message, pb, pb_grpc
-from topk_protocol.errors import (
-    InvalidRequestError,
-    ResourceExhaustedError,
-    TeacherError,
-    TeacherUnavailableError,
-)
-from topk_protocol.status import REASON_KEY, status_of
+from topk_protocol.errors import ResourceExhaustedError
+from topk_protocol.status import REASON_KEY
 
 __all__ = ["TeacherServicer", "teacher_info_message"]
-
-log = logging.getLogger(__name__)
-
-R = TypeVar("R")
 
 
 def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
@@ -72,152 +52,21 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
 
 
 class TeacherServicer(pb_grpc.TeacherServicer):
-    """Serves ``GetInfo``, ``Score`` and ``ScoreStream`` from a :class:`Backend`.
-
-    Requests are served only while ``lifecycle`` is READY (before: still loading; after:
-    draining), each holding a slot of ``admission`` while it works; otherwise they fail
-    with UNAVAILABLE, which clients retry. :meth:`set_limits` installs the final limits
-    once the backend is loaded (the vocabulary size is known then).
-    """
+    """Serves ``GetInfo``, ``Score`` and ``ScoreStream`` through ``pipeline``; each
+    ``ScoreStream`` holds at most ``stream_budget`` (requests, bytes) unsent
+    (:mod:`teacher_server.backpressure`)."""
 
     def __init__(
         self,
-        backend: Backend,
-        limits: Limits,
-        metrics: TeacherMetrics,
-        lifecycle: Lifecycle,
-        admission: AdmissionQueue,
+        pipeline: RequestPipeline,
         stream_budget: tuple[int, int] = (
             DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
             DEFAULT_STREAM_MAX_UNSENT_MB * 1024 * 1024,
         ),
     ) -> None:
-        self._backend = backend
-        self._limits = limits
-        self._metrics = metrics
-        self._lifecycle = lifecycle
-        self._admission = admission
-        # (requests, bytes) one ScoreStream may hold unsent (teacher_server.backpressure)
+        self._pipeline = pipeline
         StreamBudget(*stream_budget)  # refuses bad values now, not at the first stream
         self._stream_budget = stream_budget
-
-    def set_limits(self, limits: Limits) -> None:
-        """Backend loaded: the final limits (vocab size now known)."""
-        self._limits = limits
-
-    @property
-    def limits(self) -> Limits:
-        return self._limits
-
-    async def score_rendered(
-        self,
-        method: str,
-        prepare: Callable[[], tuple[pb.ScoreRequest, Callable[[list[SequenceArrays]], R]]],
-    ) -> R:
-        """One request from another front end (the HTTP routes; ``method`` names it in the
-        metrics) with the same lifecycle check, validation, admission, backend and metrics
-        as ``Score``. ``prepare()`` (in a worker thread, after the lifecycle check) parses
-        the front end's request into a ``ScoreRequest`` and a renderer; ``render(scored)``
-        runs in a worker thread while the slot is held (a drain waits for it). Raises the
-        typed error of a refusal (a plain ``TeacherError`` on a failure: INTERNAL)."""
-        t0 = time.perf_counter()
-        try:
-            refusal = self._lifecycle.refusal()
-            if refusal is not None:
-                raise TeacherUnavailableError(refusal)
-            request, render = await asyncio.to_thread(prepare)
-            parsed = await self._admit(request)
-        except TeacherError as e:
-            self._count(method, status_of(e)[0], t0)
-            raise
-        try:
-            scored = await self._score(parsed)
-            out = await asyncio.to_thread(render, scored)
-        except TeacherError as e:
-            self._count(method, status_of(e)[0], t0)
-            raise
-        except asyncio.CancelledError:
-            self._count(method, grpc.StatusCode.CANCELLED, t0)
-            raise
-        except Exception as e:
-            log.exception("%s failed", method)
-            self._count(method, grpc.StatusCode.INTERNAL, t0)
-            raise TeacherError(f"teacher: scoring failed: {e}") from None
-        finally:
-            self._release()
-        self._count_payload(parsed)
-        self._count(method, grpc.StatusCode.OK, t0)
-        return out
-
-    # -- admission ---------------------------------------------------------------------
-    async def _validate(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
-        """The validated request (large ones off the event loop: ``offload``)."""
-        if isinstance(request, Undecodable):
-            raise InvalidRequestError(request.message)
-        refusal = self._lifecycle.refusal()
-        if refusal is not None:
-            raise TeacherUnavailableError(refusal)
-        return await parse_off_loop(request, self._limits)
-
-    async def _acquire(self) -> None:
-        """Wait for a slot; the caller must :meth:`_release` it."""
-        try:
-            await self._admission.acquire()
-        except AdmissionRefused as e:
-            raise TeacherUnavailableError(e.message) from None
-
-    async def _admit(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
-        """Validate, then wait for a slot; the caller must :meth:`_release` it."""
-        parsed = await self._validate(request)
-        await self._acquire()
-        return parsed
-
-    def _release(self) -> None:
-        self._admission.release()
-
-    async def _score(self, parsed: ParsedRequest) -> list[SequenceArrays]:
-        """Score every sequence concurrently (the engine batches them)."""
-        self._backend.check_request(parsed)
-        options = parsed.options
-        k = options.top_k
-
-        async def one(seq: ParsedSequence) -> SequenceArrays:
-            if seq.start == seq.end:  # nothing asked: no engine call
-                return SequenceArrays.empty(k, seq.start)
-            return await self._backend.score(seq, options)
-
-        return await gather_bounded(one, parsed.sequences)
-
-    def _count(self, method: str, code: grpc.StatusCode, t0: float) -> None:
-        self._metrics.requests.labels(method, code.name).inc()
-        self._metrics.latency.labels(method).observe(time.perf_counter() - t0)
-
-    async def _abort(
-        self, method: str, error: TeacherError, t0: float, context: grpc.aio.ServicerContext
-    ) -> None:
-        """End a unary call with ``error``'s status (its reason in the trailers): raises
-        (``context.abort`` does)."""
-        code, reason = status_of(error)
-        self._count(method, code, t0)
-        trailers = ((REASON_KEY, reason),) if reason else ()
-        await context.abort(code, error.message, trailing_metadata=trailers)
-
-    def _error_response(
-        self, method: str, request_id: str, error: TeacherError, t0: float
-    ) -> Outgoing:
-        """The stream's final answer to one failed request (the stream goes on)."""
-        code, reason = status_of(error)
-        self._count(method, code, t0)
-        message = pb.ScoreResponse(
-            request_id=request_id,
-            final=True,
-            error=pb.Error(code=code.value[0], message=error.message, reason=reason),
-        )
-        return Outgoing(message, True)
-
-    def _count_payload(self, parsed: ParsedRequest) -> None:
-        self._metrics.positions.inc(parsed.num_positions)
-        self._metrics.payload_bytes.inc(parsed.response_bytes())
 
     # -- RPCs --------------------------------------------------------------------------
     async def GetInfo(
@@ -225,94 +74,70 @@ class TeacherServicer(pb_grpc.TeacherServicer):
     ) -> pb.TeacherInfo:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        refusal = self._lifecycle.refusal()
+        refusal = self._pipeline.lifecycle.refusal()
         if refusal is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-        return teacher_info_message(self._backend, self._limits)
+        return teacher_info_message(self._pipeline.backend, self._pipeline.limits)
 
     async def Score(
-        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScoreResponse | bytes:
-        t0 = time.perf_counter()
-        try:
-            parsed = await self._admit(request)
-        except TeacherError as e:
-            await self._abort("Score", e, t0, context)
-        try:
+        self, request: pb.ScoreRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> bytes:
+        limit = self._pipeline.limits.max_message_bytes
+
+        async def fits_one_message_or_refuse(parsed: ParsedRequest) -> None:
             size = parsed.response_bytes()
-            if not fits_one_message(size, len(parsed.sequences), self._limits.max_message_bytes):
+            if not fits_one_message(size, len(parsed.sequences), limit):
                 raise ResourceExhaustedError(
                     f"response: {size} payload bytes (+ framing) would exceed max_message_bytes "
-                    f"{self._limits.max_message_bytes}; use ScoreStream or fewer positions"
+                    f"{limit}; use ScoreStream or fewer positions"
                 )
-            scored = await self._score(parsed)
-            resp = await encode_response_off_loop(parsed, scored, time.perf_counter() - t0)
-        except TeacherError as e:
-            await self._abort("Score", e, t0, context)
-        except asyncio.CancelledError:
-            self._count("Score", grpc.StatusCode.CANCELLED, t0)
-            raise
-        except Exception as e:
-            log.exception("Score failed")
-            self._count("Score", grpc.StatusCode.INTERNAL, t0)
-            await context.abort(grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {e}")
-        finally:
-            self._release()
-        self._count_payload(parsed)
-        self._count("Score", grpc.StatusCode.OK, t0)
-        return resp
+
+        outcome = await self._pipeline.run(
+            "Score", request, encode_response, before_admission=fits_one_message_or_refuse
+        )
+        if isinstance(outcome, Answered):
+            return outcome.answer
+        trailers = ((REASON_KEY, outcome.reason),) if outcome.reason else ()
+        await context.abort(outcome.code, outcome.message, trailing_metadata=trailers)
+        raise AssertionError("unreachable: context.abort raises")
 
     async def _stream_one(
         self, request: pb.ScoreRequest, out: asyncio.Queue[_Outgoing], budget: StreamBudget
     ) -> None:
         """Answer one request of a stream: its chunks, or one ``Error`` message. Its
-        answer's bytes are reserved in ``budget`` before it is scored; the stream gives
+        answer's bytes are reserved in ``budget`` before it is admitted; the stream gives
         them back once the final message is sent."""
-        t0 = time.perf_counter()
         held = 0
-        try:
-            parsed = await self._validate(request)
+
+        async def reserve(parsed: ParsedRequest) -> None:
+            nonlocal held
             held = parsed.response_bytes()
             await budget.take_bytes(held)
-            await self._acquire()
-        except TeacherError as e:
-            await out.put((self._error_response("ScoreStream", request.request_id, e, t0), held))
-            return
-        try:
-            scored = await self._score(parsed)
-            responses: list[Outgoing] = await stream_responses_off_loop(
-                parsed.request_id,
-                scored,
-                parsed.options,
-                chunk_bytes=min(self._limits.chunk_bytes, self._limits.max_message_bytes // 2),
-                teacher_seconds=time.perf_counter() - t0,
+
+        limits = self._pipeline.limits
+        chunk_bytes = min(limits.chunk_bytes, limits.max_message_bytes // 2)
+
+        def finish(
+            parsed: ParsedRequest, scored: list[SequenceArrays], seconds: float
+        ) -> list[Outgoing]:
+            return encode_stream(parsed, scored, seconds, chunk_bytes=chunk_bytes)
+
+        outcome = await self._pipeline.run("ScoreStream", request, finish, before_admission=reserve)
+        if isinstance(outcome, Refused):
+            error = pb.Error(
+                code=outcome.code.value[0], message=outcome.message, reason=outcome.reason
             )
-            del scored
-            for msg in responses:
-                await out.put((msg, held))
-        except TeacherError as e:  # refused by the backend (e.g. replay: not recorded)
-            await out.put((self._error_response("ScoreStream", parsed.request_id, e, t0), held))
+            answer = pb.ScoreResponse(request_id=request.request_id, final=True, error=error)
+            await out.put((Outgoing(answer.SerializeToString(), True), held))
             return
-        except asyncio.CancelledError:
-            self._count("ScoreStream", grpc.StatusCode.CANCELLED, t0)
-            raise
-        except Exception as e:
-            log.exception("ScoreStream request failed")
-            failed = TeacherError(f"teacher: scoring failed: {e}")
-            await out.put(
-                (self._error_response("ScoreStream", parsed.request_id, failed, t0), held)
-            )
-            return
-        finally:
-            self._release()
-        self._count_payload(parsed)
-        self._count("ScoreStream", grpc.StatusCode.OK, t0)
+        for msg in outcome.answer:
+            await out.put((msg, held))
 
     async def ScoreStream(
         self,
         request_iterator: AsyncIterator[pb.ScoreRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.ScoreResponse | bytes]:
+    ) -> AsyncIterator[bytes]:
         # Unbounded as a queue, bounded by the budget: every item was reserved in it.
         out: asyncio.Queue[_Outgoing] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()

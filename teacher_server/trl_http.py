@@ -12,13 +12,14 @@ TRL's ``VLLMClient.get_sequence_logprobs`` (docs/trl.md) posts, depending on its
   nested lists; ``binary``: base64 float32/int32 arrays padded with ``-inf`` / 0).
 
 Each request becomes one ``ScoreRequest`` (float32, the rows :func:`trl_span` says) that
-goes through the servicer like a gRPC ``Score``: lifecycle, validation, admission,
-backend (vLLM, transformers or replay), metrics. The answer is rendered in TRL's layout
-(:mod:`topk_protocol.trl_layout`) in a worker thread. A request ``temperature`` other
-than the served one is refused (a top-k answer cannot be re-tempered), and so is anything
-this teacher would otherwise have to ignore (generation options, text prompts).
-Refusals are the protocol's typed errors with the field named; :func:`http_status` maps their
-gRPC status to HTTP once.
+goes through the request pipeline like a gRPC ``Score`` (:mod:`teacher_server.pipeline`):
+lifecycle, validation, admission, backend (vLLM, transformers or replay), metrics. The
+answer is rendered in TRL's layout (:mod:`topk_protocol.trl_layout`) in a worker thread.
+A request ``temperature`` other than the served one is refused (a top-k answer cannot
+be re-tempered), and so is anything this teacher would otherwise have to ignore
+(generation options, text prompts).
+Refusals are the protocol's typed errors with the field named; the pipeline maps them to
+a gRPC status, and :func:`http_status` that status to HTTP, once.
 
 Differences from vLLM's server, all documented in docs/trl.md: no token is generated
 (``text`` is empty); an entry's ``decoded_token`` is not sent (the teacher serves ids);
@@ -32,7 +33,7 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,16 +41,18 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.validation import (
-    Limits,
-    check_token_ids,
-    check_top_k,
-    check_total_tokens,
-)
+from teacher_server.pipeline import Refused, RequestPipeline
+from teacher_server.validation import Limits, ParsedRequest
 from topk_protocol import SequenceArrays, encode_token_ids, pb, temperature_mismatch
+from topk_protocol.checks import check_token_ids, check_top_k, check_total_tokens
 from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
-from topk_protocol.status import status_of
-from topk_protocol.trl_layout import JSON_NEG_INF, TRLRows, trl_rows, trl_span
+from topk_protocol.trl_layout import (
+    JSON_NEG_INF,
+    TRLRows,
+    check_prompt_lengths,
+    trl_rows,
+    trl_span,
+)
 
 __all__ = [
     "COMPLETIONS_METHOD",
@@ -104,9 +107,9 @@ class HTTPAnswer:
     body: bytes
 
     @staticmethod
-    def error(err: TeacherError) -> HTTPAnswer:
-        code, _ = status_of(err)  # the gRPC side's code, then its HTTP status
-        body = {"error": err.message, "code": code.name}
+    def refused(code: grpc.StatusCode, message: str) -> HTTPAnswer:
+        """A refusal with gRPC status ``code``: its HTTP status (:func:`http_status`)."""
+        body = {"error": message, "code": code.name}
         return HTTPAnswer(http_status(code), json.dumps(body).encode())
 
 
@@ -148,10 +151,6 @@ def _token_ids(seq: Any, field: str, limits: Limits) -> npt.NDArray[np.int32]:
         for j, v in enumerate(seq):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise _invalid(f"{field}[{j}]: expected a token id (int), got {json.dumps(v)[:40]}")
-            if not 0 <= v < limits.vocab_size:
-                raise _invalid(
-                    f"{field}[{j}]: {v} is outside the vocabulary [0, {limits.vocab_size})"
-                )
     check_token_ids(arr, limits, field)
     return arr.astype(np.int32)
 
@@ -247,19 +246,8 @@ def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: 
         raise _invalid(f"response_format: {json.dumps(fmt)[:40]} is not one of json, binary")
     _check_temperature(data, info.teacher_temperature)
     seqs = _sequences(data.get("sequences"), "sequences", limits)
-    lengths = data.get("prompt_lengths")
-    if not isinstance(lengths, list):
-        raise _invalid("prompt_lengths: missing; expected one int per sequence")
-    if len(lengths) != len(seqs):
-        raise _invalid(f"prompt_lengths: {len(lengths)} values for {len(seqs)} sequences")
-    for i, (p, s) in enumerate(zip(lengths, seqs, strict=True)):
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise _invalid(f"prompt_lengths[{i}]: expected an int, got {json.dumps(p)[:40]}")
-        if not 0 <= p <= len(s):
-            raise _invalid(
-                f"prompt_lengths[{i}]: {p} is outside [0, {len(s)}] (the sequence's length)"
-            )
-    return _Parsed(seqs, list(lengths), top_k, fmt)
+    lengths = check_prompt_lengths(data.get("prompt_lengths"), [len(s) for s in seqs])
+    return _Parsed(seqs, lengths, top_k, fmt)
 
 
 # -- answers -------------------------------------------------------------------------------
@@ -372,29 +360,21 @@ def render_sequence_logprobs(parsed: _Parsed, scored: list[SequenceArrays]) -> b
     return json.dumps(body).encode()
 
 
-Renderer = Callable[[list[SequenceArrays]], bytes]
-ScoreFn = Callable[[str, Callable[[], tuple[pb.ScoreRequest, Renderer]]], Awaitable[bytes]]
-
-
 class TRLEndpoints:
     """The two routes' logic: body bytes in, :class:`HTTPAnswer` out.
 
     Args:
-        score: the servicer's ``score_rendered`` (lifecycle, validation, admission,
-            backend, metrics; parsing and rendering run in worker threads).
+        pipeline: the request pipeline ``Score`` runs through (lifecycle, validation,
+            admission, backend, metrics); a body is parsed, and its answer rendered, in a
+            worker thread.
         info: the teacher's ``TeacherInfo`` once loaded.
-        limits: the servicer's limits once loaded.
     """
 
     def __init__(
-        self,
-        score: ScoreFn,
-        info: Callable[[], pb.TeacherInfo | None],
-        limits: Callable[[], Limits],
+        self, pipeline: RequestPipeline, info: Callable[[], pb.TeacherInfo | None]
     ) -> None:
-        self._score = score
+        self._pipeline = pipeline
         self._info = info
-        self._limits = limits
 
     async def _answer(
         self,
@@ -403,23 +383,28 @@ class TRLEndpoints:
         parse: Callable[[dict[str, Any], pb.TeacherInfo, Limits], _Parsed],
         render: Callable[[_Parsed, list[SequenceArrays]], bytes],
     ) -> HTTPAnswer:
-        def prepare() -> tuple[pb.ScoreRequest, Renderer]:
+        parsed: list[_Parsed] = []  # the body, once read (in a worker thread)
+
+        def read() -> pb.ScoreRequest:
             info = self._info()
             if info is None:
                 raise TeacherUnavailableError("teacher: loading")
-            parsed = parse(_json_object(body), info, self._limits())
-            return parsed.score_request(), lambda scored: render(parsed, scored)
+            parsed.append(parse(_json_object(body), info, self._pipeline.limits))
+            return parsed[0].score_request()
 
-        try:
-            return HTTPAnswer(200, await self._score(method, prepare))
-        except TeacherError as e:
-            return HTTPAnswer.error(e)
+        def finish(_: ParsedRequest, scored: list[SequenceArrays], _seconds: float) -> bytes:
+            return render(parsed[0], scored)
+
+        outcome = await self._pipeline.run(method, read, finish, finish_in_thread=True)
+        if isinstance(outcome, Refused):
+            return HTTPAnswer.refused(outcome.code, outcome.message)
+        return HTTPAnswer(200, outcome.answer)
 
     def models(self) -> HTTPAnswer:
         """vLLM's ``GET /v1/models``: the served model (TRL's client reads its id)."""
         info = self._info()
         if info is None:
-            return HTTPAnswer.error(TeacherUnavailableError("teacher: loading"))
+            return HTTPAnswer.refused(grpc.StatusCode.UNAVAILABLE, "teacher: loading")
         card = {
             "id": info.model_name,
             "object": "model",

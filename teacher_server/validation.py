@@ -1,9 +1,11 @@
-"""Request validation: every rule names the field and the limit.
+"""Request validation: a ``ScoreRequest`` against the server's limits, every rule naming
+the field and the limit.
 
-Pure functions over the wire message. A refused request raises one of the protocol's
-typed errors (:class:`~topk_protocol.errors.InvalidRequestError`,
-:class:`~topk_protocol.errors.ResourceExhaustedError`); the servicer alone turns them
-into gRPC status codes (:func:`topk_protocol.status.status_of`).
+The rules themselves are the protocol's (:mod:`topk_protocol.checks`), applied with the
+server's :class:`Limits`. A refused request raises one of the protocol's typed errors
+(:class:`~topk_protocol.errors.InvalidRequestError`,
+:class:`~topk_protocol.errors.ResourceExhaustedError`); the request pipeline alone turns
+them into statuses (:mod:`teacher_server.pipeline`).
 """
 
 from __future__ import annotations
@@ -15,27 +17,25 @@ import numpy.typing as npt
 
 from teacher_server.config import MIB, ServerConfig
 from topk_protocol import RequestOptions, pb, sequence_span
-from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
-from topk_protocol.requests import check_token_ids as check_vocabulary
-from topk_protocol.requests import check_top_k as check_k
+from topk_protocol.checks import (
+    TeacherLimits,
+    check_range,
+    check_sequence_count,
+    check_token_ids,
+    check_top_k,
+    check_total_tokens,
+)
+from topk_protocol.errors import InvalidRequestError
 
-__all__ = [
-    "Limits",
-    "ParsedRequest",
-    "ParsedSequence",
-    "check_token_ids",
-    "check_top_k",
-    "check_total_tokens",
-    "parse_request",
-]
+__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Server-side limits: the :class:`ServerConfig` ones (defaults included) and what the
-    loaded engine says (vocabulary size, longest sequence; 0: no limit)."""
+class Limits(TeacherLimits):
+    """Server-side limits: the :class:`ServerConfig` ones (defaults included), what the
+    loaded engine says (vocabulary size, longest sequence; 0: no limit), and the sizes of
+    its answers (gRPC message limit, ScoreStream chunk)."""
 
-    vocab_size: int
     max_top_k: int = ServerConfig.max_top_k
     max_tokens_per_request: int = ServerConfig.max_tokens_per_request
     max_sequence_length: int = 0
@@ -80,39 +80,10 @@ class ParsedRequest:
         return self.num_positions * self.options.bytes_per_row()
 
 
-def check_top_k(top_k: int, limits: Limits, field: str = "top_k") -> None:
-    """K within ``[1, max_top_k]``; ``field`` names it in the error (HTTP routes name
-    their own field)."""
-    check_k(int(top_k), limits.max_top_k, field)
-
-
-def check_total_tokens(total: int, limits: Limits, field: str = "sequences") -> None:
-    """A request's tokens in total within ``max_tokens_per_request``."""
-    if total > limits.max_tokens_per_request:
-        raise ResourceExhaustedError(
-            f"{field}: {total} tokens in total exceeds max_tokens_per_request "
-            f"{limits.max_tokens_per_request}; split the batch"
-        )
-
-
-def check_token_ids(ids: npt.NDArray[np.integer], limits: Limits, field: str) -> None:
-    """One sequence's ids ``[L]``: at least one, at most ``max_sequence_length``, each in
-    the vocabulary; ``field`` names the sequence (``field[j]`` the bad token)."""
-    n = len(ids)
-    if n == 0:
-        raise InvalidRequestError(f"{field}: empty; a sequence needs at least 1 token")
-    if limits.max_sequence_length and n > limits.max_sequence_length:
-        raise InvalidRequestError(
-            f"{field}: length {n} exceeds max_sequence_length {limits.max_sequence_length}"
-        )
-    check_vocabulary(ids, limits.vocab_size, field)
-
-
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
     """Validate ``req`` against ``limits``; raise the typed error of the first problem."""
-    if not req.sequences:
-        raise InvalidRequestError("sequences: empty; a request needs at least 1 sequence")
-    check_top_k(req.top_k, limits)
+    check_sequence_count(len(req.sequences))
+    check_top_k(int(req.top_k), limits)
     options = RequestOptions.from_proto(req)
     total = 0
     for i, seq in enumerate(req.sequences):
@@ -129,10 +100,12 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
         n = len(ids)
         check_token_ids(ids, limits, f"sequences[{i}].token_ids")
         start, end = sequence_span(seq)
-        if not 0 <= start <= end <= n:
-            raise InvalidRequestError(
-                f"sequences[{i}].position_start/position_end: [{start}, {end}) is not a range "
-                f"inside the sequence's {n} positions [0, {n}]"
-            )
+        check_range(
+            start,
+            end,
+            n,
+            f"sequences[{i}].position_start/position_end",
+            f"the sequence's {n} positions",
+        )
         parsed.append(ParsedSequence(ids, start, end))
     return ParsedRequest(req.request_id, parsed, options)

@@ -147,7 +147,7 @@ def test_dockerfile_entrypoint_is_the_console_script(dockerfile: dict[str, list[
     assert exec_form(entry) == ["teacher-server", "serve"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     # The entry point imports the CLI (or names the missing server extra in one line).
-    assert scripts["teacher-server"] == "teacher_server.entry:main"
+    assert scripts["teacher-server"] == "teacher_server.__main__:main"
     assert cli.main.__module__ == "teacher_server.cli"
 
 

@@ -1,11 +1,12 @@
 """Typed exceptions of the protocol: the one error hierarchy of both sides.
 
 Every exception is a :class:`TeacherError` (``TeacherError(message, code=None)``); the
-ones caused by the caller's input are also ``ValueError``. The server's code (validation,
-backends) raises them with no transport in sight; only the gRPC servicer turns them into
-status codes, and the client turns status codes back into them, with the server's
-message unchanged so that the field and the limit it names reach the caller. The table
-between the two is :mod:`topk_protocol.status` (the one module here that knows gRPC).
+ones caused by the caller's input are also ``ValueError``. The server's code
+(validation, backends) raises them with no transport in sight; only the server's request
+pipeline (``teacher_server.pipeline``) turns them into status codes, and the client
+turns status codes back into them, with the server's message unchanged so that the field
+and the limit it names reach the caller. The table between the two is
+:mod:`topk_protocol.status` (the one module here that knows gRPC).
 """
 
 from __future__ import annotations

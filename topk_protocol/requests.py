@@ -12,6 +12,7 @@ its answers with them. Rules in ``docs/protocol.md``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
@@ -21,7 +22,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from topk_protocol import checks
 from topk_protocol._generated import teacher_pb2 as pb
+from topk_protocol.checks import check_range, check_sequence_count, check_sequence_length
 from topk_protocol.codec import DTYPE_NAMES, dtype_from_name, dtype_name, encode_token_ids, itemsize
 from topk_protocol.errors import InvalidRequestError
 
@@ -35,8 +38,6 @@ __all__ = [
     "build_request",
     "bytes_per_row",
     "check_span",
-    "check_token_ids",
-    "check_top_k",
     "fits_one_message",
     "normalize_sequences",
     "request_spans",
@@ -203,8 +204,7 @@ def normalize_sequences(sequences: Any) -> list[bytes]:
         )
     else:
         rows = list(sequences)
-    if not rows:
-        raise InvalidRequestError("sequences: empty; a request needs at least 1 sequence")
+    check_sequence_count(len(rows))
     if isinstance(rows[0], int | np.integer):
         raise InvalidRequestError(
             "sequences: got a flat list of ints; pass a batch, e.g. [token_ids] for one sequence"
@@ -212,8 +212,7 @@ def normalize_sequences(sequences: Any) -> list[bytes]:
     out: list[bytes] = []
     for i, seq in enumerate(rows):
         arr = _as_1d_array(seq, i)
-        if arr.size == 0:
-            raise InvalidRequestError(f"sequences[{i}]: empty; a sequence needs at least 1 token")
+        check_sequence_length(arr.size, f"sequences[{i}]")
         try:
             out.append(encode_token_ids(arr))
         except ValueError as e:
@@ -242,10 +241,7 @@ def check_span(pair: Any, index: int, limit: int, inside: str) -> Span:
         raise InvalidRequestError(
             f"positions[{index}]: expected a (start, end) pair of ints, got {pair!r}"
         ) from None
-    if not 0 <= start <= end <= limit:
-        raise InvalidRequestError(
-            f"positions[{index}]: [{start}, {end}) is not a range inside {inside} [0, {limit}]"
-        )
+    check_range(start, end, limit, f"positions[{index}]", inside)
     return start, end
 
 
@@ -280,28 +276,7 @@ def build_request(
     return req
 
 
-# -- the request against the teacher ------------------------------------------------------
-def check_top_k(top_k: int, max_top_k: int, field: str = "top_k") -> None:
-    """Raise :class:`InvalidRequestError` (naming ``field``) unless ``1 <= top_k <=
-    max_top_k`` (the teacher's ``TeacherInfo.max_top_k``)."""
-    if not 1 <= top_k <= max_top_k:
-        raise InvalidRequestError(f"{field}: {top_k} is outside [1, {max_top_k}] (max_top_k)")
-
-
-def check_token_ids(ids: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
-    """Raise :class:`InvalidRequestError` naming the first id of ``ids`` ``[L]`` (the
-    sequence ``field``, e.g. ``sequences[0].token_ids``) outside the teacher's vocabulary
-    ``[0, vocab_size)``."""
-    if len(ids) and int(ids.min()) >= 0 and int(ids.max()) < vocab_size:
-        return
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if bad.size:
-        j = int(bad[0])
-        raise InvalidRequestError(
-            f"{field}[{j}]: {int(ids[j])} is outside the vocabulary [0, {vocab_size})"
-        )
-
-
+# -- spans --------------------------------------------------------------------------------
 def sequence_span(seq: pb.SequenceRequest) -> Span:
     """``[start, end)`` of one requested sequence: unset start is 0, unset end is its length."""
     n = len(seq.token_ids) // 4
@@ -332,3 +307,29 @@ def fits_one_message(payload_bytes: int, num_sequences: int, max_message_bytes: 
     """The one-message rule: a unary ``Score`` answer of ``payload_bytes`` array bytes over
     ``num_sequences`` sequences fits in ``max_message_bytes`` once framing is counted."""
     return payload_bytes + FRAMING_BYTES * (num_sequences + 1) <= max_message_bytes
+
+
+# -- moved: the request's rules live in topk_protocol.checks ------------------------------
+def _check_top_k(top_k: int, max_top_k: int, field: str = "top_k") -> None:
+    checks.check_top_k(top_k, checks.TeacherLimits(0, max_top_k), field)
+
+
+def _check_token_ids(ids: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
+    if len(ids):
+        checks.check_token_ids(ids, checks.TeacherLimits(vocab_size, 0), field)
+
+
+_MOVED = {"check_top_k": _check_top_k, "check_token_ids": _check_token_ids}
+
+
+def __getattr__(name: str) -> Any:
+    """``check_top_k`` / ``check_token_ids`` with their old signatures, for one release."""
+    if name in _MOVED:
+        warnings.warn(
+            f"topk_protocol.requests.{name} is deprecated; use topk_protocol.checks.{name} "
+            "(it takes a TeacherLimits)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _MOVED[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

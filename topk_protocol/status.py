@@ -1,10 +1,10 @@
 """The table between the typed errors (:mod:`topk_protocol.errors`) and gRPC status codes.
 
-The server raises typed errors; its servicer answers with :func:`status_of` (the code,
-and the error's ``reason`` where the code alone does not say what happened: NOT_FOUND is
-:class:`NotRecordedError` only with reason ``not_recorded``). The client turns a status
-back into the typed error with :func:`error_from_code` / :func:`error_from_rpc`. Both
-directions read the one table below.
+The server raises typed errors; its request pipeline answers with :func:`status_of` (the
+code, and the error's ``reason`` where the code alone does not say what happened:
+NOT_FOUND is :class:`NotRecordedError` only with reason ``not_recorded``). The client
+turns a status back into the typed error with :func:`error_from_code` /
+:func:`error_from_rpc`. Both directions read the one table below.
 """
 
 from __future__ import annotations

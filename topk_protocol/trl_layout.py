@@ -13,7 +13,8 @@ for TRL's rows ``[P, L)`` asks us for rows ``[max(P, 1) - 1, L - 1)`` (:func:`tr
 never our last row (the token after the sequence), which TRL does not use.
 
 Pure numpy; the server's HTTP routes (``teacher_server.trl_http``) and the drop-in gRPC
-client (``student_client.integrations.trl_client``) both build TRL's answers from :class:`TRLRows`.
+client (``student_client.integrations.trl_client``) both check TRL's input with
+:func:`check_prompt_lengths` and build TRL's answers from :class:`TRLRows`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from topk_protocol.errors import InvalidRequestError
 from topk_protocol.requests import Span
 
-__all__ = ["JSON_NEG_INF", "TRLRows", "sequence_logprobs_result", "trl_rows", "trl_span"]
+__all__ = [
+    "JSON_NEG_INF",
+    "TRLRows",
+    "check_prompt_lengths",
+    "sequence_logprobs_result",
+    "trl_rows",
+    "trl_span",
+]
 
 #: What vLLM's OpenAI server writes for a ``-inf`` prompt log-prob (JSON has no infinity);
 #: TRL's rows for position 0 and its padding stay ``-inf`` (made by the client itself).
@@ -39,6 +48,32 @@ def trl_span(length: int, prompt_length: int) -> Span:
     """Our payload rows ``[start, end)`` that TRL's rows ``[prompt_length, length)`` of a
     sequence of ``length`` tokens come from (``0 <= prompt_length <= length``)."""
     return max(prompt_length, 1) - 1, length - 1
+
+
+def check_prompt_lengths(prompt_lengths: Any, lengths: Sequence[int]) -> list[int]:
+    """TRL's ``prompt_lengths`` for sequences of ``lengths`` tokens: one int ``P`` per
+    sequence, ``0 <= P <= L``; returns them as ints. Raises
+    :class:`~topk_protocol.errors.InvalidRequestError` naming the field."""
+    if isinstance(prompt_lengths, str | bytes) or not isinstance(
+        prompt_lengths, Sequence | np.ndarray
+    ):
+        raise InvalidRequestError(
+            f"prompt_lengths: expected one int per sequence, got {type(prompt_lengths).__name__}"
+        )
+    if len(prompt_lengths) != len(lengths):
+        raise InvalidRequestError(
+            f"prompt_lengths: {len(prompt_lengths)} values for {len(lengths)} sequences"
+        )
+    out: list[int] = []
+    for i, (p, n) in enumerate(zip(prompt_lengths, lengths, strict=True)):
+        if isinstance(p, bool | np.bool_) or not isinstance(p, int | np.integer):
+            raise InvalidRequestError(f"prompt_lengths[{i}]: expected an int, got {p!r}")
+        if not 0 <= p <= n:
+            raise InvalidRequestError(
+                f"prompt_lengths[{i}]: {p} is outside [0, {n}] (the sequence's length)"
+            )
+        out.append(int(p))
+    return out
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from topk_protocol import (
     pb_grpc,
     response_bytes,
 )
+from topk_protocol.checks import check_depth
 from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.status import error_from_rpc
@@ -561,8 +562,7 @@ class AsyncTeacherClient:
         ``include_sampled``, ...), ``timeout_s``: as :meth:`score` (``timeout_s`` counts
         per request, from when it is sent).
         """
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+        check_depth(depth)
         timeout = self._deadline(timeout_s)
         opts = RequestOptions.of(top_k, **options)
 

@@ -46,6 +46,7 @@ from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 from student_client.errors import TeacherError
 from topk_protocol import RequestOptions, TeacherInfo
+from topk_protocol.checks import check_depth
 from topk_protocol.multi_recording import (
     check_teacher_name,
     teacher_recording_path,
@@ -266,8 +267,7 @@ class AsyncMultiTeacherClient:
         flight ahead of the one the caller holds. A batch that failed raises (its
         teacher named) when the caller reaches it, which ends the iteration. ``top_k``
         and the request ``options``: as :meth:`AsyncTeacherClient.stream_answers`."""
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+        check_depth(depth)
         opts = RequestOptions.of(top_k, **options)
         return self._run_stream(_as_async(batches), opts, depth, timeout_s)
 

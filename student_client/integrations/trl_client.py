@@ -27,7 +27,13 @@ from student_client.data.payload import TeacherPayload
 from student_client.errors import InvalidRequestError, TeacherMismatchError
 from topk_protocol import temperature_mismatch
 from topk_protocol._closeable import Closeable
-from topk_protocol.trl_layout import TRLRows, sequence_logprobs_result, trl_rows, trl_span
+from topk_protocol.trl_layout import (
+    TRLRows,
+    check_prompt_lengths,
+    sequence_logprobs_result,
+    trl_rows,
+    trl_span,
+)
 
 __all__ = ["TRLTeacherClient"]
 
@@ -84,17 +90,9 @@ class TRLTeacherClient(Closeable):
         """
         if temperature <= 0:
             raise InvalidRequestError(f"temperature: must be positive, got {temperature}")
-        if len(sequences) != len(prompt_lengths):
-            raise InvalidRequestError(
-                f"prompt_lengths: {len(prompt_lengths)} values for {len(sequences)} sequences"
-            )
-        spans = []
-        for i, (seq, p) in enumerate(zip(sequences, prompt_lengths, strict=True)):
-            if not 0 <= p <= len(seq):
-                raise InvalidRequestError(
-                    f"prompt_lengths[{i}]: {p} is outside [0, {len(seq)}] (the sequence's length)"
-                )
-            spans.append(trl_span(len(seq), p))
+        lengths = [len(seq) for seq in sequences]
+        prompt_lengths = check_prompt_lengths(prompt_lengths, lengths)
+        spans = [trl_span(n, p) for n, p in zip(lengths, prompt_lengths, strict=True)]
         self._check_temperature(temperature)
         size = chunk_size if chunk_size > 0 else len(sequences)
         starts = range(0, len(sequences), size)

@@ -37,6 +37,7 @@ from topk_protocol import (
     request_spans,
 )
 from topk_protocol._closeable import Closeable
+from topk_protocol.checks import TeacherLimits, check_depth, check_token_ids, check_top_k
 from topk_protocol.multi_recording import (
     read_manifest,
     recorded_teachers,
@@ -44,7 +45,6 @@ from topk_protocol.multi_recording import (
 )
 from topk_protocol.recording import RecordingReader
 from topk_protocol.replay import find_rows, recorded_arrays
-from topk_protocol.requests import check_token_ids, check_top_k
 
 __all__ = ["ReplayClient", "replay_response", "replay_stream"]
 
@@ -81,8 +81,7 @@ def replay_stream(
     """``score`` of each of ``batches`` (batches or :class:`ScoreBatch` items), in order,
     read lazily: a replay client's ``stream``. ``depth`` is accepted for interface parity
     with the live clients (there is nothing to prefetch)."""
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ValueError(f"depth: expected an int >= 0, got {depth!r}")
+    check_depth(depth)
     opts = RequestOptions.of(top_k, **options)
     for batch in batches:
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
@@ -169,13 +168,13 @@ class ReplayClient(Closeable):
 
     def _check(self, request: pb.ScoreRequest) -> None:
         """The checks of the live teacher that do not need the engine (the same
-        functions and messages: :mod:`topk_protocol.requests`)."""
-        info = self._info
-        if info.max_top_k:
-            check_top_k(int(request.top_k), info.max_top_k)
+        functions and messages: :mod:`topk_protocol.checks`)."""
+        limits = TeacherLimits.of_info(self._info)
+        if limits.max_top_k:
+            check_top_k(int(request.top_k), limits)
         for i, seq in enumerate(request.sequences):
             ids = np.frombuffer(seq.token_ids, dtype="<i4")
-            check_token_ids(ids, info.vocab_size, f"sequences[{i}].token_ids")
+            check_token_ids(ids, limits, f"sequences[{i}].token_ids")
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
         self._check(request)

@@ -1,5 +1,5 @@
-"""Pure conversions of the server: vLLM flat log-probs -> arrays, dense -> top-k, and the
-packing of stream responses under a byte budget."""
+"""Pure conversions of the backends: vLLM flat log-probs -> arrays, dense -> top-k (the
+packing of answers is tested in ``test_answers.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import pytest
 
 from teacher_server.backends.base import topk_from_logprobs
 from teacher_server.backends.vllm_backend import flat_to_topk
-from teacher_server.payloads import iter_stream_responses
-from topk_protocol import RequestOptions, SequenceArrays, bytes_per_row, decode_sequence, pb
 
 
 def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:
@@ -56,35 +54,3 @@ def test_topk_from_logprobs_alignment() -> None:
     assert out.sampled_logprobs is not None
     np.testing.assert_allclose(out.sampled_logprobs[:-1], lp[np.arange(5), tokens[1:]])
     assert np.isnan(out.sampled_logprobs[-1])
-
-
-def _scored(n: int, k: int, start: int = 0) -> SequenceArrays:
-    ids = np.arange(n * k, dtype=np.int32).reshape(n, k)
-    lps = -np.arange(n * k, dtype=np.float32).reshape(n, k) / 10
-    return SequenceArrays(ids, lps, -np.arange(n, dtype=np.float32), start)
-
-
-@pytest.mark.parametrize("chunk_rows", [1, 7, 10, 1000])
-def test_stream_chunks_cover_every_row_once_under_budget(chunk_rows: int) -> None:
-    k, dtype = 4, pb.LOGPROB_DTYPE_FLOAT32
-    seqs = [_scored(23, k, 3), _scored(0, k, 5), _scored(1, k), _scored(10, k)]
-    per_row = bytes_per_row(k, dtype, True)
-    msgs = list(
-        iter_stream_responses("r", seqs, RequestOptions(k, dtype), chunk_bytes=chunk_rows * per_row)
-    )
-    assert [m.final for m in msgs] == [False] * (len(msgs) - 1) + [True]
-    assert all(m.request_id == "r" for m in msgs)
-    pieces: dict[int, list] = {i: [] for i in range(len(seqs))}
-    for m in msgs:
-        assert sum(p.num_positions for p in m.sequences) <= chunk_rows
-        for p in m.sequences:
-            pieces[p.sequence_index].append(decode_sequence(p))
-    for i, seq in enumerate(seqs):
-        whole = SequenceArrays.concat(pieces[i])
-        np.testing.assert_array_equal(whole.ids, seq.ids)
-        np.testing.assert_array_equal(whole.logprobs, seq.logprobs)
-        assert whole.position_start == seq.position_start
-        starts = [c.position_start for c in pieces[i]]
-        assert starts == sorted(starts)
-    total_rows = sum(len(s.ids) for s in seqs)
-    assert len(msgs) == max(1, -(-total_rows // chunk_rows))

@@ -251,7 +251,7 @@ class RecordingWriter(Closeable):
         options: RequestOptions | None = None,
     ) -> int:
         """Record every sequence of an answered request (``response`` complete, e.g.
-        :meth:`~student_client.payload.ResponseAssembler.merged_response`; ``options``
+        :meth:`~student_client.data.payload.ResponseAssembler.merged_response`; ``options``
         default: the request's). Returns the number of rows written (covered sequences
         are skipped)."""
         options = RequestOptions.from_proto(request) if options is None else options

@@ -12,7 +12,7 @@ from student_client.errors import (
     InvalidRequestError,
     TeacherError,
 )
-from teacher_server.payloads import encode_scored, iter_stream_responses
+from teacher_server.answers import encode_scored, iter_stream_responses
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
 
 

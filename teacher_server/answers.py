@@ -1,0 +1,114 @@
+"""Scored arrays -> the answer messages of the gRPC methods, serialized ready to send.
+
+``Score`` answers every sequence in one ``ScoreResponse`` (:func:`encode_response`);
+``ScoreStream`` packs the rows, in order, into messages that stay under a byte budget
+(:func:`iter_stream_responses`, :func:`encode_stream`). Pure and synchronous: the request
+pipeline (:mod:`teacher_server.pipeline`) runs them in a worker thread for large
+requests, so the answers leave serialized (the handlers' serializer passes bytes through:
+:mod:`teacher_server.rpc_handlers`), and gRPC has nothing left to do on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from teacher_server.validation import ParsedRequest
+from topk_protocol import RequestOptions, SequenceArrays, encode_sequence, pb
+
+__all__ = [
+    "Outgoing",
+    "encode_response",
+    "encode_scored",
+    "encode_stream",
+    "iter_stream_responses",
+]
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One serialized ``ScoreResponse`` of a stream; ``final``: its request's last."""
+
+    message: bytes
+    final: bool
+
+
+def encode_scored(
+    scored: SequenceArrays, options: RequestOptions, *, sequence_index: int
+) -> pb.SequencePayload:
+    """Encode one scored sequence (or a chunk of its rows) as a payload, in ``options``'
+    dtype, with the sampled log-probs only when ``options`` asks for them."""
+    if not options.include_sampled and scored.sampled_logprobs is not None:
+        scored = replace(scored, sampled_logprobs=None)
+    return encode_sequence(scored, dtype=options.wire_dtype, sequence_index=sequence_index)
+
+
+def encode_response(
+    parsed: ParsedRequest, scored: Sequence[SequenceArrays], teacher_seconds: float
+) -> bytes:
+    """The ``Score`` answer: every sequence of ``parsed`` in one final message."""
+    return pb.ScoreResponse(
+        request_id=parsed.request_id,
+        sequences=[
+            encode_scored(s, parsed.options, sequence_index=i) for i, s in enumerate(scored)
+        ],
+        final=True,
+        teacher_seconds=teacher_seconds,
+    ).SerializeToString()
+
+
+def iter_stream_responses(
+    request_id: str,
+    scored: Sequence[SequenceArrays],
+    options: RequestOptions,
+    *,
+    chunk_bytes: int,
+    teacher_seconds: float = 0.0,
+) -> Iterator[pb.ScoreResponse]:
+    """Pack all sequences' rows, in order, into messages of at most ``chunk_bytes`` of
+    payload arrays (at least one row each). Sequences with no rows still get an empty
+    piece, so the client sees every sequence. The last message has ``final`` set."""
+    budget_rows = max(1, chunk_bytes // options.bytes_per_row())
+    msg = pb.ScoreResponse(request_id=request_id)
+    room = budget_rows
+    for index, seq in enumerate(scored):
+        n = len(seq.ids)
+        done = 0
+        while True:
+            take = min(n - done, room)
+            if take > 0 or n == 0:
+                msg.sequences.append(
+                    encode_scored(seq.rows(done, done + take), options, sequence_index=index)
+                )
+            done += take
+            room -= take
+            if done >= n:
+                break
+            # This message is full: send it and start the next one.
+            yield msg
+            msg = pb.ScoreResponse(request_id=request_id)
+            room = budget_rows
+    msg.final = True
+    msg.teacher_seconds = teacher_seconds
+    yield msg
+
+
+def encode_stream(
+    parsed: ParsedRequest,
+    scored: Sequence[SequenceArrays],
+    teacher_seconds: float,
+    *,
+    chunk_bytes: int,
+) -> list[Outgoing]:
+    """The ``ScoreStream`` answer to one request: :func:`iter_stream_responses`,
+    serialized."""
+    return [
+        Outgoing(m.SerializeToString(), m.final)
+        for m in iter_stream_responses(
+            parsed.request_id,
+            scored,
+            parsed.options,
+            chunk_bytes=chunk_bytes,
+            teacher_seconds=teacher_seconds,
+        )
+    ]

@@ -1,0 +1,290 @@
+"""The request pipeline: one function runs every request, whatever its front end.
+
+A real ``TeacherServer`` on loopback (gRPC and HTTP, in this process) whose backend raises,
+for the sequence whose first token is ``i``, error kind ``i``: gRPC ``Score``,
+``ScoreStream`` and TRL's HTTP route report every kind with the status the one error
+table gives it (:func:`topk_protocol.status.status_of`), and a kind added to that table
+alone reaches all three. Also: bounded gathering, and large requests validated in a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import grpc
+import numpy as np
+import pytest
+
+from teacher_server import pipeline
+from teacher_server.admission import AdmissionQueue
+from teacher_server.backends.base import Backend, BackendInfo
+from teacher_server.lifecycle import Lifecycle, Phase
+from teacher_server.metrics import TeacherMetrics
+from teacher_server.pipeline import (
+    MAX_SEQUENCES_IN_FLIGHT,
+    Answered,
+    RequestPipeline,
+    gather_bounded,
+)
+from teacher_server.server import ServerConfig, TeacherServer
+from teacher_server.trl_http import SEQUENCE_LOGPROBS_METHOD, http_status
+from teacher_server.validation import Limits, ParsedSequence, parse_request
+from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, pb_grpc
+from topk_protocol import status as status_table
+from topk_protocol.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    NotRecordedError,
+    RecordingDamagedError,
+    RecordingError,
+    ResourceExhaustedError,
+    TeacherError,
+    TeacherMismatchError,
+    TeacherUnavailableError,
+    UnauthenticatedError,
+    VocabMismatchError,
+)
+from topk_protocol.status import REASON_KEY, status_of
+
+
+class QuotaExceededError(TeacherError):
+    """An error kind that is not in the status table (until a test adds it)."""
+
+    reason: ClassVar[str] = "quota_exceeded"
+
+
+#: One error of every kind (and two that are not typed errors), by first token.
+ERRORS: list[Callable[[], BaseException]] = [
+    lambda: InvalidRequestError("x: bad"),
+    lambda: ResourceExhaustedError("x: too big"),
+    lambda: UnauthenticatedError("x: who"),
+    lambda: TeacherUnavailableError("x: busy"),
+    lambda: DeadlineExceededError("x: late"),
+    lambda: NotRecordedError("x: not recorded"),
+    lambda: DataLossError("x: damaged"),
+    lambda: TeacherMismatchError("x: other teacher"),
+    lambda: VocabMismatchError("x: other vocabulary"),
+    lambda: RecordingError(Path("r"), 3, "x: unreadable"),
+    lambda: RecordingDamagedError(Path("r"), 1, "x: bad checksum"),
+    lambda: TeacherError("x: plain"),
+    lambda: QuotaExceededError("x: over quota"),
+    lambda: RuntimeError("x: a bug"),
+]
+VOCAB = 512
+
+
+class FailingBackend(Backend):
+    """Raises ``ERRORS[x[0]]()`` for a sequence ``x``; answers ``x[0] == 511`` (ids 0)."""
+
+    def __init__(self) -> None:
+        self.info = BackendInfo("failing", VOCAB, "f" * 64, 64, 0, "failing")
+
+    async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
+        first = int(sequence.token_ids[0])
+        if first < len(ERRORS):
+            raise ERRORS[first]()
+        n, k = sequence.end - sequence.start, options.top_k
+        return SequenceArrays(
+            np.zeros((n, k), np.int32),
+            np.zeros((n, k), np.float32),
+            np.zeros(n, np.float32),
+            sequence.start,
+        )
+
+
+class LoopbackTeacher:
+    """A ``TeacherServer`` on 127.0.0.1 (gRPC and HTTP) with its event loop in a thread."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        cfg = ServerConfig(host="127.0.0.1", port=0, http_port=0, warmup=False, drain_timeout_s=1)
+        self.server = TeacherServer(backend, cfg)
+        self._call(self._start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = pb_grpc.TeacherStub(self.channel)
+        self.http = f"http://127.0.0.1:{self.server.http_port}"
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    async def _start(self) -> None:
+        await self.server.start()
+        await self.server.wait_ready(30)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self._call(self.server.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def teacher() -> Iterator[LoopbackTeacher]:
+    t = LoopbackTeacher(FailingBackend())
+    yield t
+    t.stop()
+
+
+def _score(teacher: LoopbackTeacher, first: int) -> tuple[grpc.StatusCode, str, str]:
+    """gRPC ``Score``: (code, message, reason)."""
+    with pytest.raises(grpc.RpcError) as err:
+        teacher.stub.Score(build_request([[first, 1, 2]], 4), timeout=30)
+    e: Any = err.value
+    reason = dict(e.trailing_metadata() or ()).get(REASON_KEY, "")
+    return e.code(), e.details(), reason
+
+
+def _stream(teacher: LoopbackTeacher, first: int) -> tuple[grpc.StatusCode, str, str]:
+    """One failing request of a ``ScoreStream`` between two answered ones: the failed
+    one's (code, message, reason); the stream goes on."""
+    requests = [build_request([[f, 1, 2]], 4, request_id=str(f)) for f in (511, first, 511)]
+    answers = list(teacher.stub.ScoreStream(iter(requests), timeout=30))
+    by_id = {a.request_id: a for a in answers if a.final}
+    assert set(by_id) == {"511", str(first)} and not by_id["511"].HasField("error")
+    error = by_id[str(first)].error
+    (code,) = [c for c in grpc.StatusCode if c.value[0] == error.code]
+    return code, error.message, error.reason
+
+
+def _http(teacher: LoopbackTeacher, first: int) -> tuple[int, dict[str, str]]:
+    """TRL 1.10's ``POST /get_sequence_logprobs/``: (HTTP status, JSON body)."""
+    body = {"sequences": [[first, 1, 2]], "prompt_lengths": [1], "top_logprobs": 4}
+    req = urllib.request.Request(
+        f"{teacher.http}/get_sequence_logprobs/", data=json.dumps(body).encode()
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _expected(first: int) -> tuple[grpc.StatusCode, str, str]:
+    """The status, message and reason the one error table gives error kind ``first``."""
+    error = ERRORS[first]()
+    if not isinstance(error, TeacherError):
+        return grpc.StatusCode.INTERNAL, f"teacher: scoring failed: {error}", ""
+    code, reason = status_of(error)
+    return code, error.message, reason
+
+
+def _check_all_three(teacher: LoopbackTeacher, first: int) -> grpc.StatusCode:
+    code, message, reason = _expected(first)
+    assert _score(teacher, first) == (code, message, reason)
+    assert _stream(teacher, first) == (code, message, reason)
+    status, body = _http(teacher, first)
+    assert (status, body) == (http_status(code), {"error": message, "code": code.name})
+    return code
+
+
+@pytest.mark.parametrize("first", range(len(ERRORS)), ids=lambda i: type(ERRORS[i]()).__name__)
+def test_every_error_kind_reaches_score_stream_and_http_alike(
+    teacher: LoopbackTeacher, first: int
+) -> None:
+    _check_all_three(teacher, first)
+
+
+def test_a_kind_added_to_the_error_table_once_reaches_all_three(
+    teacher: LoopbackTeacher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = next(i for i, e in enumerate(ERRORS) if isinstance(e(), QuotaExceededError))
+    assert _check_all_three(teacher, first) is grpc.StatusCode.INTERNAL  # not in the table
+    # One row added to the table (status_of reads it), nothing else:
+    table = {**status_table._CODE_OF, QuotaExceededError: grpc.StatusCode.PERMISSION_DENIED}
+    monkeypatch.setattr(status_table, "_CODE_OF", table)
+    assert _check_all_three(teacher, first) is grpc.StatusCode.PERMISSION_DENIED
+    assert _http(teacher, first)[0] == 403
+
+
+def test_outcomes_are_counted_under_their_front_end(teacher: LoopbackTeacher) -> None:
+    requests = teacher.server.metrics.requests
+
+    def count(method: str, code: str) -> float:
+        return float(requests.labels(method, code)._value.get())
+
+    before = [count(SEQUENCE_LOGPROBS_METHOD, "INVALID_ARGUMENT"), count("Score", "OK")]
+    assert _http(teacher, 0)[0] == 400
+    response = pb.ScoreResponse.FromString(
+        teacher.stub.Score(build_request([[511, 1]], 4), timeout=30).SerializeToString()
+    )
+    assert response.final and response.sequences[0].num_positions == 2
+    after = [count(SEQUENCE_LOGPROBS_METHOD, "INVALID_ARGUMENT"), count("Score", "OK")]
+    assert after == [b + 1 for b in before]
+
+
+# -- helpers --------------------------------------------------------------------------------
+def test_gather_bounded_keeps_order_and_the_concurrency_limit() -> None:
+    running = peak = 0
+
+    async def one(x: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.001 * (x % 5))
+        running -= 1
+        return 2 * x
+
+    n = 3 * MAX_SEQUENCES_IN_FLIGHT + 7
+    assert asyncio.run(gather_bounded(one, list(range(n)))) == [2 * x for x in range(n)]
+    assert peak == MAX_SEQUENCES_IN_FLIGHT
+
+
+def test_gather_bounded_raises_the_first_error_and_cancels_the_rest() -> None:
+    started = 0
+
+    async def one(x: int) -> int:
+        nonlocal started
+        started += 1
+        if x == 3:
+            raise ValueError("sequence 3 failed")
+        await asyncio.sleep(0.01)
+        return x
+
+    with pytest.raises(ValueError, match="sequence 3 failed"):
+        asyncio.run(gather_bounded(one, list(range(5 * MAX_SEQUENCES_IN_FLIGHT))))
+    assert started < 5 * MAX_SEQUENCES_IN_FLIGHT  # the rest were not started
+
+
+def test_large_requests_are_validated_and_answered_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def spy(*args: object) -> object:
+        seen.append(("parse", threading.current_thread().name))
+        return parse_request(*args)  # type: ignore[arg-type]
+
+    def finish(*_: object) -> str:
+        seen.append(("finish", threading.current_thread().name))
+        return "answer"
+
+    monkeypatch.setattr(pipeline, "parse_request", spy)
+
+    async def run(request: pb.ScoreRequest) -> object:
+        lifecycle = Lifecycle()
+        await lifecycle.advance(Phase.READY)
+        metrics = TeacherMetrics()
+        runner = RequestPipeline(
+            FailingBackend(), Limits(vocab_size=VOCAB), metrics, lifecycle, AdmissionQueue(4, 4)
+        )
+        return await runner.run("test", request, finish)
+
+    small = build_request([[511, 1, 2, 3]], 4)
+    large = build_request([[511]] * 1000, 4)
+    assert asyncio.run(run(small)) == Answered("answer")
+    assert asyncio.run(run(large)) == Answered("answer")
+    main = threading.main_thread().name
+    assert seen[:2] == [("parse", main), ("finish", main)]
+    assert [step for step, _ in seen[2:]] == ["parse", "finish"]
+    assert all(thread != main for _, thread in seen[2:])
