@@ -26,6 +26,7 @@ from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,
 )
+from teacher_server.leak_injection import injected_leak_mib, leak_per_request
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.offload import (
@@ -101,6 +102,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         # (requests, bytes) one ScoreStream may hold unsent (teacher_server.backpressure)
         StreamBudget(*stream_budget)  # refuses bad values now, not at the first stream
         self._stream_budget = stream_budget
+        injected_leak_mib()  # a bad TOPK_DISTILL_INJECT_LEAK_MIB fails now, not mid-request
 
     def set_limits(self, limits: Limits) -> None:
         """Backend loaded: the final limits (vocab size now known)."""
@@ -166,6 +168,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             await self._admission.acquire()
         except AdmissionRefused as e:
             raise TeacherUnavailableError(e.message) from None
+        leak_per_request()  # nothing unless a test injects a leak (leak_injection)
 
     async def _admit(self, request: pb.ScoreRequest | Undecodable) -> ParsedRequest:
         """Validate, then wait for a slot; the caller must :meth:`_release` it."""

@@ -32,6 +32,8 @@ from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, SHUTDOWN_MARGIN_S
 from topk_protocol import encode_token_ids, pb, pb_grpc
 
+pytestmark = pytest.mark.vllm
+
 PROBE_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 600.0
 
