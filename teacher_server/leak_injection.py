@@ -1,6 +1,6 @@
 """A leak of a stated size, on purpose, for showing that the memory guard of the tests
 catches one (``tests/teacher_server/test_malloc_trim.py``); off unless the environment
-asks for it, as in production.
+asks for it, which a deployment never does.
 
 With ``TOPK_DISTILL_INJECT_LEAK_MIB=N`` in the server's environment, every request the
 server admits (``Score``, each request of a ``ScoreStream``, the HTTP routes) makes it keep
