@@ -34,6 +34,7 @@ import grpc
 
 from teacher_server.admission import AdmissionQueue, AdmissionRefused
 from teacher_server.backends.base import Backend
+from teacher_server.leak_injection import injected_leak_mib, leak_per_request
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import Undecodable
@@ -136,6 +137,7 @@ class RequestPipeline:
         self._metrics = metrics
         self._lifecycle = lifecycle
         self._admission = admission
+        injected_leak_mib()  # a bad TOPK_DISTILL_INJECT_LEAK_MIB fails now, not mid-request
 
     @property
     def backend(self) -> Backend:
@@ -213,6 +215,7 @@ class RequestPipeline:
             await self._admission.acquire()
         except AdmissionRefused as e:
             raise TeacherUnavailableError(e.message) from None
+        leak_per_request()  # nothing unless a test injects a leak (leak_injection)
         try:
             scored = await self._score(parsed)
             large = in_thread or _is_large(len(parsed.sequences), 4 * parsed.num_positions)

@@ -2,10 +2,17 @@
 
 The server runs as a subprocess (``python -m teacher_server serve --backend vllm``) on
 loopback ports; tests talk to it over real gRPC and HTTP.
+
+Every test that starts a vLLM engine carries the ``vllm`` marker, so that
+``pytest -m "not vllm"`` starts none. Enforced twice: a test that asks for a vLLM fixture
+without the marker is a collection error, and while a test without the marker runs,
+``NO_ENGINE_ENV`` is set, so any vLLM engine it starts (through a fixture, a server
+subprocess, an example) refuses to start, naming the test.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +20,7 @@ import pytest
 
 from devtools.launch import TeacherProcess, free_port, http_status, start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS
+from teacher_server.backends.vllm_backend import NO_ENGINE_ENV
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "http_status", "start_server"]
 
@@ -21,6 +29,40 @@ ROOT = Path(__file__).resolve().parents[1]
 # Shared with examples and benchmarks; re-exported under the names the tests use.
 ServerProcess = TeacherProcess
 start_server = start_teacher
+
+#: The shared fixtures that start a vLLM engine: a test that uses one needs the marker.
+VLLM_FIXTURES = frozenset({"vllm_teacher"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("vllm") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            f"these tests use {sorted(VLLM_FIXTURES)} (a vLLM engine) without "
+            f"@pytest.mark.vllm: {', '.join(unmarked)}"
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Set ``NO_ENGINE_ENV`` while a test without the ``vllm`` marker runs (its fixtures'
+    set-up included): a vLLM engine it starts, in any process, refuses to."""
+    if item.get_closest_marker("vllm") is not None:
+        return (yield)
+    before = os.environ.get(NO_ENGINE_ENV)
+    os.environ[NO_ENGINE_ENV] = f"test {item.nodeid} has no @pytest.mark.vllm"
+    try:
+        return (yield)
+    finally:
+        if before is None:
+            del os.environ[NO_ENGINE_ENV]
+        else:
+            os.environ[NO_ENGINE_ENV] = before
 
 
 @pytest.fixture(scope="session")

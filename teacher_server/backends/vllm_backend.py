@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,13 @@ from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
 
-__all__ = ["VLLMBackend", "flat_to_topk"]
+__all__ = ["NO_ENGINE_ENV", "VLLMBackend", "flat_to_topk"]
 
 log = logging.getLogger(__name__)
+
+#: Set (to the reason) where no vLLM engine may start: the test suite sets it while a test
+#: without the ``vllm`` marker runs, so ``pytest -m "not vllm"`` provably starts none.
+NO_ENGINE_ENV = "TOPK_DISTILL_NO_VLLM_ENGINE"
 
 
 def flat_to_topk(
@@ -219,6 +224,9 @@ class VLLMBackend(Backend):
         log.info("vLLM engine computes in %s (--dtype %s)", self.info.dtype, self._dtype)
 
     def _build_engine(self) -> Any:
+        refusal = os.environ.get(NO_ENGINE_ENV)
+        if refusal:
+            raise RuntimeError(f"{NO_ENGINE_ENV}: no vLLM engine may start here: {refusal}")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM

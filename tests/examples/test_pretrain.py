@@ -133,9 +133,11 @@ def test_pretraining_writes_a_complete_teacher_that_learned(teacher_dir: Path) -
 def test_cached_teacher_is_reused_without_training(teacher_dir: Path) -> None:
     marker_before = (teacher_dir / MARKER_NAME).read_text()
     weights_mtime = (teacher_dir / "model.safetensors").stat().st_mtime_ns
+    budget_s = 1000.0
     t0 = time.monotonic()
-    again = build_default_teacher(teacher_dir, train_seconds=1000, seed=1)
-    assert time.monotonic() - t0 < 5.0
+    again = build_default_teacher(teacher_dir, train_seconds=budget_s, seed=1)
+    # Not a step of training: it took not even a hundredth of the budget it was given.
+    assert time.monotonic() - t0 < budget_s / 100
     assert again == teacher_dir
     assert (teacher_dir / MARKER_NAME).read_text() == marker_before
     assert (teacher_dir / "model.safetensors").stat().st_mtime_ns == weights_mtime
@@ -186,7 +188,8 @@ def test_time_budget_build_into_an_empty_directory(tmp_path: Path) -> None:
     marker = read_marker(out)
     assert out == target and marker is not None
     m = marker["metrics"]
-    assert m["steps"] >= 1 and 2.0 <= m["train_seconds"] < time.monotonic() - t0
+    # It trained for its budget, and the call took that long and a little more.
+    assert m["steps"] >= 1 and cfg.train_seconds <= m["train_seconds"] < time.monotonic() - t0
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

@@ -83,6 +83,7 @@ def _big_requests(n: int, seed: int) -> Iterator[pb.ScoreRequest]:
         yield req
 
 
+@pytest.mark.vllm
 def test_two_clients_that_stop_reading_hold_bounded_memory_and_delay_no_one(
     vllm_teacher,  # type: ignore[no-untyped-def]
 ) -> None:
@@ -145,6 +146,7 @@ def test_two_clients_that_stop_reading_hold_bounded_memory_and_delay_no_one(
     assert rss_after <= rss0 + 50 * MIB
 
 
+@pytest.mark.vllm
 def test_a_stalled_stream_resumes_when_its_client_reads(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
     """Backpressure only pauses: once the client reads, every answer arrives, in full."""
     with grpc.insecure_channel(vllm_teacher.target) as ch:

@@ -40,6 +40,7 @@ def test_every_teacher_method_is_covered() -> None:
     }
 
 
+@pytest.mark.vllm
 def test_random_bytes_get_invalid_argument(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(0)
     with grpc.insecure_channel(vllm_teacher.target) as ch:

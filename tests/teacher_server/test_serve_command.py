@@ -32,7 +32,15 @@ from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, SHUTDOWN_MARGIN_S
 from topk_protocol import encode_token_ids, pb, pb_grpc
 
-PROBE_TIMEOUT_S = 1.0
+pytestmark = pytest.mark.vllm
+
+#: A probe that has not answered in this long has hung (a stop, not the measure: how long
+#: probes take is compared with the engine's load time, measured in the same test).
+PROBE_HANG_S = 30.0
+#: The slowest probe while the engine loads stays under this share of the load: the engine
+#: is built in a worker thread; were the build on the event loop, a probe would wait for
+#: much of the load (measured in healthy runs: at most 0.98 s of a 60-100 s load).
+PROBE_SHARE_OF_LOAD = 0.1
 LOAD_TIMEOUT_S = 600.0
 
 
@@ -47,10 +55,10 @@ def readme_serve_command() -> list[str]:
 
 
 def _get(url: str) -> tuple[int, float]:
-    """(status, seconds) of GET url with the probe timeout; raises OSError when refused."""
+    """(status, seconds) of GET url; raises OSError when refused or hung."""
     t0 = time.monotonic()
     try:
-        with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as r:
+        with urllib.request.urlopen(url, timeout=PROBE_HANG_S) as r:
             status = int(r.status)
     except urllib.error.HTTPError as e:
         status = int(e.code)
@@ -96,7 +104,7 @@ def test_readme_serve_command_starts_probes_and_drains(
                     healthz.append(_get(f"{base}/healthz"))
                     probe_log.append((t_probe, healthz[-1][1]))
                 except OSError:
-                    if healthz:  # up once: every later probe must answer within 1 s
+                    if healthz:  # up once: every later probe must answer
                         pytest.fail(f"/healthz stopped answering after {len(healthz)} probes")
                     time.sleep(0.25)
                     continue
@@ -133,17 +141,19 @@ def test_readme_serve_command_starts_probes_and_drains(
         exit_s = time.monotonic() - t_term
 
     slowest = max(s for _, s in healthz)
+    load_s = probe_log[-1][0] + probe_log[-1][1] - probe_log[0][0]  # first probe to ready
     slow = [
         (time.strftime("%H:%M:%S", time.localtime(t)), round(d, 3)) for t, d in probe_log if d > 0.2
     ]
     print("slow /healthz probes (wall clock, s):", slow)
     print(
         f"/healthz: {len(healthz)} probes, all 200: {all(c == 200 for c, _ in healthz)}, "
-        f"slowest {slowest:.3f} s; /readyz 503 x{readyz.count(503)} then 200; "
+        f"slowest {slowest:.3f} s of a {load_s:.1f} s load; /readyz 503 x{readyz.count(503)} "
+        "then 200; "
         f"early Score: {[c.name for c in early_codes]}; exit {code} after {exit_s:.1f} s"
     )
     assert all(c == 200 for c, _ in healthz)
-    assert slowest < PROBE_TIMEOUT_S
+    assert slowest < PROBE_SHARE_OF_LOAD * load_s, (slowest, load_s)
     assert readyz[-1] == 200 and set(readyz[:-1]) <= {503}
     assert readyz.count(503) >= 1, "the engine loaded before the first probe: nothing tested"
     assert early_codes and set(early_codes) == {grpc.StatusCode.UNAVAILABLE}

@@ -103,7 +103,8 @@ def test_vllm_payload_is_tempered_reference(
     reference_backend: TransformersBackend,
 ) -> None:
     """Every row (prompt rows and the last one) and every sampled log-prob matches
-    ``log_softmax(z / T)``: ids where neighbours are separated, log-probs within 1e-4."""
+    ``log_softmax(z / T)``: log-probs within 1e-4, ids where the rank is unambiguous at
+    that drift."""
     t = tempered_teacher[0]
     k = 64
     seqs = _sequences(int(t * 10), [1, 2, 47, 300])
@@ -111,10 +112,10 @@ def test_vllm_payload_is_tempered_reference(
     for seq, payload in zip(seqs, resp.sequences, strict=True):
         got = decode_sequence(payload)
         dense = _tempered_reference(reference_backend._model, seq, t)
-        ref = topk_from_logprobs(dense, seq, k)
+        ref = topk_from_logprobs(dense, seq, k + 1)  # one more column: see _check_against_reference
         _check_against_reference(got, ref)
         # The last row (vLLM's generated-token log-probs) on its own.
-        np.testing.assert_allclose(got.logprobs[-1], ref.logprobs[-1], atol=TOL, rtol=0)
+        np.testing.assert_allclose(got.logprobs[-1], ref.logprobs[-1, :k], atol=TOL, rtol=0)
         assert got.sampled_logprobs is not None
         np.testing.assert_allclose(
             got.sampled_logprobs[:-1], dense[np.arange(len(seq) - 1), seq[1:]], atol=TOL
