@@ -36,7 +36,6 @@ from collections.abc import (
 )
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
@@ -56,6 +55,7 @@ from topk_protocol import (
     pb_grpc,
     response_bytes,
 )
+from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
 from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
 from topk_protocol.recording import RecordingWriter
@@ -283,7 +283,7 @@ async def _as_async(batches: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterato
             yield b
 
 
-class AsyncTeacherClient:
+class AsyncTeacherClient(AsyncCloseable):
     """asyncio client of a ``topk_distill.v1.Teacher`` service.
 
     Args:
@@ -666,14 +666,3 @@ class AsyncTeacherClient:
                 self._recorder = None
         for channel in self._channels:
             await channel.close()
-
-    async def __aenter__(self) -> AsyncTeacherClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()

@@ -34,7 +34,6 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 from student_client.errors import TeacherError
 from topk_protocol import RequestOptions, TeacherInfo
+from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
 from topk_protocol.multi_recording import (
     check_teacher_name,
@@ -78,7 +78,7 @@ class RoutedAnswer:
     teachers: list[str]
 
 
-class AsyncMultiTeacherClient:
+class AsyncMultiTeacherClient(AsyncCloseable):
     """asyncio client over named teachers (see the module docstring).
 
     Args:
@@ -311,17 +311,6 @@ class AsyncMultiTeacherClient:
         """Close every teacher's channels and recording."""
         for c in self._clients.values():
             await c.close()
-
-    async def __aenter__(self) -> AsyncMultiTeacherClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
 
 class MultiTeacherClient(BlockingFacade[RoutedAnswer]):
