@@ -100,15 +100,21 @@ def test_two_clients_that_stop_reading_hold_bounded_memory_and_delay_no_one(
         base_before = _p99_latency_s(good, tokens)
         rss0 = _rss(pid)
         scored0 = _stream_requests_scored(server.http)
-        channels = [grpc.insecure_channel(server.target) for _ in range(2)]
+        # A fixed transport window (no BDP probing, which would grow it to several MiB while
+        # the reader is idle): what the server sends past its own budget is then bounded by
+        # that window, not by how long gRPC had to probe.
+        channels = [
+            grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
+            for _ in range(2)
+        ]
         calls = [
             pb_grpc.TeacherStub(ch).ScoreStream(_big_requests(200, seed=i))
             for i, ch in enumerate(channels)
         ]  # never read: their answers pile up on the server, up to the budget
         # Let the slow streams fill their budgets and stall.
         peak = rss0
-        deadline = time.monotonic() + 15
-        last, still_since = -1.0, time.monotonic()
+        deadline = time.monotonic() + 180  # a safety stop: on a loaded machine it takes long
+        last, still_since, stalled = -1.0, time.monotonic(), False
         while time.monotonic() < deadline:
             time.sleep(0.5)
             peak = max(peak, _rss(pid))
@@ -116,7 +122,9 @@ def test_two_clients_that_stop_reading_hold_bounded_memory_and_delay_no_one(
             if scored != last:
                 last, still_since = scored, time.monotonic()
             elif time.monotonic() - still_since > 3:
-                break  # nothing scored for 3 s: both streams wait for their readers
+                stalled = True  # nothing scored for 3 s: both streams wait for their readers
+                break
+        assert stalled, f"the slow streams were still being scored after 180 s ({last:.0f})"
         during = _p99_latency_s(good, tokens)
         peak = max(peak, _rss(pid))
         stalled_scored = _stream_requests_scored(server.http) - scored0
