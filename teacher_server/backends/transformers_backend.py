@@ -7,6 +7,7 @@ load. Requests are served one at a time in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,11 +22,14 @@ from teacher_server.backends.base import (
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
+from teacher_server.backends.cpu_dtype import CpuDtype, cpu_dtype_for
 from teacher_server.config import ServerConfig
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
 
 __all__ = ["TransformersBackend"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,8 @@ class TransformersFlags(ModelFlags):
     """The transformers backend's flags."""
 
     dtype: str = "float32"
-    """torch dtype of the weights (auto: the checkpoint's)"""
+    """torch dtype of the weights (auto: the checkpoint's; on a CPU without native bf16,
+    float32)"""
     device: str = "cpu"
     """torch device"""
     max_model_len: int | None = None
@@ -93,7 +98,8 @@ class TransformersBackend(Backend):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dtype = getattr(torch, self._dtype) if self._dtype != "auto" else "auto"
+        choice = self._choose_dtype()
+        dtype = getattr(torch, choice.dtype) if choice.dtype != "auto" else "auto"
         self._model = AutoModelForCausalLM.from_pretrained(self._path, dtype=dtype)
         self._model.to(self._device).eval()
         tok = AutoTokenizer.from_pretrained(self._path)
@@ -109,6 +115,19 @@ class TransformersBackend(Backend):
             dtype=str(self._model.dtype).removeprefix("torch."),
             temperature=self._temperature,
         )
+        log.info("transformers model computes in %s (%s)", self.info.dtype, choice.reason)
+
+    def _choose_dtype(self) -> CpuDtype:
+        """``--dtype`` as given, or on CPU by the rule of ``cpu_dtype`` (``auto`` is
+        float32 where bf16 is emulated; a warning for an emulated dtype given explicitly)."""
+        import torch
+
+        if torch.device(self._device).type != "cpu":
+            return CpuDtype(self._dtype, f"--dtype {self._dtype}")
+        choice = cpu_dtype_for(self._dtype, self._path)
+        if choice.warn:
+            log.warning("%s", choice.reason)
+        return choice
 
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         cancelled = threading.Event()

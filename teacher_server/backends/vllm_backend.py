@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from teacher_server.backends import vllm_arrays
 from teacher_server.backends.base import Backend, BackendInfo, tokenizer_fingerprint
+from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm_worker import (
@@ -156,6 +157,7 @@ class VLLMBackend(Backend):
         self._model = str(model)
         self._max_top_k = max_top_k
         self._dtype = dtype
+        self._dtype_reason = f"--dtype {dtype}"
         self._max_model_len = max_model_len
         self._served_name = served_model_name or Path(self._model).name
         self._engine_kwargs = dict(engine_kwargs or {})
@@ -221,7 +223,7 @@ class VLLMBackend(Backend):
             dtype=str(cfg.dtype).removeprefix("torch."),
             temperature=self._temperature,
         )
-        log.info("vLLM engine computes in %s (--dtype %s)", self.info.dtype, self._dtype)
+        log.info("vLLM engine computes in %s (%s)", self.info.dtype, self._dtype_reason)
 
     def _build_engine(self) -> Any:
         refusal = os.environ.get(NO_ENGINE_ENV)
@@ -247,10 +249,20 @@ class VLLMBackend(Backend):
             kwargs["max_model_len"] = self._max_model_len
         kwargs.update(self._engine_kwargs)
         if current_platform.is_cpu():
+            kwargs["dtype"] = self._cpu_dtype()
             kv_bytes = cpu_kv_cache_bytes(kwargs.get("kv_cache_memory_bytes"))
             if kv_bytes is not None:
                 kwargs["kv_cache_memory_bytes"] = kv_bytes
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def _cpu_dtype(self) -> str:
+        """The engine dtype on CPU (``cpu_dtype``: ``auto`` is float32 where bf16 is
+        emulated), logged with its reason; a warning when it is an emulated one."""
+        choice = cpu_dtype_for(self._dtype, self._model)
+        self._dtype_reason = choice.reason
+        level = logging.WARNING if choice.warn else logging.INFO
+        log.log(level, "CPU engine dtype %s: %s", choice.dtype, choice.reason)
+        return choice.dtype
 
     async def _set_temperature(self) -> None:
         """Scale the logits of every worker's model by ``1 / T`` (before any request)."""

@@ -1,7 +1,7 @@
 """The README's serve command, copied from the README, on a CPU machine: it starts without
 ``VLLM_CPU_KVCACHE_SPACE``, answers probes from the moment its HTTP port opens while the
-engine loads, refuses scoring until warmed up, announces the engine's real dtype, and
-drains on SIGTERM.
+engine loads, refuses scoring until warmed up, announces the engine's real dtype (the
+CPU's rule: ``cpu_dtype``), and drains on SIGTERM.
 
 The only substitutions: ``MODEL_DIR`` -> the tiny model, and the two README ports -> free
 ports (other jobs may hold 50051/8000 on a shared machine). One extra vLLM engine: a
@@ -28,6 +28,7 @@ import pytest
 from conftest import ROOT, free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from teacher_server.backends.cpu_dtype import cpu_has_native_bf16
 from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, SHUTDOWN_MARGIN_S
 from topk_protocol import encode_token_ids, pb, pb_grpc
@@ -158,8 +159,10 @@ def test_readme_serve_command_starts_probes_and_drains(
     assert readyz.count(503) >= 1, "the engine loaded before the first probe: nothing tested"
     assert early_codes and set(early_codes) == {grpc.StatusCode.UNAVAILABLE}
     assert set(health_before) == {health_pb2.HealthCheckResponse.NOT_SERVING}
-    # `--dtype auto` (vLLM's default) runs the float32 checkpoint in bfloat16; say so.
-    assert info.engine_dtype == info_json["engine_dtype"] == "bfloat16"
-    assert "vLLM engine computes in bfloat16" in log_path.read_text()
+    # `--dtype auto` (vLLM's default): vLLM runs the float32 checkpoint in bfloat16 on a
+    # CPU with native bf16, the server keeps float32 on one without; it says which, and why.
+    want = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert info.engine_dtype == info_json["engine_dtype"] == want
+    assert f"vLLM engine computes in {want} (--dtype auto: this CPU has" in log_path.read_text()
     assert code == 0
     assert exit_s <= DEFAULT_DRAIN_TIMEOUT_S + SHUTDOWN_MARGIN_S
