@@ -34,6 +34,11 @@ weight `[V, H]`, both requiring grad, and every variant returns both gradients:
 When a divergence variant runs next to the forward tail loss of its path, a last table gives
 their peak-memory and median-time ratios.
 
+bf16 needs a CPU that computes it natively (AVX-512 BF16 or AMX; `benchmarks.capability`).
+On one without, the benchmark says what it skips and why, then runs the float32 version of
+the case (`--dtype float32`, labelled); with `--seed-dims` it runs nothing (the seeds'
+table is the bf16 one; `--seed-dims --dtype float32` runs it in float32).
+
 Memory method: each (variant, N) runs once in a fresh Python process. It builds the inputs
 (logits filled in place in small blocks, so building them leaves only a small transient
 peak), resets its RSS high-water mark (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0),
@@ -64,6 +69,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.capability import bf16_skip_reason
 from student_client.losses.types import GradAccumulation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +98,7 @@ SEED_VARIANTS = ["logits-naive", "logits-chunked", "fused"]
 ACCURACY_VOCAB_ROWS = 4096  # grad_weight rows [0, 4096) against the float64 reference
 ACCURACY_POSITIONS = 32  # grad_hidden rows [0, 32)
 MEMORY_MARGIN_BYTES = 2 * 2**30  # left free for the rest of the machine
+DTYPES = ("bfloat16", "float32")  # of the logits, or of the hidden states and weight
 
 
 def _reset_peak() -> bool:
@@ -110,13 +117,15 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _inputs(n_rows: int, vocab: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 logits `[N, V]` (requires grad), teacher ids and log-probs `[N, K]`.
+def _inputs(
+    n_rows: int, vocab: int, top_k: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits `[N, V]` in `dtype` (requires grad), teacher ids and log-probs `[N, K]`.
 
     Teacher ids as `_teacher` builds them.
     """
     generator = torch.Generator().manual_seed(0)
-    logits = torch.empty(n_rows, vocab, dtype=torch.bfloat16)
+    logits = torch.empty(n_rows, vocab, dtype=dtype)
     for start in range(0, n_rows, 64):  # fill in place: no [N, V] transient
         block = torch.randn(min(64, n_rows - start), vocab, generator=generator) * 2
         logits[start : start + block.shape[0]] = block
@@ -141,12 +150,13 @@ def _teacher(
 
 
 def _lm_head_inputs(
-    n_rows: int, vocab: int, top_k: int, hidden_size: int
+    n_rows: int, vocab: int, top_k: int, hidden_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
-    """bf16 hidden `[N, H]` and weight `[V, H]` (both require grad), teacher ids, log-probs."""
+    """Hidden `[N, H]` and weight `[V, H]` in `dtype` (both require grad), teacher ids,
+    log-probs."""
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n_rows, hidden_size, generator=generator).to(torch.bfloat16)
-    weight = torch.empty(vocab, hidden_size, dtype=torch.bfloat16)
+    hidden = torch.randn(n_rows, hidden_size, generator=generator).to(dtype)
+    weight = torch.empty(vocab, hidden_size, dtype=dtype)
     for start in range(0, vocab, 1024):  # fill in place: no fp32 [V, H] transient
         block = torch.randn(min(1024, vocab - start), hidden_size, generator=generator)
         weight[start : start + block.shape[0]] = block * (2.0 / hidden_size**0.5)
@@ -250,11 +260,11 @@ def _fwd_bwd_seconds(
 
 
 def _make_inputs(
-    variant: str, n_rows: int, vocab: int, top_k: int, hidden_size: int
+    variant: str, n_rows: int, vocab: int, top_k: int, hidden_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
     if variant in LM_HEAD_VARIANTS + LM_HEAD_EXTRA_VARIANTS:
-        return _lm_head_inputs(n_rows, vocab, top_k, hidden_size)
-    return _inputs(n_rows, vocab, top_k)
+        return _lm_head_inputs(n_rows, vocab, top_k, hidden_size, dtype)
+    return _inputs(n_rows, vocab, top_k, dtype)
 
 
 def float64_reference(
@@ -335,12 +345,13 @@ def measure_memory(
     top_k: int,
     chunk_size: int | None,
     hidden_size: int,
+    dtype: torch.dtype,
     reference_path: str | None = None,
 ) -> dict[str, float]:
     """Peak extra RSS of one forward + backward of `variant`, in this (fresh) process; with
     `reference_path` (saved `float64_reference`), also the gradients' errors against it."""
     loss_fn = _loss_fn(variant, chunk_size)
-    inputs = _make_inputs(variant, n_rows, vocab, top_k, hidden_size)
+    inputs = _make_inputs(variant, n_rows, vocab, top_k, hidden_size, dtype)
     if not _reset_peak():
         raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): memory not measured")
     rss_before = _status_kib("VmRSS")
@@ -348,7 +359,7 @@ def measure_memory(
     peak = _status_kib("VmHWM")
     result = {
         "extra_bytes": (peak - rss_before) * 1024.0,
-        "logits_bytes": float(n_rows * vocab * 2),  # the [N, V] bf16 logits
+        "logits_bytes": float(n_rows * vocab * dtype.itemsize),  # the [N, V] logits
         "first_s": seconds,
     }
     if reference_path is not None:
@@ -356,11 +367,14 @@ def measure_memory(
     return result
 
 
-def estimated_peak_bytes(variant: str, n_rows: int, vocab: int, hidden_size: int) -> float:
+def estimated_peak_bytes(
+    variant: str, n_rows: int, vocab: int, hidden_size: int, itemsize: int = 2
+) -> float:
     """A generous estimate of one variant's peak RSS (inputs included), to skip what cannot
-    fit: the measured extra memory of each path (docs/losses.md) plus a margin."""
-    logits = 2.0 * n_rows * vocab
-    weight = 2.0 * vocab * hidden_size
+    fit: the measured extra memory of each path (docs/losses.md, bf16: `itemsize` 2) plus a
+    margin."""
+    logits = float(itemsize) * n_rows * vocab
+    weight = float(itemsize) * vocab * hidden_size
     extra = {
         "logits-naive": 7.2 * logits + 2 * weight,
         "logits-chunked": 3.4 * logits + weight,
@@ -369,7 +383,7 @@ def estimated_peak_bytes(variant: str, n_rows: int, vocab: int, hidden_size: int
         "fused-compensated": 0.3 * logits + 2 * weight,
         "fused-float32": 0.3 * logits + 3 * weight,
     }.get(variant, 7.2 * logits)
-    return extra + weight + 2.0 * n_rows * hidden_size + 2**30  # inputs, interpreter
+    return extra + weight + float(itemsize) * n_rows * hidden_size + 2**30  # inputs, interpreter
 
 
 def _available_bytes() -> float:
@@ -387,13 +401,14 @@ def measure_time(
     repeats: int,
     chunk_size: int | None,
     hidden_size: int,
+    dtype: torch.dtype,
 ) -> dict[str, dict[str, float]]:
     """Forward + backward seconds per variant, interleaved round by round in one process.
 
     Interleaving spreads any outside load on the machine evenly over the variants. One
     warm-up round first; then `repeats` rounds; median and minimum per variant.
     """
-    inputs = _make_inputs(variants[0], n_rows, vocab, top_k, hidden_size)
+    inputs = _make_inputs(variants[0], n_rows, vocab, top_k, hidden_size, dtype)
     loss_fns = {variant: _loss_fn(variant, chunk_size) for variant in variants}
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     for round_index in range(repeats + 1):
@@ -445,6 +460,13 @@ def main() -> None:
     )
     parser.add_argument("--hidden-size", type=int, default=None, help="--lm-head only")
     parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="bfloat16",
+        help="of the logits (--lm-head: hidden states and weight); bfloat16 needs a CPU with "
+        "native bf16, else the float32 version runs (--seed-dims: nothing)",
+    )
+    parser.add_argument(
         "--seed-dims",
         action="store_true",
         help=f"--lm-head at the seeds' dimensions {SEED_DIMENSIONS}, N = {SEED_POSITIONS} "
@@ -481,6 +503,7 @@ def main() -> None:
     if len({v in lm_head_names for v in args.variants}) > 1:
         parser.error("--variants: do not mix lm_head variants with logits variants")
     n_rows = args.positions[0]
+    dtype = getattr(torch, args.dtype)
     if args.child_memory is not None:
         result: object = measure_memory(
             args.child_memory,
@@ -489,12 +512,13 @@ def main() -> None:
             args.top_k,
             args.chunk_size,
             args.hidden_size,
+            dtype,
             args.reference,
         )
         print(json.dumps(result))
         return
     if args.child_reference is not None:
-        inputs = _lm_head_inputs(n_rows, args.vocab, args.top_k, args.hidden_size)
+        inputs = _lm_head_inputs(n_rows, args.vocab, args.top_k, args.hidden_size, dtype)
         reference = float64_reference(inputs, ACCURACY_VOCAB_ROWS, ACCURACY_POSITIONS)
         torch.save(reference, args.child_reference)
         print(json.dumps({"saved": args.child_reference}))
@@ -508,10 +532,15 @@ def main() -> None:
             args.repeats,
             args.chunk_size,
             args.hidden_size,
+            dtype,
         )
         print(json.dumps(result))
         return
 
+    runnable = _dtype_this_cpu_runs(args)
+    if runnable is None:
+        return
+    args.dtype = runnable
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -519,7 +548,7 @@ def main() -> None:
     lm_head = args.variants[0] in lm_head_names
     accuracy = lm_head and args.accuracy
     baseline = "logits-chunked" if lm_head else "naive"
-    label = f"bf16 hidden [N, {args.hidden_size}] and weight" if lm_head else "bf16 logits"
+    label = _inputs_label(args)
     rounds = (
         f"{args.repeats} timed rounds after a warm-up"
         if args.repeats
@@ -550,6 +579,37 @@ def main() -> None:
     print(f"\nload average at the end: {_load_average()}")
 
 
+def _inputs_label(args: argparse.Namespace) -> str:
+    """What the inputs are, e.g. ``bfloat16 hidden [N, 2560] and weight``."""
+    if args.variants[0] in LM_HEAD_VARIANTS + LM_HEAD_EXTRA_VARIANTS:
+        return f"{args.dtype} hidden [N, {args.hidden_size}] and weight"
+    return f"{args.dtype} logits"
+
+
+def _dtype_this_cpu_runs(args: argparse.Namespace) -> str | None:
+    """The inputs' dtype to run here: the one asked for where this CPU can (bfloat16 needs
+    native bf16); else, after saying what is skipped and why, its float32 version, or None
+    (nothing runs) for `--seed-dims`, whose table is the bf16 one."""
+    skip = bf16_skip_reason() if args.dtype == "bfloat16" else None
+    if skip is None:
+        return str(args.dtype)
+    errors = ", gradient errors against float64" if args.lm_head and args.accuracy else ""
+    sizes = f"V = {args.vocab}, K = {args.top_k}, N = {', '.join(map(str, args.positions))}"
+    print(f"{skip}: PyTorch would emulate bf16, so the bf16 case is not run.")
+    print(
+        f"It would have measured: peak extra memory, forward + backward time{errors} of "
+        f"{', '.join(args.variants)} on {_inputs_label(args)} ({sizes})."
+    )
+    if args.seed_dims:
+        print(
+            "Its float32 version is not run: the seeds' table is the bf16 one "
+            "(`--seed-dims --dtype float32` runs it in float32)."
+        )
+        return None
+    print("Running its float32 version instead (--dtype float32).\n")
+    return "float32"
+
+
 def _run_positions(
     args: argparse.Namespace,
     env: dict[str, str],
@@ -562,12 +622,13 @@ def _run_positions(
     the interleaved timing process (unless `--repeats 0`); returns the divergence rows."""
     common = ["--positions", str(n_positions), "--vocab", str(args.vocab)]
     common += ["--top-k", str(args.top_k), "--repeats", str(args.repeats)]
-    common += ["--hidden-size", str(args.hidden_size)]
+    common += ["--hidden-size", str(args.hidden_size), "--dtype", args.dtype]
     if args.chunk_size is not None:
         common += ["--chunk-size", str(args.chunk_size)]
     fits = {}
     for variant in args.variants:
-        need = estimated_peak_bytes(variant, n_positions, args.vocab, args.hidden_size)
+        itemsize = getattr(torch, args.dtype).itemsize
+        need = estimated_peak_bytes(variant, n_positions, args.vocab, args.hidden_size, itemsize)
         available = _available_bytes() - MEMORY_MARGIN_BYTES
         fits[variant] = need <= available
         if not fits[variant]:

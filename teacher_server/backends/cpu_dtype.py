@@ -84,11 +84,15 @@ def resolve_cpu_dtype(
     return CpuDtype("float32", f"--dtype auto: this CPU has no native bf16{cpu}: {why}")
 
 
+def _assumed_without() -> bool:
+    return os.environ.get(NO_NATIVE_BF16_ENV, "0") not in ("", "0")
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively: AVX-512 BF16 or AMX on x86 (PyTorch's own
     query, the one vLLM uses). False when ``TOPK_DISTILL_ASSUME_NO_NATIVE_BF16`` is set;
     True on other architectures (not known here: the engine's rules apply)."""
-    if os.environ.get(NO_NATIVE_BF16_ENV, "0") not in ("", "0"):
+    if _assumed_without():
         return False
     if platform.machine().lower() not in _X86:
         return True
@@ -98,10 +102,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 def cpu_capability() -> str:
-    """PyTorch's name for this CPU's vector capability (``AVX2``, ``AVX512``, ...)."""
+    """PyTorch's name for this CPU's vector capability (``AVX2``, ``AVX512``, ...), and
+    when ``TOPK_DISTILL_ASSUME_NO_NATIVE_BF16`` is set, that it is."""
     import torch
 
-    return str(torch.backends.cpu.get_cpu_capability())
+    name = str(torch.backends.cpu.get_cpu_capability())
+    return f"{name}; {NO_NATIVE_BF16_ENV} is set" if _assumed_without() else name
 
 
 def checkpoint_dtype(model: str | Path) -> str | None:
