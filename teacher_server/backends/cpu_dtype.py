@@ -8,7 +8,7 @@ exact (an x86 CPU without native bf16 has no native fp16 arithmetic either). Whe
 CPU has native bf16 (or its capability is not known to this module: non-x86 CPUs, where
 vLLM applies its own platform rules), ``auto`` is left to the engine. A dtype given
 explicitly is kept; a half-precision one on a CPU without native bf16 comes with one
-warning. docs/vllm.md, "The dtype on CPU".
+warning. docs/operations.md, "The dtype on CPU".
 
 :func:`resolve_cpu_dtype` is the rule (pure); :func:`cpu_has_native_bf16` the probe.
 """
