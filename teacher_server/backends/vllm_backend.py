@@ -111,7 +111,9 @@ class VLLMBackend(Backend):
     Args:
         model: model directory (or name vLLM can load).
         max_top_k: largest K served; becomes the engine's ``max_logprobs``.
-        dtype: engine dtype (``float32`` makes payloads comparable to the reference).
+        dtype: engine dtype (``float32`` makes payloads comparable to the reference); on
+            a CPU engine ``auto`` follows :mod:`teacher_server.backends.cpu_dtype` (float32
+            where the CPU has no native bf16).
         max_model_len: longest sequence (prompt + 1 generated token).
         engine_kwargs: extra ``AsyncEngineArgs`` fields (e.g. ``tensor_parallel_size``).
         logprobs_path: ``auto``, ``arrays`` or ``flat`` (``vllm_arrays.LOGPROBS_PATHS``);
