@@ -64,14 +64,13 @@ def resolve_cpu_dtype(
         capability: the CPU's vector capability for the reason (``AVX2``, ...).
     """
     cpu = f" ({capability})" if capability else ""
-    ckpt = checkpoint or "of unknown dtype"
     if requested.lower() != AUTO:
         half = _HALF.get(requested.lower())
         if half is not None and not native_bf16:
             return CpuDtype(
                 requested,
                 f"--dtype {requested} as given; this CPU has no native bf16{cpu}, so "
-                f"{half} is emulated and slow: --dtype float32 (or auto) is faster here",
+                f"{half} is emulated here: --dtype float32 (or auto) avoids that",
                 warn=True,
             )
         return CpuDtype(requested, f"--dtype {requested} as given")
@@ -79,8 +78,10 @@ def resolve_cpu_dtype(
         return CpuDtype(AUTO, f"--dtype auto: this CPU has native bf16{cpu}; the engine's choice")
     if checkpoint == "float32":
         why = "kept in float32 (not downcast to an emulated bf16)"
+    elif checkpoint in _HALF:
+        why = f"a {checkpoint} checkpoint upcast to float32 (exact; half precision is emulated)"
     else:
-        why = f"a {ckpt} checkpoint upcast to float32 (exact; half precision is emulated)"
+        why = f"a checkpoint of dtype {checkpoint or 'unknown'} run in float32"
     return CpuDtype("float32", f"--dtype auto: this CPU has no native bf16{cpu}: {why}")
 
 
