@@ -6,16 +6,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from teacher_server import leak_injection
 from teacher_server.config import MIB
 from teacher_server.leak_injection import INJECT_LEAK_ENV, injected_leak_mib, leak_per_request
-
-
-def _rss() -> int:
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.fixture
@@ -35,14 +31,17 @@ def test_no_leak_unless_asked(leak_env: pytest.MonkeyPatch) -> None:
     assert leak_injection._kept == []
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc")
 def test_each_call_keeps_the_stated_size_resident(leak_env: pytest.MonkeyPatch) -> None:
     leak_env.setenv(INJECT_LEAK_ENV, "16")
-    before = _rss()
     for _ in range(3):
         leak_per_request()
     assert [len(b) for b in leak_injection._kept] == [16 * MIB] * 3
-    assert _rss() - before >= 3 * 16 * MIB * 0.95  # written: resident, not just reserved
+    # Written on every page (a written page is resident; a reserved one would read as 0).
+    # Not measured as RSS growth: in a long test process the allocator hands back pages
+    # that are resident already, so the growth can be less than what was kept.
+    page = os.sysconf("SC_PAGE_SIZE")
+    for kept in leak_injection._kept:
+        assert (np.frombuffer(kept, np.uint8)[::page] == 0xA5).all()
 
 
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
