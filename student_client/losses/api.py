@@ -15,17 +15,18 @@ from student_client.losses.chunked import (
     statistics_dtype,
 )
 from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings
-from student_client.losses.masking import (
-    append_actual_column,
-    prepare_teacher_rows,
-    reduce_positions,
-    summarize,
-)
+from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import auto_chunk_rows, fused_chunks
+from student_client.losses.support import SupportColumns, support_columns
 from student_client.losses.types import LossMode, RowTerms, TopKKLStats
-from student_client.losses.validation import check_linear, check_sampled, check_tensors
+from student_client.losses.validation import (
+    check_candidates,
+    check_linear,
+    check_sampled,
+    check_tensors,
+)
 
 __all__ = ["fused_topk_kl_loss", "topk_kl_loss"]
 
@@ -40,6 +41,8 @@ def topk_kl_loss(
     options: LossOptions | None = None,
     sampled_ids: Tensor | None = None,
     sampled_logprobs: Tensor | None = None,
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
     **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
     """Distillation loss of student logits against a teacher's top-k log-probs.
@@ -58,6 +61,12 @@ def topk_kl_loss(
     - "tail_actual" (K+2): as "tail", with the actual next token `y` (`sampled_ids`, its
       teacher log-prob `sampled_logprobs`) in a category of its own where it is outside
       `I` (elsewhere, and where its log-prob is NaN, K+1 as "tail").
+
+    `options.support` chooses `I` (docs/losses.md, "Supports"): "teacher" (the default,
+    the teacher's top-k), "student" (the candidates: `candidate_ids` with the teacher's
+    `candidate_logprobs`) or "union" (the top-k and the candidates, each id once); the
+    formulas above hold with `P`, `Q` the masses on `I`. In mode "tail_actual" the actual
+    token gets its own category where it is outside `I`.
 
     The temperature applies to the student only, and the loss is not multiplied by
     `T**2`. No gradient flows to the teacher tensors. The loss runs row chunk by row chunk
@@ -81,6 +90,12 @@ def topk_kl_loss(
             position (`input_ids[:, t + 1]`; any id where there is none).
         sampled_logprobs: mode "tail_actual" only: `[...]` the teacher's log-prob of it
             (the payload's `sampled_logprobs`, NaN at a sequence's last position).
+        candidate_ids: supports "student" / "union" only: `[..., C]` global ids the
+            student names per position (any integer dtype; -1 pads a row; a repeated id,
+            or one among the teacher's top-k, counts once).
+        candidate_logprobs: supports "student" / "union" only: `[..., C]` the teacher's
+            log-probs at `candidate_ids` (the payload's `candidate_logprobs`, any float
+            dtype; NaN where the id is -1).
         **overrides: fields of `LossOptions` (`reduction="sum"`, `temperature=2.0`, ...),
             replacing those of `options`. Under `process_group` every rank passes the same
             teacher tensors and mask and gets the same loss and stats; the gradient it gets
@@ -102,15 +117,27 @@ def topk_kl_loss(
     check_tensors(logits, teacher_ids, teacher_logprobs, mask, global_vocab=shard.global_vocab)
     positions_shape = logits.shape[:-1]
     check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, logits.device)
+    check_candidates(
+        opts.support, candidate_ids, candidate_logprobs, positions_shape, logits.device
+    )
 
     local_vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, local_vocab)
-    ids, logprobs, counted, present = _teacher_rows(
-        teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, logits
+    columns, counted = _loss_columns(
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        _pair(sampled_ids, sampled_logprobs),
+        _pair(candidate_ids, candidate_logprobs),
+        opts,
+        shard,
+        logits,
     )
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
-    settings = _chunked_settings(opts, shard, chunk_rows)
-    rows = chunked_topk_kl_rows(flat_logits, ids, logprobs, settings, present)
+    settings = _chunked_settings(opts, shard, chunk_rows, columns)
+    rows = chunked_topk_kl_rows(
+        flat_logits, columns.ids, columns.logprobs, settings, columns.present
+    )
 
     per_position = rows.loss
     clamped = torch.zeros_like(per_position, dtype=torch.bool)
@@ -135,6 +162,8 @@ def fused_topk_kl_loss(
     options: LossOptions | None = None,
     sampled_ids: Tensor | None = None,
     sampled_logprobs: Tensor | None = None,
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
     **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
     """`topk_kl_loss(hidden @ weight.T + bias, ...)` without ever forming the logits.
@@ -148,8 +177,8 @@ def fused_topk_kl_loss(
         weight: the lm_head weight `[V_local, H]`, same dtype and device as `hidden`; under
             `process_group`, this rank's vocabulary shard (rank `r`: rows for ids
             `[r * V_local, (r + 1) * V_local)`).
-        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs:
-            as in `topk_kl_loss`.
+        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
+            candidate_ids, candidate_logprobs: as in `topk_kl_loss`.
         bias: optional lm_head bias `[V_local]`.
         **overrides: fields of `LossOptions`, as in `topk_kl_loss`. Here `chunk_size` is
             the rows of one `[chunk, V_local]` logits block in the weight's dtype (None: the
@@ -188,18 +217,30 @@ def fused_topk_kl_loss(
     )
     positions_shape = hidden.shape[:-1]
     check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, hidden.device)
+    check_candidates(
+        opts.support, candidate_ids, candidate_logprobs, positions_shape, hidden.device
+    )
 
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    ids, logprobs, counted, present = _teacher_rows(
-        teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, hidden
+    columns, counted = _loss_columns(
+        teacher_ids,
+        teacher_logprobs,
+        mask,
+        _pair(sampled_ids, sampled_logprobs),
+        _pair(candidate_ids, candidate_logprobs),
+        opts,
+        shard,
+        hidden,
     )
-    teacher = localized_columns(ids, logprobs, present, shard, statistics_dtype(hidden.device))
+    teacher = localized_columns(
+        columns.ids, columns.logprobs, columns.present, shard, statistics_dtype(hidden.device)
+    )
     chunks = fused_chunks(
         flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
     )
     grad_enabled = torch.is_grad_enabled()
     settings = FusedSettings(
-        loss=_chunked_settings(opts, shard, chunks.work_rows),
+        loss=_chunked_settings(opts, shard, chunks.work_rows, columns),
         chunk_rows=chunks.block_rows,
         clamp_min=opts.clamp_min,
         reduction=opts.reduction,
@@ -220,17 +261,22 @@ def fused_topk_kl_loss(
     return loss, stats
 
 
-def _teacher_rows(
+def _pair(ids: Tensor | None, logprobs: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """`(ids, logprobs)`, or None when they are not given (checked by the caller)."""
+    return None if ids is None or logprobs is None else (ids, logprobs)
+
+
+def _loss_columns(
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
     mask: Tensor | None,
-    sampled_ids: Tensor | None,
-    sampled_logprobs: Tensor | None,
+    actual: tuple[Tensor, Tensor] | None,
+    candidates: tuple[Tensor, Tensor] | None,
     opts: LossOptions,
     shard: VocabShard,
     student: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Flat teacher columns `[N, K']`, counted positions `[N]`, present columns or None."""
+) -> tuple[SupportColumns, Tensor]:
+    """The loss's columns `[N, M]` (`support.py`) and the counted positions `[N]`."""
     n_positions = student[..., 0].numel() if student.dim() else 0
     ids, logprobs, counted = prepare_teacher_rows(
         teacher_ids,
@@ -241,23 +287,24 @@ def _teacher_rows(
         global_vocab=shard.global_vocab,
         validate=opts.validate,
     )
-    if opts.mode != "tail_actual":
-        return ids, logprobs, counted, None
-    assert sampled_ids is not None and sampled_logprobs is not None  # check_sampled
-    ids, logprobs, present = append_actual_column(
+    columns = support_columns(
         ids,
         logprobs,
-        sampled_ids,
-        sampled_logprobs,
         counted,
+        support=opts.support,
+        candidates=candidates,
+        actual=actual if opts.mode == "tail_actual" else None,
         global_vocab=shard.global_vocab,
         validate=opts.validate,
     )
-    return ids, logprobs, counted, present
+    return columns, counted
 
 
-def _chunked_settings(opts: LossOptions, shard: VocabShard, chunk_rows: int) -> ChunkedSettings:
-    """The loss math's settings for `opts` with `chunk_rows` rows per fp32 block."""
+def _chunked_settings(
+    opts: LossOptions, shard: VocabShard, chunk_rows: int, columns: SupportColumns
+) -> ChunkedSettings:
+    """The loss math's settings for `opts` on `columns` with `chunk_rows` rows per fp32
+    block."""
     return ChunkedSettings(
         tail_mode=opts.mode != "truncated",
         temperature=float(opts.temperature),
@@ -267,4 +314,5 @@ def _chunked_settings(opts: LossOptions, shard: VocabShard, chunk_rows: int) -> 
         overlap=opts.overlap,
         divergence=opts.resolved_divergence,
         actual_token=opts.mode == "tail_actual",
+        teacher_columns=columns.teacher_columns,
     )

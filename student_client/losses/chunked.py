@@ -53,7 +53,9 @@ class ChunkedSettings:
     """Fixed parameters of one chunked loss call (validated by the caller).
 
     `tail_mode`: the tail category counts (False: mode "truncated"); `actual_token`: the
-    last teacher column is the actual token's (mode "tail_actual").
+    last teacher column is the actual token's (mode "tail_actual"); `teacher_columns`: how
+    many leading columns are the teacher's top-k (the overlap statistic's; None: all the
+    support's columns).
     """
 
     tail_mode: bool
@@ -64,6 +66,7 @@ class ChunkedSettings:
     overlap: bool = False
     divergence: Divergence = field(default_factory=ForwardKL)
     actual_token: bool = False
+    teacher_columns: int | None = None
 
     @property
     def inv_temperature(self) -> float:
@@ -72,21 +75,24 @@ class ChunkedSettings:
 
 @dataclass(frozen=True)
 class TeacherColumns:
-    """The teacher's top-k as seen from one vocab shard.
+    """The loss's columns (`support.py`) as seen from one vocab shard.
 
-    - `index`: local column of each teacher id, `[N, K]` int64 (0 where not owned).
-    - `owned`: bool `[N, K]`, ids held by this shard (None: all of them).
-    - `logprobs`: `[N, K]` in the statistics dtype (`statistics_dtype`).
+    - `index`: local column of each id, `[N, K']` int64 (0 where not owned).
+    - `owned`: bool `[N, K']`, the categories held by this shard (None: all of them).
+    - `logprobs`: `[N, K']` in the statistics dtype (`statistics_dtype`).
+    - `present`: bool `[N, K']`, the columns that are categories on any shard (None: all).
     """
 
     index: Tensor
     owned: Tensor | None
     logprobs: Tensor
+    present: Tensor | None = None
 
     def rows(self, rows: slice) -> TeacherColumns:
         """The same columns for a slice of rows."""
         owned = None if self.owned is None else self.owned[rows]
-        return TeacherColumns(index=self.index[rows], owned=owned, logprobs=self.logprobs[rows])
+        present = None if self.present is None else self.present[rows]
+        return TeacherColumns(self.index[rows], owned, self.logprobs[rows], present)
 
 
 class ChunkPass(NamedTuple):
@@ -126,14 +132,16 @@ def reduce_chunk(
         settings: loss parameters and the vocab shard.
     """
     shard = settings.shard
-    top_k = teacher.index.shape[1]
+    top_k = settings.teacher_columns
+    if top_k is None:
+        top_k = teacher.index.shape[1]
     work.copy_(chunk)
     row_max = shard.all_reduce_max_(work.amax(dim=1))
     center_(work, row_max, settings.inv_temperature)
 
     teacher_logits = gather_columns(work, teacher.index, teacher.owned)
     local_top = None
-    if settings.overlap:
+    if settings.overlap and top_k > 0:
         local_top = torch.topk(work, min(top_k, work.shape[1]), dim=1, sorted=False).values
 
     work.exp_()
@@ -165,11 +173,13 @@ def terms_from_reductions(
     reductions: VocabReductions,
     settings: ChunkedSettings,
     masses: TeacherMass | None = None,
+    present: Tensor | None = None,
 ) -> tuple[RowTerms, GradientCoefficients, Tensor]:
     """Per-position terms of rows whose vocabulary pass is done.
 
     Args:
         teacher_logprobs: `[n, K']` in the statistics dtype (`statistics_dtype`).
+        present: bool `[n, K']`, the columns that are categories (None: all).
         reductions: `[n]` / `[n, K']` reductions in the working dtype.
         settings: mode, divergence and tail guard.
         masses: `teacher_mass(teacher_logprobs)` if already computed.
@@ -200,7 +210,9 @@ def terms_from_reductions(
         tail_mode=settings.tail_mode,
         tail_mass_eps=settings.tail_mass_eps,
         divergence=settings.divergence,
+        present=present,
         actual_token=settings.actual_token,
+        teacher_columns=settings.teacher_columns,
     )
 
 
@@ -356,7 +368,7 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
 
         reductions = VocabReductions(sum_outside, sum_inside, teacher_logits, kth_largest)
         terms, coefficients, teacher_probs = terms_from_reductions(
-            teacher.logprobs, reductions, settings
+            teacher.logprobs, reductions, settings, present=teacher.present
         )
         ctx.save_for_backward(
             logits,
@@ -410,7 +422,7 @@ def localized_columns(
     shard: VocabShard,
     dtype: torch.dtype,
 ) -> TeacherColumns:
-    """The teacher columns `[N, K']` as `shard` sees them, log-probs cast to `dtype`.
+    """The columns `[N, K']` as `shard` sees them, log-probs cast to `dtype`.
 
     `present` (bool `[N, K']` or None: all) marks the columns that are categories; the
     others are owned by no rank (never gathered from, never written).
@@ -418,7 +430,7 @@ def localized_columns(
     index, owned = shard.localize(teacher_ids)
     if present is not None:
         owned = present if owned is None else owned & present
-    return TeacherColumns(index=index, owned=owned, logprobs=teacher_logprobs.to(dtype))
+    return TeacherColumns(index, owned, teacher_logprobs.to(dtype), present)
 
 
 def chunked_topk_kl_rows(
@@ -432,12 +444,12 @@ def chunked_topk_kl_rows(
 
     Args:
         logits: student logits `[N, V_local]` (this rank's vocab shard), float dtype.
-        teacher_ids: global teacher ids `[N, K']`, integer, distinct within a row among
-            the `present` columns.
-        teacher_logprobs: teacher log-probs `[N, K']`.
+        teacher_ids: global ids of the columns `[N, K']` (`support.py`), integer, distinct
+            within a row among the `present` columns.
+        teacher_logprobs: teacher log-probs `[N, K']` (`-inf` where absent).
         settings: mode, divergence, temperature, guard, chunk rows and the vocab shard.
-        present: bool `[N, K']`, the columns that are categories (None: all); mode
-            "tail_actual" marks the actual token's column absent where it has none.
+        present: bool `[N, K']`, the columns that are categories (None: all): a padded or
+            repeated candidate, an actual token inside the support or unknown are absent.
 
     Returns:
         `RowTerms` of `[N]` tensors in the working dtype; `loss` is differentiable.

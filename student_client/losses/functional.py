@@ -3,10 +3,11 @@
 The chunked pass (`chunked.py`) walks the vocabulary once per row and reduces it to a few
 numbers per position; everything here works on those `[N]` / `[N, K']` tensors only, never
 on `[N, V]`. Notation per position: `s = (z - max z) / T` (the tempered logits relative to
-the row max), `q = softmax(s)`; teacher top-k set `I` with `p_i = exp(l_i)`; `P = sum_I p_i`,
-`Q = sum_I q_i`. The teacher columns are the K top-k ids, plus (mode "tail_actual") one
-column for the actual next token `y`, owned only where `y` is outside `I` and its log-prob
-known (`K' = K + 1`).
+the row max), `q = softmax(s)`; support `I` (`support.py`: the teacher's top-k, the
+student's candidates or both) with `p_i = exp(l_i)`; `P = sum_I p_i`, `Q = sum_I q_i`. The
+columns are the support's ids, plus (mode "tail_actual") one for the actual next token
+`y`; a column that is not a category (`present` False: a padded or repeated candidate, `y`
+inside `I` or unknown) has `p̂ = q̂ = 0` and no term.
 
 `row_terms` builds the coarse-grained distributions (`divergences.CoarseRows`: the tail,
 the top-k categories, the actual token's), asks the divergence for its terms and
@@ -101,41 +102,48 @@ def row_terms(
     tail_mode: bool,
     tail_mass_eps: float,
     divergence: Divergence,
+    present: Tensor | None = None,
     actual_token: bool = False,
+    teacher_columns: int | None = None,
 ) -> tuple[RowTerms, GradientCoefficients, Tensor]:
     """Per-position loss terms and gradient coefficients from the vocabulary reductions.
 
     Args:
-        teacher_logprobs: `l_i` of the teacher columns, `[N, K']` (`K' = K + 1` with
-            `actual_token`: the last column is the actual token's log-prob where it has a
-            category of its own, `-inf` elsewhere).
+        teacher_logprobs: `l_c` of the columns, `[N, K']` (`support.py`: the support's
+            columns, then with `actual_token` the actual token's), `-inf` where absent.
         teacher: `teacher_mass(teacher_logprobs)`.
         reductions: the vocabulary pass's per-position sums, `[N]` / `[N, K']`.
         tail_mode: True to include the tail category in the loss, False for "truncated".
         tail_mass_eps: lower guard of the student tail mass `1 - Q` in the tail term.
         divergence: the divergence of the coarse-grained distributions.
-        actual_token: whether the last teacher column is the actual token's.
+        present: bool `[N, K']`, the columns that are categories (None: all); an absent
+            column has `p̂ = q̂ = 0` and no term.
+        actual_token: whether the last column is the actual token's (its term counts in
+            `tail`, its mass in neither `P` nor `Q`).
+        teacher_columns: how many leading columns are the teacher's top-k, for the overlap
+            statistic (None: all the support's columns).
 
     Returns:
         `(terms, coefficients, pull)`: `RowTerms` of `[N]` tensors (no autograd graph), the
         `GradientCoefficients` `a`, `b` and `pull` `[N, K']` (see module doc).
 
-    `1 - Q` is the sum of the student's exponentials outside the teacher columns divided by
-    the total, so it is never formed as `1 - sum(q)` and keeps full relative precision
-    when `Q -> 1`.
+    `1 - Q` is the sum of the student's exponentials outside the columns divided by the
+    total, so it is never formed as `1 - sum(q)` and keeps full relative precision when
+    `Q -> 1`.
     """
-    top_k = teacher_logprobs.shape[-1] - (1 if actual_token else 0)
+    named = teacher_logprobs.shape[-1] - (1 if actual_token else 0)
     total = reductions.sum_outside + reductions.sum_inside
     log_student_q = reductions.teacher_logits - total.log().unsqueeze(-1)
     student_tail = reductions.sum_outside / total
     student_q = log_student_q.exp()
     probs = teacher.probs
+    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+    if present is not None:
+        student_q = torch.where(present, student_q, zero)
+        log_student_q = torch.where(present, log_student_q, -math.inf)
     if actual_token:
-        present = teacher_logprobs[:, top_k:].isfinite()  # [N, 1]: y has its own category
-        student_q[:, top_k:] = torch.where(present, student_q[:, top_k:], 0.0)
-        log_student_q[:, top_k:] = torch.where(present, log_student_q[:, top_k:], -math.inf)
-        student_mass = student_q[:, :top_k].sum(-1)
-        mass = probs[:, :top_k].sum(-1)
+        student_mass = student_q[:, :named].sum(-1)
+        mass = probs[:, :named].sum(-1)
     else:
         student_mass = reductions.sum_inside / total
         mass = teacher.mass
@@ -151,25 +159,27 @@ def row_terms(
         tail_mass_eps=tail_mass_eps,
     )
     values, grad_log = divergence.terms(rows)
-    zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
-    present_columns = rows.student_logprobs > -math.inf  # absent: the unowned actual column
-    values = torch.where(present_columns, values, zero)
-    grad_log = torch.where(present_columns, grad_log, zero)
+    if present is not None:
+        present_columns = torch.cat([torch.ones_like(present[:, :1]), present], dim=-1)
+        values = torch.where(present_columns, values, zero)
+        grad_log = torch.where(present_columns, grad_log, zero)
     frozen_tail = guard_active if tail_mode else torch.ones_like(guard_active)
     grad_log[:, TAIL] = torch.where(frozen_tail, zero, grad_log[:, TAIL])
 
-    head = values[:, 1 : 1 + top_k].sum(-1)
-    tail = values[:, TAIL] + values[:, 1 + top_k :].sum(-1)
+    head = values[:, 1 : 1 + named].sum(-1)
+    tail = values[:, TAIL] + values[:, 1 + named :].sum(-1)
     loss = (
         head + tail if tail_mode else head.clone()
     )  # a tensor of its own: only `loss` carries a gradient
     inside_extra = torch.where(frozen_tail, zero, -grad_log[:, TAIL] / student_tail)
     outside = -inside_extra - grad_log.sum(-1)
 
-    if reductions.kth_largest is None:
+    overlap_columns = named if teacher_columns is None else teacher_columns
+    if reductions.kth_largest is None or overlap_columns == 0:
         overlap = torch.full_like(head, math.nan)
     else:
-        inside_top = reductions.teacher_logits[:, :top_k] >= reductions.kth_largest.unsqueeze(-1)
+        top = reductions.teacher_logits[:, :overlap_columns]
+        inside_top = top >= reductions.kth_largest.unsqueeze(-1)
         overlap = inside_top.to(probs.dtype).mean(-1)
     terms = RowTerms(
         loss=loss,

@@ -342,6 +342,7 @@ def _forward_chunks(
                 chunk_pass.reductions,
                 settings.loss,
                 TeacherMass(*(value[part] for value in masses)),
+                present=chunk_teacher.present,
             )
             loss = terms.loss
             if settings.clamp_min is not None:

@@ -12,14 +12,9 @@ import torch
 from torch import Tensor
 
 from student_client.losses.types import STAT_FIELDS, Reduction, RowTerms, TopKKLStats
-from student_client.losses.validation import (
-    check_mask_values,
-    check_sampled_values,
-    check_teacher_values,
-)
+from student_client.losses.validation import check_mask_values, check_teacher_values
 
 __all__ = [
-    "append_actual_column",
     "counted_positions",
     "masked_mean",
     "neutralize_uncounted",
@@ -130,56 +125,6 @@ def prepare_teacher_rows(
     if mask is not None:
         ids, logprobs = neutralize_uncounted(ids, logprobs, counted)
     return ids, logprobs, counted
-
-
-def append_actual_column(
-    ids: Tensor,
-    logprobs: Tensor,
-    sampled_ids: Tensor,
-    sampled_logprobs: Tensor,
-    counted: Tensor,
-    *,
-    global_vocab: int,
-    validate: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Mode "tail_actual": the actual next token as one more teacher column.
-
-    Args:
-        ids, logprobs: the prepared teacher rows `[N, K]` (`prepare_teacher_rows`).
-        sampled_ids: `[...]` the actual next token of each position (`x[t+1]`; anything
-            where there is none).
-        sampled_logprobs: `[...]` the teacher's log-prob of it (the payload's
-            `sampled_logprobs`; NaN where there is no next token).
-        counted: bool `[N]`.
-        global_vocab: vocabulary size over all shards.
-        validate: check the counted rows' values (host syncs).
-
-    Returns:
-        `(ids [N, K+1], logprobs [N, K+1], present [N, K+1])`: the token is a category of
-        its own (`present`) where the position counts, its log-prob is finite and it is
-        not among the teacher's ids; elsewhere its column has log-prob `-inf` and belongs
-        to no rank, so the token stays in the tail. No host sync without `validate`.
-    """
-    n_positions, top_k = ids.shape
-    actual = sampled_ids.reshape(n_positions).to(device=ids.device, dtype=ids.dtype)
-    actual_logprob = sampled_logprobs.detach().reshape(n_positions).to(ids.device)
-    if validate:
-        check_sampled_values(actual[counted], actual_logprob[counted], global_vocab)
-    inside = (ids == actual.unsqueeze(-1)).any(-1)
-    own = counted & actual_logprob.isfinite() & ~inside
-    dtype = torch.promote_types(logprobs.dtype, actual_logprob.dtype)
-    impossible = torch.full((), float("-inf"), dtype=dtype, device=ids.device)
-    zero_id = torch.zeros((), dtype=ids.dtype, device=ids.device)
-    all_ids = torch.cat([ids, torch.where(own, actual, zero_id).unsqueeze(-1)], dim=-1)
-    all_logprobs = torch.cat(
-        [logprobs.to(dtype), torch.where(own, actual_logprob.to(dtype), impossible).unsqueeze(-1)],
-        dim=-1,
-    )
-    present = torch.cat(
-        [torch.ones(n_positions, top_k, dtype=torch.bool, device=ids.device), own.unsqueeze(-1)],
-        dim=-1,
-    )
-    return all_ids, all_logprobs, present
 
 
 def summarize(

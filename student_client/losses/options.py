@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from student_client.losses.divergences import Divergence, get_divergence
-from student_client.losses.types import GRAD_ACCUMULATIONS, GradAccumulation, LossMode, Reduction
+from student_client.losses.types import (
+    GRAD_ACCUMULATIONS,
+    GradAccumulation,
+    LossMode,
+    Reduction,
+    Support,
+)
 from student_client.losses.validation import check_options
 
 __all__ = ["LossOptions"]
@@ -30,6 +36,12 @@ class LossOptions:
             forward KL only: verl `forward_kl_topk`), or "tail_actual" (K+2: the actual
             next token gets its own category when it is outside the top-k; needs
             `sampled_ids` / `sampled_logprobs`).
+        support: which ids get a category of their own (docs/losses.md, "Supports"):
+            "teacher" (the default: the teacher's top-k), "student" (the student's
+            candidates, `candidate_ids` / `candidate_logprobs`), "union" (both, each id
+            once). The rest of the vocabulary is the tail bucket (tail modes). In mode
+            "tail_actual" the actual token gets its own category where it is outside the
+            support, whichever it is.
         reduction: "mean" over counted positions (0 when none count), "sum", or "none"
             for the per-position loss `[...]` (0 where not counted).
         chunk_size: rows per chunk; None picks it from the memory budget (`topk_kl_loss`:
@@ -56,6 +68,7 @@ class LossOptions:
 
     divergence: str | Divergence = "forward"
     mode: LossMode = "tail"
+    support: Support = "teacher"
     reduction: Reduction = "mean"
     chunk_size: int | None = None
     temperature: float = 1.0
@@ -72,6 +85,8 @@ class LossOptions:
         object.__setattr__(self, "divergence", resolved)
         check_options(
             mode=self.mode,
+            support=self.support,
+            overlap=self.overlap,
             reduction=self.reduction,
             chunk_size=self.chunk_size,
             temperature=self.temperature,

@@ -13,10 +13,12 @@ __all__ = [
     "LOSS_MODES",
     "REDUCTIONS",
     "STAT_FIELDS",
+    "SUPPORTS",
     "GradAccumulation",
     "LossMode",
     "Reduction",
     "RowTerms",
+    "Support",
     "TopKKLStats",
 ]
 
@@ -32,6 +34,11 @@ LOSS_MODES: tuple[LossMode, ...] = ("tail", "truncated", "tail_actual")
 own category besides the tail, where that token is outside the teacher's top-k)."""
 REDUCTIONS: tuple[Reduction, ...] = ("mean", "sum", "none")
 
+Support = Literal["teacher", "student", "union"]
+SUPPORTS: tuple[Support, ...] = ("teacher", "student", "union")
+"""The ids that get a category of their own (`support.py`): the teacher's top-k, the
+student's candidates, or both (each id once); the rest of the vocabulary is the tail."""
+
 
 class RowTerms(NamedTuple):
     """Per-position loss terms, all of shape `[N]` (one entry per position).
@@ -39,13 +46,14 @@ class RowTerms(NamedTuple):
     Only `loss` carries a gradient (w.r.t. the student logits); the others are diagnostics.
 
     - `loss`: the per-position loss of the chosen mode, before any clamp or mask.
-    - `head`: the divergence's terms of the teacher's top-k categories (forward KL:
-      `sum_I p_i (log p_i - log q_i)`, the whole truncated loss).
-    - `tail`: the terms of the categories outside the top-k: the tail (forward KL:
+    - `head`: the divergence's terms of the support's categories (`support="teacher"`,
+      the default: the teacher's top-k; forward KL: `sum_I p_i (log p_i - log q_i)`, the
+      whole truncated loss).
+    - `tail`: the terms of the categories outside the support: the tail (forward KL:
       `(1-P) log((1-P)/(1-Q))`) and, in mode "tail_actual", the actual token's own. It is
       part of `loss` except in truncated mode, where it is what the truncation drops.
-    - `teacher_mass`: `P`, the teacher's probability mass on its top-k.
-    - `student_mass`: `Q`, the student's probability mass on the teacher's top-k.
+    - `teacher_mass`: `P`, the teacher's probability mass on the support.
+    - `student_mass`: `Q`, the student's probability mass on the support.
     - `overlap`: fraction of the teacher's top-k ids that are inside the student's top-k
       (a teacher id whose student logit ties the student's k-th largest counts as inside).
     """

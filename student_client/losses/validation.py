@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from student_client.losses.types import LOSS_MODES, REDUCTIONS
+from student_client.losses.types import LOSS_MODES, REDUCTIONS, SUPPORTS
 
 __all__ = [
     "LOGIT_DTYPES",
     "LOGPROB_TOLERANCE",
+    "check_candidate_values",
+    "check_candidates",
     "check_linear",
     "check_local_tensor",
     "check_mask_values",
@@ -49,10 +51,20 @@ def check_options(
     clamp_min: float | None,
     truncatable: bool = True,
     divergence_name: str = "forward",
+    support: str = "teacher",
+    overlap: bool = False,
 ) -> None:
     """Check the non-tensor options of the losses (`LossOptions`)."""
     if mode not in LOSS_MODES:
         raise _fail("mode", f"must be one of {LOSS_MODES}, got {mode!r}")
+    if support not in SUPPORTS:
+        raise _fail("support", f"must be one of {SUPPORTS}, got {support!r}")
+    if overlap and support == "student":
+        raise _fail(
+            "overlap",
+            "needs the teacher's top-k among the support ('teacher' or 'union'), "
+            "not support 'student'",
+        )
     if mode == "truncated" and not truncatable:
         raise _fail(
             "mode",
@@ -184,6 +196,31 @@ def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         )
 
 
+def _check_aligned(
+    name: str, value: object, shape: torch.Size, device: torch.device, needed_by: str, dims: str
+) -> Tensor:
+    """`value` must be a tensor of `shape` on `device` (the student's); `needed_by` and
+    `dims` name what asks for it and its expected shape, for the message."""
+    if not isinstance(value, Tensor):
+        raise _fail(name, f"{needed_by} needs a torch.Tensor {dims}, got {type(value).__name__}")
+    if value.shape != shape:
+        raise _fail(name, f"shape {_shape(value)} must equal {list(shape)} {dims}")
+    if value.device != device:
+        raise _fail(name, f"is on {value.device}, the student on {device}")
+    return value
+
+
+def _check_int(name: str, value: Tensor) -> None:
+    dtype = value.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise _fail(name, f"must be an integer tensor, got {dtype}")
+
+
+def _check_float(name: str, value: Tensor) -> None:
+    if not value.dtype.is_floating_point:
+        raise _fail(name, f"must be a float tensor, got {value.dtype}")
+
+
 def check_sampled(
     mode: str,
     sampled_ids: Tensor | None,
@@ -200,20 +237,73 @@ def check_sampled(
                 raise _fail(name, f"is used by mode 'tail_actual' only, not {mode!r}")
         return
     for name, value in given.items():
-        if not isinstance(value, Tensor):
-            raise _fail(
-                name, f"mode 'tail_actual' needs a torch.Tensor, got {type(value).__name__}"
-            )
-        if value.shape != positions:
-            raise _fail(name, f"shape {_shape(value)} must equal the positions' {list(positions)}")
-        if value.device != device:
-            raise _fail(name, f"is on {value.device}, the student on {device}")
+        _check_aligned(name, value, positions, device, "mode 'tail_actual'", "(the positions)")
     assert sampled_ids is not None and sampled_logprobs is not None  # checked just above
-    ids_dtype = sampled_ids.dtype
-    if ids_dtype.is_floating_point or ids_dtype.is_complex or ids_dtype == torch.bool:
-        raise _fail("sampled_ids", f"must be an integer tensor, got {sampled_ids.dtype}")
-    if not sampled_logprobs.dtype.is_floating_point:
-        raise _fail("sampled_logprobs", f"must be a float tensor, got {sampled_logprobs.dtype}")
+    _check_int("sampled_ids", sampled_ids)
+    _check_float("sampled_logprobs", sampled_logprobs)
+
+
+def check_candidates(
+    support: str,
+    candidate_ids: Tensor | None,
+    candidate_logprobs: Tensor | None,
+    positions: torch.Size,
+    device: torch.device,
+) -> None:
+    """Supports "student" and "union" need `candidate_ids` (int) and `candidate_logprobs`
+    (float), both `[..., C]` (`[...]` the positions' shape) on the student's device;
+    support "teacher" takes neither."""
+    given = {"candidate_ids": candidate_ids, "candidate_logprobs": candidate_logprobs}
+    if support == "teacher":
+        for name, value in given.items():
+            if value is not None:
+                raise _fail(
+                    name, "is used by support 'student' or 'union' only, not 'teacher' "
+                    "(pass support='student' or 'union')"
+                )
+        return
+    if not isinstance(candidate_ids, Tensor):
+        raise _fail(
+            "candidate_ids",
+            f"support {support!r} needs a torch.Tensor [..., C], got "
+            f"{type(candidate_ids).__name__}",
+        )
+    width = candidate_ids.shape[-1] if candidate_ids.dim() else 0
+    shape = torch.Size([*positions, width])
+    dims = f"([..., C] with [...] = the positions {list(positions)})"
+    for name, value in given.items():
+        _check_aligned(name, value, shape, device, f"support {support!r}", dims)
+    assert candidate_logprobs is not None  # checked just above
+    _check_int("candidate_ids", candidate_ids)
+    _check_float("candidate_logprobs", candidate_logprobs)
+
+
+def check_candidate_values(
+    candidate_ids: Tensor, candidate_logprobs: Tensor, global_vocab: int
+) -> None:
+    """The counted rows' candidates `[n, C]`: ids in `[0, global_vocab)` or -1 (padding);
+    at every id that is not -1 a log-prob `<= 0` (up to `LOGPROB_TOLERANCE`), not NaN
+    (`-inf` allowed). Repeated ids are allowed (counted once)."""
+    if candidate_ids.numel() == 0:
+        return
+    low, high = int(candidate_ids.min()), int(candidate_ids.max())
+    if low < -1 or high >= global_vocab:
+        raise _fail(
+            "candidate_ids",
+            f"ids must lie in [0, {global_vocab}) (the vocabulary) or be -1 (padding), "
+            f"got values in [{low}, {high}]",
+        )
+    named = candidate_logprobs[candidate_ids != -1]
+    if named.numel() == 0:
+        return
+    if bool(named.isnan().any()):
+        raise _fail("candidate_logprobs", "NaN at a candidate id that is not -1 (padding)")
+    largest = float(named.max())
+    if largest > LOGPROB_TOLERANCE:
+        raise _fail(
+            "candidate_logprobs",
+            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}), got {largest:.6g}",
+        )
 
 
 def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_vocab: int) -> None:
