@@ -75,6 +75,8 @@ def causal_lm_topk_kl_loss(
     options: LossOptions | None = None,
     sampled_ids: Tensor | None = None,
     sampled_logprobs: Tensor | None = None,
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
     **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats, LMHeadInputs]:
     """The fused loss of a causal LM on a batch: its decoder stack on `inputs`, then
@@ -86,8 +88,8 @@ def causal_lm_topk_kl_loss(
             docstring; an lm_head that is an FSDP unit itself runs the loss in its own).
         inputs: the base model's inputs (`input_ids` `[B, T]`, `attention_mask`, ...).
         teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
-            **overrides: as in `fused_topk_kl_loss` (`[B, T, K]` rows aligned to
-            `input_ids`).
+            candidate_ids, candidate_logprobs, **overrides: as in `fused_topk_kl_loss`
+            (`[B, T, K]` / `[B, T, C]` rows aligned to `input_ids`).
 
     Returns:
         `(loss, stats, head)`: as `fused_topk_kl_loss`'s, and the :class:`LMHeadInputs` the
@@ -99,7 +101,16 @@ def causal_lm_topk_kl_loss(
     """
     head = _output_head(model)
     opts = LossOptions.build(options, mode=mode, **overrides)
-    call = HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
+    call = HeadCall(
+        teacher_ids,
+        teacher_logprobs,
+        opts,
+        mask,
+        sampled_ids,
+        sampled_logprobs,
+        candidate_ids,
+        candidate_logprobs,
+    )
     loss, stats, hidden = in_fsdp_forward(model, _LOSS_METHOD, _loss_on_causal_lm)(call, **inputs)
     return loss, stats, _head_inputs(hidden, head)
 

@@ -21,8 +21,8 @@ class TopKKLLoss(nn.Module):
     checked once, at construction, and kept as `self.options`.
 
     `forward(logits [..., V_local], teacher_ids [..., K], teacher_logprobs [..., K],
-    mask [...] | None, *, sampled_ids [...] | None, sampled_logprobs [...] | None)
-    -> (loss, stats)`.
+    mask [...] | None, *, sampled_ids [...] | None, sampled_logprobs [...] | None,
+    candidate_ids [..., C] | None, candidate_logprobs [..., C] | None) -> (loss, stats)`.
     """
 
     def __init__(
@@ -40,6 +40,8 @@ class TopKKLLoss(nn.Module):
         *,
         sampled_ids: Tensor | None = None,
         sampled_logprobs: Tensor | None = None,
+        candidate_ids: Tensor | None = None,
+        candidate_logprobs: Tensor | None = None,
     ) -> tuple[Tensor, TopKKLStats]:
         return topk_kl_loss(
             logits,
@@ -49,6 +51,8 @@ class TopKKLLoss(nn.Module):
             options=self.options,
             sampled_ids=sampled_ids,
             sampled_logprobs=sampled_logprobs,
+            candidate_ids=candidate_ids,
+            candidate_logprobs=candidate_logprobs,
         )
 
     def extra_repr(self) -> str:

@@ -125,6 +125,8 @@ class HeadCall:
     the teacher's log-probs must reach the loss as given."""
 
     __slots__ = (
+        "candidate_ids",
+        "candidate_logprobs",
         "mask",
         "options",
         "sampled_ids",
@@ -141,6 +143,8 @@ class HeadCall:
         mask: Tensor | None = None,
         sampled_ids: Tensor | None = None,
         sampled_logprobs: Tensor | None = None,
+        candidate_ids: Tensor | None = None,
+        candidate_logprobs: Tensor | None = None,
     ) -> None:
         self.teacher_ids = teacher_ids
         self.teacher_logprobs = teacher_logprobs
@@ -148,6 +152,8 @@ class HeadCall:
         self.mask = mask
         self.sampled_ids = sampled_ids
         self.sampled_logprobs = sampled_logprobs
+        self.candidate_ids = candidate_ids
+        self.candidate_logprobs = candidate_logprobs
 
 
 def _fused_loss_on(head: nn.Module, hidden: Tensor, call: HeadCall) -> tuple[Tensor, TopKKLStats]:
@@ -167,6 +173,8 @@ def _fused_loss_on(head: nn.Module, hidden: Tensor, call: HeadCall) -> tuple[Ten
         options=call.options,
         sampled_ids=call.sampled_ids,
         sampled_logprobs=call.sampled_logprobs,
+        candidate_ids=call.candidate_ids,
+        candidate_logprobs=call.candidate_logprobs,
     )
 
 
@@ -216,6 +224,8 @@ def lm_head_topk_kl_loss(
     options: LossOptions | None = None,
     sampled_ids: Tensor | None = None,
     sampled_logprobs: Tensor | None = None,
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
     **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
     """`fused_topk_kl_loss` on an lm_head module, whatever shards its weight.
@@ -226,8 +236,9 @@ def lm_head_topk_kl_loss(
             module docstring), `ColwiseParallel`-ed (TP), or both.
         hidden: last hidden states `[..., H]`, the same on every rank of `process_group`.
         teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
-            **overrides: as in `fused_topk_kl_loss`. `process_group` (an option): the
-            tensor-parallel group over which the head's vocabulary is sharded
+            candidate_ids, candidate_logprobs, **overrides: as in `fused_topk_kl_loss`.
+            `process_group` (an option): the tensor-parallel group over which the head's
+            vocabulary is sharded
             (`tp_mesh.get_group()`); None without tensor parallelism.
 
     Returns:
@@ -240,5 +251,14 @@ def lm_head_topk_kl_loss(
             module only, so the head's forward does not unshard it), naming the fix.
     """
     opts = LossOptions.build(options, mode=mode, **overrides)
-    call = HeadCall(teacher_ids, teacher_logprobs, opts, mask, sampled_ids, sampled_logprobs)
+    call = HeadCall(
+        teacher_ids,
+        teacher_logprobs,
+        opts,
+        mask,
+        sampled_ids,
+        sampled_logprobs,
+        candidate_ids,
+        candidate_logprobs,
+    )
     return head_topk_kl_loss(head, hidden, call)

@@ -258,8 +258,9 @@ def check_candidates(
         for name, value in given.items():
             if value is not None:
                 raise _fail(
-                    name, "is used by support 'student' or 'union' only, not 'teacher' "
-                    "(pass support='student' or 'union')"
+                    name,
+                    "is used by support 'student' or 'union' only, not 'teacher' "
+                    "(pass support='student' or 'union')",
                 )
         return
     if not isinstance(candidate_ids, Tensor):

@@ -80,36 +80,49 @@ def reference_rows(
     eps: float = 1e-6,
     sampled_ids: Tensor | None = None,
     sampled_logprobs: Tensor | None = None,
+    support: str = "teacher",
+    candidate_ids: Tensor | None = None,
+    candidate_logprobs: Tensor | None = None,
 ) -> Tensor:
     """Per-position loss `[N]`, float64, differentiable w.r.t. `logits` `[N, V]`.
 
     `ids`, `logprobs` `[N, K]`; mode "tail_actual" also takes `sampled_ids` /
-    `sampled_logprobs` `[N]` (NaN: no next token).
+    `sampled_logprobs` `[N]` (NaN: no next token); supports "student" / "union" take
+    `candidate_ids` / `candidate_logprobs` `[N, C]` (-1: padding). The categories of a
+    row are listed one by one (teacher top-k, then candidates, then the actual token),
+    an id already listed is skipped.
     """
     params = params or {}
     n_rows, vocab = logits.shape
-    top_k = ids.shape[1]
     q = torch.softmax(logits.double() / temperature, dim=-1)
-    ids = ids.long()
-    p_named = logprobs.double().exp()
-    assign = torch.zeros(n_rows, vocab, dtype=torch.long)
-    assign.scatter_(1, ids, torch.arange(1, top_k + 1).expand(n_rows, top_k).contiguous())
-    categories = top_k + 1
-    p_actual = torch.zeros(n_rows, dtype=torch.float64)
-    if mode == "tail_actual":
-        assert sampled_ids is not None and sampled_logprobs is not None
-        categories += 1
-        for row in range(n_rows):
+    listed: list[list[tuple[int, float]]] = []
+    for row in range(n_rows):
+        named: dict[int, float] = {}
+        if support != "student":
+            for i, lp in zip(ids[row].tolist(), logprobs[row].double().tolist(), strict=True):
+                named.setdefault(int(i), math.exp(lp))
+        if support != "teacher":
+            assert candidate_ids is not None and candidate_logprobs is not None
+            pairs = zip(candidate_ids[row].tolist(), candidate_logprobs[row].tolist(), strict=True)
+            for i, lp in pairs:
+                if i != -1:
+                    named.setdefault(int(i), math.exp(lp))
+        if mode == "tail_actual":
+            assert sampled_ids is not None and sampled_logprobs is not None
             y, lp = int(sampled_ids[row]), float(sampled_logprobs[row])
-            if math.isfinite(lp) and y not in ids[row].tolist():
-                assign[row, y] = top_k + 1
-                p_actual[row] = math.exp(lp)
-    q_hat = torch.zeros(n_rows, categories, dtype=torch.float64).scatter_add(1, assign, q)
+            if math.isfinite(lp):
+                named.setdefault(y, math.exp(lp))
+        listed.append(list(named.items()))
+    width = max([len(r) for r in listed] + [1])
+    categories = width + 1
+    assign = torch.zeros(n_rows, vocab, dtype=torch.long)
     p_hat = torch.zeros(n_rows, categories, dtype=torch.float64)
-    p_hat[:, 1 : top_k + 1] = p_named
-    if mode == "tail_actual":
-        p_hat[:, top_k + 1] = p_actual
-    p_hat[:, 0] = (1.0 - p_named.sum(-1) - p_actual).clamp_min(0.0)
+    for row, entries in enumerate(listed):
+        for column, (i, p) in enumerate(entries, start=1):
+            assign[row, i] = column
+            p_hat[row, column] = p
+    q_hat = torch.zeros(n_rows, categories, dtype=torch.float64).scatter_add(1, assign, q)
+    p_hat[:, 0] = (1.0 - p_hat[:, 1:].sum(-1)).clamp_min(0.0)
 
     # The student's tail below eps: held constant at eps (no gradient through it).
     guard = q_hat[:, 0] < eps

@@ -111,3 +111,57 @@ def test_stats_tensors_need_no_sync() -> None:
     assert set(tensors) == {*stats.as_dict()}
     assert float(tensors["loss"]) == stats.loss
     assert int(tensors["positions"]) == stats.positions
+
+
+def _candidates(ids: torch.Tensor, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Candidates `[..., 5]` for `ids` `[..., K]`: random ids, a repeat of a top-k id, a
+    repeat of each other and -1 padding; the teacher's log-probs there (NaN at -1)."""
+    generator = torch.Generator().manual_seed(seed)
+    candidates = torch.randint(0, vocab, (*ids.shape[:-1], 5), generator=generator)
+    candidates[..., 1] = ids[..., 0]
+    candidates[..., 2] = candidates[..., 0]
+    candidates[..., 4] = -1
+    logprobs = torch.log(torch.rand(candidates.shape, generator=generator) * 0.05)
+    return {
+        "candidate_ids": candidates,
+        "candidate_logprobs": torch.where(candidates >= 0, logprobs, math.nan),
+    }
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"support": "student", "divergence": "reverse"},
+        {"support": "union", "divergence": "jsd", "mode": "tail_actual", "overlap": True},
+        {"support": "union", "mode": "truncated", "reduction": "none"},
+    ],
+)
+def test_candidate_supports_do_not_sync(options, fused) -> None:
+    hidden, weight, ids, logprobs, mask = _problem(4)
+    extra = _candidates(ids, weight.shape[0], 4)
+    if options.get("mode") == "tail_actual":
+        extra["sampled_ids"] = extra["candidate_ids"][..., 0]
+        extra["sampled_logprobs"] = torch.full(mask.shape, -3.0)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    guard = NoHostSync()
+    with guard:
+        if fused:
+            loss, stats = fused_topk_kl_loss(
+                hidden, weight, ids, logprobs, mask=mask, validate=False, chunk_size=5,
+                **options, **extra,
+            )  # fmt: skip
+        else:
+            loss, stats = topk_kl_loss(
+                hidden @ weight.T, ids, logprobs, mask=mask, validate=False, chunk_size=5,
+                **options, **extra,
+            )  # fmt: skip
+        loss.sum().backward()
+    assert guard.ops > 0
+    want, want_stats = topk_kl_loss(
+        (hidden @ weight.T).detach(), ids, logprobs, mask=mask, chunk_size=5, **options, **extra
+    )
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert stats.positions == want_stats.positions
+    assert hidden.grad is not None and bool(hidden.grad.abs().sum() > 0)
