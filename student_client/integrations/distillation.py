@@ -36,9 +36,19 @@ __all__ = [
 ]
 
 #: Batch keys that carry the teacher's payload (aligned to ``input_ids``): ``[B, T, K]``
-#: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask, and (mode ``"tail_actual"``) the
-#: ``[B, T]`` log-prob of the actual next token.
-PAYLOAD_KEYS = ("teacher_ids", "teacher_logprobs", "teacher_mask", "teacher_sampled_logprobs")
+#: ids, ``[B, T, K]`` log-probs, ``[B, T]`` bool mask, (mode ``"tail_actual"``) the
+#: ``[B, T]`` log-prob of the actual next token, and (supports ``"student"`` /
+#: ``"union"``) the student's ``[B, T, C]`` candidate ids (-1 pads) with the teacher's
+#: ``[B, T, C]`` log-probs at them (NaN at -1).
+PAYLOAD_KEYS = (
+    "teacher_ids",
+    "teacher_logprobs",
+    "teacher_mask",
+    "teacher_sampled_logprobs",
+    "candidate_ids",
+    "candidate_logprobs",
+)
+_CANDIDATE_KEYS = PAYLOAD_KEYS[4:]
 
 
 @dataclass(frozen=True)
@@ -48,9 +58,12 @@ class DistillationConfig:
     Attributes:
         top_k: K requested from the teacher.
         loss: every option of the KD term (:class:`~student_client.losses.LossOptions`:
-            divergence, mode, temperature, chunk size, ``validate``, ``tail_mass_eps``,
-            ``clamp_min``, ``overlap``, ...). Mode ``"tail_actual"`` asks the teacher for
-            the sampled log-probs and takes the actual tokens from ``input_ids``.
+            divergence, mode, support, temperature, chunk size, ``validate``,
+            ``tail_mass_eps``, ``clamp_min``, ``overlap``, ...). Mode ``"tail_actual"``
+            asks the teacher for the sampled log-probs and takes the actual tokens from
+            ``input_ids``; supports ``"student"`` / ``"union"`` take the candidates from
+            the batch (``candidate_ids`` / ``candidate_logprobs``,
+            :attr:`needs_candidates`).
         alpha: weight of the model's cross-entropy on ``labels``: the loss is
             ``alpha * CE + (1 - alpha) * KD``; 0 (the default) is pure distillation.
         dtype: wire dtype of the teacher's log-probs.
@@ -86,10 +99,18 @@ class DistillationConfig:
         """Whether the teacher must send the sampled log-probs (mode ``"tail_actual"``)."""
         return self.loss.mode == "tail_actual"
 
+    @property
+    def needs_candidates(self) -> bool:
+        """Whether the loss needs the student's candidates and the teacher's log-probs at
+        them (support ``"student"`` or ``"union"``): batch keys ``candidate_ids`` /
+        ``candidate_logprobs``, the payload's attributes of the same names."""
+        return self.loss.support != "teacher"
+
 
 def payload_columns(payload: TeacherPayload) -> dict[str, torch.Tensor]:
     """A payload aligned to a batch as the batch columns :data:`PAYLOAD_KEYS` (the sampled
-    log-probs only when the payload has them)."""
+    log-probs and the candidates, attributes ``candidate_ids`` / ``candidate_logprobs``,
+    only when the payload has them)."""
     columns = {
         "teacher_ids": payload.ids,
         "teacher_logprobs": payload.logprobs,
@@ -97,6 +118,10 @@ def payload_columns(payload: TeacherPayload) -> dict[str, torch.Tensor]:
     }
     if payload.sampled_logprobs is not None:
         columns["teacher_sampled_logprobs"] = payload.sampled_logprobs
+    for key in _CANDIDATE_KEYS:
+        value = getattr(payload, key, None)
+        if value is not None:
+            columns[key] = value
     return columns
 
 
@@ -112,7 +137,8 @@ def distillation_loss(
         inputs: the batch: the model's inputs (``input_ids``, ``attention_mask``, ...,
             ``labels`` when ``config.alpha > 0``) plus :data:`PAYLOAD_KEYS` (the payload
             aligned to ``input_ids``: row ``t`` is the teacher's distribution over the
-            token after ``input_ids[:, t]``, as ``logits[:, t]``).
+            token after ``input_ids[:, t]``, as ``logits[:, t]``; ``candidate_ids`` /
+            ``candidate_logprobs`` ``[B, T, C]`` when :attr:`DistillationConfig.needs_candidates`).
         config: see :class:`DistillationConfig`.
 
     Returns:
@@ -136,6 +162,7 @@ def distillation_loss(
         "mask": inputs.get("teacher_mask"),
         "options": config.loss,
         **_actual_tokens(inputs, config),
+        **_candidates(inputs, config),
     }
     if config.fused:
         kd, stats, head = causal_lm_topk_kl_loss(
@@ -169,6 +196,21 @@ def _actual_tokens(inputs: Mapping[str, Any], config: DistillationConfig) -> dic
     return {"sampled_ids": sampled_ids, "sampled_logprobs": inputs["teacher_sampled_logprobs"]}
 
 
+def _candidates(inputs: Mapping[str, Any], config: DistillationConfig) -> dict[str, Any]:
+    """Supports ``"student"`` / ``"union"``: the batch's ``candidate_ids`` /
+    ``candidate_logprobs``; support ``"teacher"``: nothing (candidates in the batch are
+    not used)."""
+    if not config.needs_candidates:
+        return {}
+    missing = [key for key in _CANDIDATE_KEYS if inputs.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"inputs: support {config.loss.support!r} needs {missing} (the student's "
+            f"[B, T, C] candidate ids and the payload's candidate_logprobs at them)"
+        )
+    return {key: inputs[key] for key in _CANDIDATE_KEYS}
+
+
 def _stats_metrics(stats: TopKKLStats) -> dict[str, torch.Tensor]:
     return {f"kd_{name}": value for name, value in stats.tensors().items()}
 
@@ -187,7 +229,7 @@ def per_teacher_metrics(
     """
     out: dict[str, torch.Tensor] = {}
     mask = inputs.get("teacher_mask")
-    actual = _actual_tokens(inputs, config)
+    actual = {**_actual_tokens(inputs, config), **_candidates(inputs, config)}
     for name in dict.fromkeys(teachers):
         rows = torch.tensor([i for i, t in enumerate(teachers) if t == name], dtype=torch.long)
 

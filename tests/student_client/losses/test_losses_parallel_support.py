@@ -7,6 +7,7 @@ world size runs every case."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -90,6 +91,14 @@ def _reduce(rows: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Ten
     return kept.sum() if reduction == "sum" else kept.sum() / mask.double().sum()
 
 
+def _reference(
+    problem: dict[str, torch.Tensor], logits64: torch.Tensor, *, reduction: str, **options: Any
+) -> torch.Tensor:
+    """The float64 reference of the whole problem, reduced like the loss."""
+    rows = topk_kl_reference(logits64, problem["ids"], problem["logprobs"], **options)
+    return _reduce(rows.loss, problem["mask"], reduction)
+
+
 def _check(rank: int, world: int) -> int:
     group = dist.group.WORLD
     problem = _problem(world)
@@ -108,18 +117,16 @@ def _check(rank: int, world: int) -> int:
             extra.update({k: problem[k] for k in ("sampled_ids", "sampled_logprobs")})
         label = f"rank {rank}/{world} {dtype} {name} {support} {options}"
 
-        def reference(logits64: torch.Tensor) -> torch.Tensor:
-            rows = topk_kl_reference(
-                logits64,
-                problem["ids"],
-                problem["logprobs"],
-                mode=mode,
-                temperature=temperature,
-                divergence=divergence,
-                support=support,
-                **extra,
-            )
-            return _reduce(rows.loss, problem["mask"], reduction)
+        reference = functools.partial(
+            _reference,
+            problem,
+            reduction=reduction,
+            mode=mode,
+            temperature=temperature,
+            divergence=divergence,
+            support=support,
+            **extra,
+        )
 
         # Logits path: this rank's shard of the (rounded) logits.
         logits = problem["logits"].to(dtype)

@@ -407,7 +407,8 @@ def test_errors_name_the_argument_and_the_limit() -> None:
         call(candidate_logprobs=candidate_logprobs[..., :1])
     with pytest.raises(
         ValueError,
-        match=r"^candidate_ids: shape \[2, 2, 2\] must equal \[2, 3, 2\] \(\[\.\.\., C\] with \[\.\.\.\] = the positions \[2, 3\]\)",
+        match=r"^candidate_ids: shape \[2, 2, 2\] must equal \[2, 3, 2\] "
+        r"\(\[\.\.\., C\] with \[\.\.\.\] = the positions \[2, 3\]\)",
     ):
         call(candidate_ids=candidates[:, :2], candidate_logprobs=candidate_logprobs[:, :2])
     with pytest.raises(
@@ -420,7 +421,8 @@ def test_errors_name_the_argument_and_the_limit() -> None:
         call(candidate_logprobs=candidates)
     with pytest.raises(
         ValueError,
-        match=r"^candidate_ids: ids must lie in \[0, 5\) \(the vocabulary\) or be -1 \(padding\), got values in \[-1, 5\]",
+        match=r"^candidate_ids: ids must lie in \[0, 5\) \(the vocabulary\) or be -1 "
+        r"\(padding\), got values in \[-1, 5\]",
     ):
         call(candidate_ids=torch.where(candidates == 4, 5, candidates))
     with pytest.raises(

@@ -1,0 +1,107 @@
+"""``distillation_loss`` with the student's candidates: supports "student" / "union" read
+``candidate_ids`` / ``candidate_logprobs`` from the batch (``payload_columns`` puts a
+payload's attributes of those names there) and give ``topk_kl_loss``'s loss on the
+model's logits, logits path and fused path alike; a batch without them is a named error;
+support "teacher" ignores them."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from devtools.tiny_model import tiny_qwen2_config
+from student_client.integrations.distillation import (
+    DistillationConfig,
+    distillation_loss,
+    payload_columns,
+    per_teacher_metrics,
+)
+from student_client.losses import LossOptions, topk_kl_loss
+
+B, T, K, C = 2, 9, 4, 5
+
+
+@pytest.fixture(scope="module")
+def student() -> Any:
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_qwen2_config(hidden_size=32, num_layers=1, head_dim=16, initializer_range=0.02)
+    return Qwen2ForCausalLM(config)
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (B, T), generator=generator)
+    teacher = torch.log_softmax(torch.randn(B, T, vocab, generator=generator) * 2, -1)
+    logprobs, ids = teacher.topk(K, dim=-1)
+    candidates = torch.randint(0, vocab, (B, T, C), generator=generator)
+    candidates[..., 0] = ids[..., 0]  # one repeat of a top-k id per position
+    candidates[0, 2:4, 3:] = -1  # padded entries
+    payload = SimpleNamespace(
+        ids=ids,
+        logprobs=logprobs,
+        mask=torch.ones(B, T, dtype=torch.bool),
+        sampled_logprobs=None,
+        candidate_ids=candidates,
+        candidate_logprobs=torch.where(
+            candidates >= 0, teacher.gather(-1, candidates.clamp_min(0)), math.nan
+        ),
+    )
+    return {"input_ids": input_ids, **payload_columns(payload)}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize("support", ["student", "union"])
+def test_candidates_reach_the_loss(student, support, fused) -> None:
+    batch = _batch(student.config.vocab_size)
+    assert {"candidate_ids", "candidate_logprobs"} <= set(batch)
+    config = DistillationConfig(
+        top_k=K, loss=LossOptions(support=support, divergence="reverse"), fused=fused
+    )
+    assert config.needs_candidates
+    loss, metrics, _ = distillation_loss(student, batch, config)
+    with torch.no_grad():
+        logits = student(input_ids=batch["input_ids"]).logits
+    want, _ = topk_kl_loss(
+        logits,
+        batch["teacher_ids"],
+        batch["teacher_logprobs"],
+        mask=batch["teacher_mask"],
+        support=support,
+        divergence="reverse",
+        candidate_ids=batch["candidate_ids"],
+        candidate_logprobs=batch["candidate_logprobs"],
+    )
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    teacher_only, _, _ = distillation_loss(
+        student, batch, DistillationConfig(top_k=K, loss=LossOptions(divergence="reverse"))
+    )
+    assert not torch.allclose(teacher_only, loss)  # the support changed the loss
+    assert float(metrics["kd_positions"]) == B * T
+    per_teacher = per_teacher_metrics(
+        SimpleNamespace(logits=logits),
+        batch,
+        DistillationConfig(top_k=K, loss=config.loss),
+        ["a", "b"],
+    )
+    assert set(per_teacher) >= {"kd_loss/a", "kd_loss/b"}
+
+
+def test_a_batch_without_candidates_is_a_named_error(student) -> None:
+    batch = _batch(student.config.vocab_size)
+    del batch["candidate_logprobs"]
+    config = DistillationConfig(top_k=K, loss=LossOptions(support="union"))
+    with pytest.raises(
+        ValueError, match=r"^inputs: support 'union' needs \['candidate_logprobs'\]"
+    ):
+        distillation_loss(student, batch, config)
+    # Support "teacher" does not use candidates in the batch (nor pass them to the model).
+    loss, _, _ = distillation_loss(
+        student, _batch(student.config.vocab_size), DistillationConfig(top_k=K)
+    )
+    assert math.isfinite(float(loss.detach()))
