@@ -116,23 +116,17 @@ def topk_kl_loss(
     shard = VocabShard.from_group(opts.process_group, logits.shape[-1] if logits.dim() else 0)
     check_tensors(logits, teacher_ids, teacher_logprobs, mask, global_vocab=shard.global_vocab)
     positions_shape = logits.shape[:-1]
-    check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, logits.device)
-    check_candidates(
-        opts.support, candidate_ids, candidate_logprobs, positions_shape, logits.device
-    )
-
-    local_vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, local_vocab)
     columns, counted = _loss_columns(
-        teacher_ids,
-        teacher_logprobs,
+        logits,
+        (teacher_ids, teacher_logprobs),
         mask,
-        _pair(sampled_ids, sampled_logprobs),
-        _pair(candidate_ids, candidate_logprobs),
+        (sampled_ids, sampled_logprobs),
+        (candidate_ids, candidate_logprobs),
         opts,
         shard,
-        logits,
     )
+    local_vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, local_vocab)
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
     settings = _chunked_settings(opts, shard, chunk_rows, columns)
     rows = chunked_topk_kl_rows(
@@ -216,22 +210,16 @@ def fused_topk_kl_loss(
         last_dim="H",
     )
     positions_shape = hidden.shape[:-1]
-    check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, hidden.device)
-    check_candidates(
-        opts.support, candidate_ids, candidate_logprobs, positions_shape, hidden.device
-    )
-
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     columns, counted = _loss_columns(
-        teacher_ids,
-        teacher_logprobs,
+        hidden,
+        (teacher_ids, teacher_logprobs),
         mask,
-        _pair(sampled_ids, sampled_logprobs),
-        _pair(candidate_ids, candidate_logprobs),
+        (sampled_ids, sampled_logprobs),
+        (candidate_ids, candidate_logprobs),
         opts,
         shard,
-        hidden,
     )
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     teacher = localized_columns(
         columns.ids, columns.logprobs, columns.present, shard, statistics_dtype(hidden.device)
     )
@@ -261,22 +249,26 @@ def fused_topk_kl_loss(
     return loss, stats
 
 
-def _pair(ids: Tensor | None, logprobs: Tensor | None) -> tuple[Tensor, Tensor] | None:
-    """`(ids, logprobs)`, or None when they are not given (checked by the caller)."""
-    return None if ids is None or logprobs is None else (ids, logprobs)
+Pair = tuple[Tensor | None, Tensor | None]
+"""`(ids, logprobs)` of an optional pair of loss arguments."""
 
 
 def _loss_columns(
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
+    student: Tensor,
+    teacher: tuple[Tensor, Tensor],
     mask: Tensor | None,
-    actual: tuple[Tensor, Tensor] | None,
-    candidates: tuple[Tensor, Tensor] | None,
+    actual: Pair,
+    candidates: Pair,
     opts: LossOptions,
     shard: VocabShard,
-    student: Tensor,
 ) -> tuple[SupportColumns, Tensor]:
-    """The loss's columns `[N, M]` (`support.py`) and the counted positions `[N]`."""
+    """Check the actual-token and candidate arguments against `student` (`[..., V_local]`
+    logits or `[..., H]` hidden states); the loss's columns `[N, M]` (`support.py`) and
+    the counted positions `[N]`."""
+    positions, device = student.shape[:-1], student.device
+    check_sampled(opts.mode, *actual, positions, device)
+    check_candidates(opts.support, *candidates, positions, device)
+    teacher_ids, teacher_logprobs = teacher
     n_positions = student[..., 0].numel() if student.dim() else 0
     ids, logprobs, counted = prepare_teacher_rows(
         teacher_ids,
@@ -292,12 +284,18 @@ def _loss_columns(
         logprobs,
         counted,
         support=opts.support,
-        candidates=candidates,
-        actual=actual if opts.mode == "tail_actual" else None,
+        candidates=_given(candidates),
+        actual=_given(actual) if opts.mode == "tail_actual" else None,
         global_vocab=shard.global_vocab,
         validate=opts.validate,
     )
     return columns, counted
+
+
+def _given(pair: Pair) -> tuple[Tensor, Tensor] | None:
+    """`pair` when both are given (checked by `_loss_columns`), else None."""
+    ids, logprobs = pair
+    return None if ids is None or logprobs is None else (ids, logprobs)
 
 
 def _chunked_settings(

@@ -287,24 +287,11 @@ def check_candidate_values(
     (`-inf` allowed). Repeated ids are allowed (counted once)."""
     if candidate_ids.numel() == 0:
         return
-    low, high = int(candidate_ids.min()), int(candidate_ids.max())
-    if low < -1 or high >= global_vocab:
-        raise _fail(
-            "candidate_ids",
-            f"ids must lie in [0, {global_vocab}) (the vocabulary) or be -1 (padding), "
-            f"got values in [{low}, {high}]",
-        )
+    _check_id_range("candidate_ids", candidate_ids, global_vocab, padding=True)
     named = candidate_logprobs[candidate_ids != -1]
-    if named.numel() == 0:
-        return
     if bool(named.isnan().any()):
         raise _fail("candidate_logprobs", "NaN at a candidate id that is not -1 (padding)")
-    largest = float(named.max())
-    if largest > LOGPROB_TOLERANCE:
-        raise _fail(
-            "candidate_logprobs",
-            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}), got {largest:.6g}",
-        )
+    _check_at_most_zero("candidate_logprobs", named)
 
 
 def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_vocab: int) -> None:
@@ -314,21 +301,32 @@ def check_sampled_values(sampled_ids: Tensor, sampled_logprobs: Tensor, global_v
         return
     _check_id_range("sampled_ids", sampled_ids, global_vocab)
     known = sampled_logprobs[~sampled_logprobs.isnan()]
-    if known.numel() and float(known.max()) > LOGPROB_TOLERANCE:
+    _check_at_most_zero("sampled_logprobs", known, " or NaN")
+
+
+def _check_id_range(name: str, ids: Tensor, global_vocab: int, *, padding: bool = False) -> None:
+    """Non-empty `ids` must lie in `[0, global_vocab)`, or be -1 with `padding` (two host
+    syncs)."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < (-1 if padding else 0) or high >= global_vocab:
+        allowed = " or be -1 (padding)" if padding else ""
         raise _fail(
-            "sampled_logprobs",
-            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}) or NaN, "
-            f"got {float(known.max()):.6g}",
+            name,
+            f"ids must lie in [0, {global_vocab}) (the vocabulary){allowed}, "
+            f"got values in [{low}, {high}]",
         )
 
 
-def _check_id_range(name: str, ids: Tensor, global_vocab: int) -> None:
-    """Non-empty `ids` must lie in `[0, global_vocab)` (two host syncs)."""
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= global_vocab:
+def _check_at_most_zero(name: str, logprobs: Tensor, also: str = "") -> None:
+    """`logprobs` (NaN-free) must be `<= LOGPROB_TOLERANCE` (one host sync; none if empty);
+    `also` names what else the argument may hold, for the message."""
+    if logprobs.numel() == 0:
+        return
+    largest = float(logprobs.max())
+    if largest > LOGPROB_TOLERANCE:
         raise _fail(
             name,
-            f"ids must lie in [0, {global_vocab}) (the vocabulary), got values in [{low}, {high}]",
+            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}){also}, got {largest:.6g}",
         )
 
 
@@ -360,12 +358,7 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
         )
     if bool(teacher_logprobs.isnan().any()):
         raise _fail("teacher_logprobs", "contains NaN")
-    largest = float(teacher_logprobs.max())
-    if largest > LOGPROB_TOLERANCE:
-        raise _fail(
-            "teacher_logprobs",
-            f"log-probs must be <= 0 (tolerance {LOGPROB_TOLERANCE}), got {largest:.6g}",
-        )
+    _check_at_most_zero("teacher_logprobs", teacher_logprobs)
 
 
 def _shape(tensor: Tensor) -> list[int]:
