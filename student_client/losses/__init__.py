@@ -7,9 +7,11 @@ last hidden states and the lm_head weight without forming the logits, and
 `lm_head_topk_kl_loss`, the fused loss on an FSDP2 / tensor-parallel lm_head module
 (`local_vocab_shard` for the logits path); `causal_lm_topk_kl_loss`, the fused loss of a
 whole Hugging Face causal LM, plain or FSDP2-sharded. `LossOptions` holds
-every option (the divergence among them: `get_divergence`, `DIVERGENCES`).
-`topk_kl_reference` is the dense slow path (forward KL). `onpolicy.py`: the per-token
-on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
+every option (the divergence among them: `get_divergence`, `DIVERGENCES`; the support:
+`SUPPORTS`, the teacher's top-k, the student's candidates or their union).
+`topk_kl_reference` is the dense slow path (any divergence, mode and support).
+`onpolicy.py`: the per-token on-policy signal on sampled tokens (k1 / k2 / k3, the
+stop-gradient advantage).
 """
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
@@ -34,9 +36,11 @@ from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
     LOSS_MODES,
     REDUCTIONS,
+    SUPPORTS,
     LossMode,
     Reduction,
     RowTerms,
+    Support,
     TopKKLStats,
 )
 
@@ -45,6 +49,7 @@ __all__ = [
     "DIVERGENCES",
     "LOSS_MODES",
     "REDUCTIONS",
+    "SUPPORTS",
     "Divergence",
     "KLEstimates",
     "LMHeadInputs",
@@ -52,6 +57,7 @@ __all__ = [
     "LossOptions",
     "Reduction",
     "RowTerms",
+    "Support",
     "TopKKLLoss",
     "TopKKLStats",
     "auto_chunk_rows",

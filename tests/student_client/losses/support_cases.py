@@ -13,9 +13,9 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_KINDS", "SUPPORTS", "make_candidates"]
+from student_client.losses import SUPPORTS
 
-SUPPORTS = ("teacher", "student", "union")
+__all__ = ["ROW_KINDS", "SUPPORTS", "make_candidates"]
 
 ROW_KINDS = ("padded", "partly padded", "top-k repeats", "own repeats", "the top-k", "own top-C")
 

@@ -21,6 +21,7 @@ from support_cases import SUPPORTS, make_candidates
 
 from student_client.losses import (
     LossOptions,
+    TopKKLLoss,
     fused_topk_kl_loss,
     get_divergence,
     topk_kl_loss,
@@ -441,3 +442,12 @@ def test_errors_name_the_argument_and_the_limit() -> None:
     # Rows that do not count are not validated (padding may hold anything).
     mask = torch.tensor([[True, True, False]] * 2)
     call(candidate_ids=torch.where(candidates == 4, 99, candidates), mask=mask)
+
+
+def test_the_module_takes_candidates() -> None:
+    problem = _problem(9)
+    extra = _extra(problem, "union", "tail")
+    args = (problem["logits"], problem["ids"], problem["logprobs"])
+    want, _ = topk_kl_loss(*args, mask=problem["mask"], support="union", divergence="jsd", **extra)
+    got, _ = TopKKLLoss(support="union", divergence="jsd")(*args, problem["mask"], **extra)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
