@@ -249,7 +249,7 @@ def fused_topk_kl_loss(
     return loss, stats
 
 
-Pair = tuple[Tensor | None, Tensor | None]
+_Pair = tuple[Tensor | None, Tensor | None]
 """`(ids, logprobs)` of an optional pair of loss arguments."""
 
 
@@ -257,8 +257,8 @@ def _loss_columns(
     student: Tensor,
     teacher: tuple[Tensor, Tensor],
     mask: Tensor | None,
-    actual: Pair,
-    candidates: Pair,
+    actual: _Pair,
+    candidates: _Pair,
     opts: LossOptions,
     shard: VocabShard,
 ) -> tuple[SupportColumns, Tensor]:
@@ -292,7 +292,7 @@ def _loss_columns(
     return columns, counted
 
 
-def _given(pair: Pair) -> tuple[Tensor, Tensor] | None:
+def _given(pair: _Pair) -> tuple[Tensor, Tensor] | None:
     """`pair` when both are given (checked by `_loss_columns`), else None."""
     ids, logprobs = pair
     return None if ids is None or logprobs is None else (ids, logprobs)

@@ -160,7 +160,7 @@ def row_terms(
     )
     values, grad_log = divergence.terms(rows)
     if present is not None:
-        present_columns = torch.cat([torch.ones_like(present[:, :1]), present], dim=-1)
+        present_columns = torch.cat([present.new_ones((present.shape[0], 1)), present], dim=-1)
         values = torch.where(present_columns, values, zero)
         grad_log = torch.where(present_columns, grad_log, zero)
     frozen_tail = guard_active if tail_mode else torch.ones_like(guard_active)

@@ -115,7 +115,9 @@ def topk_kl_reference(
         tail_mass_eps=tail_mass_eps,
     )
     values, _ = resolved.terms(rows)
-    values = torch.where(torch.cat([torch.ones_like(present[:, :1]), present], -1), values, zero)
+    values = torch.where(
+        torch.cat([present.new_ones((present.shape[0], 1)), present], -1), values, zero
+    )
     head = values[:, 1 : 1 + named].sum(-1)
     tail = values[:, 0] + values[:, 1 + named :].sum(-1)
     loss = head.clone() if mode == "truncated" else head + tail

@@ -451,3 +451,28 @@ def test_the_module_takes_candidates() -> None:
     want, _ = topk_kl_loss(*args, mask=problem["mask"], support="union", divergence="jsd", **extra)
     got, _ = TopKKLLoss(support="union", divergence="jsd")(*args, problem["mask"], **extra)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_no_candidates_and_no_positions() -> None:
+    """`C = 0`: the union is the teacher's support, the student's support only the tail
+    (loss 0); an empty batch gives 0."""
+    problem = _problem(10)
+    args = (problem["logits"].float(), problem["ids"], problem["logprobs"])
+    none = {
+        "candidate_ids": torch.zeros(*LEAD, 0, dtype=torch.long),
+        "candidate_logprobs": torch.zeros(*LEAD, 0),
+    }
+    want, _ = topk_kl_loss(*args, divergence="reverse", reduction="none")
+    union, _ = topk_kl_loss(*args, divergence="reverse", reduction="none", support="union", **none)
+    torch.testing.assert_close(union, want, rtol=1e-6, atol=1e-7)
+    student, stats = topk_kl_loss(*args, divergence="reverse", support="student", **none)
+    assert float(student) == 0.0 and stats.teacher_mass == 0.0
+    empty, _ = topk_kl_loss(
+        torch.zeros(0, V),
+        torch.zeros(0, K, dtype=torch.long),
+        torch.zeros(0, K),
+        support="union",
+        candidate_ids=torch.zeros(0, C, dtype=torch.long),
+        candidate_logprobs=torch.zeros(0, C),
+    )
+    assert float(empty) == 0.0
