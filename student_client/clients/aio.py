@@ -60,6 +60,7 @@ from topk_protocol.checks import check_depth
 from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.status import error_from_rpc
+from topk_protocol.storage import location
 
 __all__ = ["Answer", "AsyncTeacherClient", "clean_token", "parse_targets"]
 
@@ -352,7 +353,7 @@ class AsyncTeacherClient(AsyncCloseable):
             else check_temperature(expect_temperature, "expect_temperature"),
         }
         self._record = (
-            None if record_to is None else Path(record_to),
+            None if record_to is None else location(record_to),
             record_compression,
             dict(record_metadata or {}),
         )
