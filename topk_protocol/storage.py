@@ -156,7 +156,7 @@ class Location:
         with self.fs.open_input_stream(self.path) as f:
             return bytes(f.read())
 
-    def write_bytes_atomic(self, data: bytes) -> None:
+    def write_bytes_atomic(self, data: bytes | pa.Buffer) -> None:
         """Write ``data`` so a reader sees the old contents or all of the new: a local file
         through a renamed temporary one; an object store publishes an object whole when
         its upload completes."""

@@ -37,12 +37,12 @@ from student_client.clients.multi import MultiTeacherClient
 from student_client.data.batch import ScoreBatch
 from topk_protocol import DTYPE_NAMES
 from topk_protocol.multi_recording import teacher_recording_path
-from topk_protocol.storage import Location, StorageError, location
 from topk_protocol.recording import (
     COMPRESSIONS,
     METADATA_FILE,
     RecordingReader,
 )
+from topk_protocol.storage import Location, StorageError, location
 
 __all__ = ["build_parser", "main", "read_teacher_column", "read_token_sequences"]
 

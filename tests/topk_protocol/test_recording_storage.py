@@ -5,7 +5,6 @@ SIGKILLed writer, and an unreachable bucket or endpoint."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -159,7 +158,7 @@ def test_an_unreachable_endpoint_fails_fast_naming_the_uri(s3_endpoint: str) -> 
 def test_a_missing_bucket_fails_naming_it(s3_endpoint: str) -> None:
     with pytest.raises(RecordingError, match="bucket 'no-such-bucket' does not exist"):
         RecordingWriter("s3://no-such-bucket/rec", INFO)
-    with pytest.raises(RecordingError, match="no-such-bucket.*no metadata.json"):
+    with pytest.raises(RecordingError, match=r"no-such-bucket.*no metadata\.json"):
         RecordingReader("s3://no-such-bucket/rec")
 
 

@@ -51,7 +51,6 @@ from topk_protocol import (
 from topk_protocol.arrays import ARRAY_FIELDS, ArrayField, SequenceArrays
 from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
 from topk_protocol.errors import RecordingError
-from topk_protocol.storage import Location, StorageError
 from topk_protocol.integrity import (
     CHECKSUM_COLUMN,
     CHECKSUM_NAME,
@@ -61,6 +60,7 @@ from topk_protocol.integrity import (
     row_checksum,
     shard_format,
 )
+from topk_protocol.storage import Location, StorageError
 
 __all__ = [
     "COMPRESSIONS",

@@ -64,9 +64,7 @@ class _Chunk:
     row is, for the error that names a damaged one.
     """
 
-    def __init__(
-        self, batch: pa.RecordBatch, top_k: int, shard: Location, first_row: int
-    ) -> None:
+    def __init__(self, batch: pa.RecordBatch, top_k: int, shard: Location, first_row: int) -> None:
         self.shard = shard
         self.first_row = first_row
         self.num_rows = batch.num_rows

@@ -45,8 +45,9 @@ def test_items_from_s3_equal_the_local_ones_through_a_dataloader(
     uri = f"{s3_bucket}/ds"
     for path in (uri, tmp_path / "local"):
         write(path, rows=37, positions=23, rows_per_batch=5)
-    remote, local = PayloadDataset(uri, top_k=5, dtype="bfloat16"), PayloadDataset(
-        tmp_path / "local", top_k=5, dtype="bfloat16"
+    remote, local = (
+        PayloadDataset(uri, top_k=5, dtype="bfloat16"),
+        PayloadDataset(tmp_path / "local", top_k=5, dtype="bfloat16"),
     )
     assert remote.path == uri and len(remote) == len(local) == 37
     for i in (0, 36, 7, 7, 20):
