@@ -180,3 +180,26 @@ def test_rows_written_while_the_store_is_down_are_kept_and_written_when_it_retur
         w.close()
         assert w.rows_written == 9
         assert len(rows(uri)) == 9
+
+
+def test_replay_answers_from_an_s3_recording_as_from_the_local_one(
+    s3_bucket: str, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from student_client.offline.replay import ReplayClient
+    from teacher_server.backends.replay_backend import ReplayBackend, replay_path
+
+    uri = f"{s3_bucket}/replayed"
+    record(uri, range(9))
+    record(tmp_path / "local", range(9))
+    seqs = [answer(i)[0] for i in (4, 0, 8)]
+    with ReplayClient(uri) as remote, ReplayClient(tmp_path / "local") as local:
+        assert remote.path == uri
+        kw: dict[str, Any] = {"dtype": "float16", "include_sampled": False}
+        a, b = remote.score(seqs, 5, **kw), local.score(seqs, 5, **kw)
+        assert a.ids.equal(b.ids) and a.logprobs.equal(b.logprobs) and a.mask.equal(b.mask)
+    backend = ReplayBackend(replay_path(uri, None))
+    asyncio.run(backend.start())
+    assert len(backend.reader) == 9 and backend.info.vocab_size == INFO.vocab_size
+    asyncio.run(backend.close())
