@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 import pyarrow.fs as pafs
 from moto.server import ThreadedMotoServer
 
-__all__ = ["S3_ENV", "make_bucket", "moto_server"]
+__all__ = ["S3_ENV", "closed_port", "make_bucket", "moto_server"]
 
 #: The environment pyarrow's S3 client reads: fake credentials, a region, no EC2
 #: metadata lookups (the endpoint is added by :func:`moto_server`).
@@ -56,3 +57,10 @@ def make_bucket(prefix: str = "rec") -> str:
     fs, _ = pafs.FileSystem.from_uri(f"s3://{name}?allow_bucket_creation=true")
     fs.create_dir(name)
     return f"s3://{name}"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (an unreachable endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

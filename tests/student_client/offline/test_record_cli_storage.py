@@ -6,13 +6,13 @@ before any teacher is asked."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from object_store import closed_port
 
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.record_cli import main as record_main
@@ -56,12 +56,6 @@ def test_teacher_record_writes_to_s3_and_resumes(
         assert r.skipped == [] and r.verify() == []
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     ("output", "says"),
     [
@@ -72,10 +66,10 @@ def _closed_port() -> int:
 def test_an_unreachable_output_is_refused_naming_the_flag(
     s3_endpoint: str, corpus: Path, output: str, says: str
 ) -> None:
-    output = output.format(port=_closed_port())
+    output = output.format(port=closed_port())
     t0 = time.monotonic()
     # no teacher listens at this target: the output is checked before one is asked
-    args = ["--teacher", f"127.0.0.1:{_closed_port()}", "--input", str(corpus)]
+    args = ["--teacher", f"127.0.0.1:{closed_port()}", "--input", str(corpus)]
     with pytest.raises(SystemExit) as err:
         record_main([*args, "--output", output])
     message = str(err.value)
