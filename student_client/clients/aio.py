@@ -305,8 +305,9 @@ class AsyncTeacherClient(AsyncCloseable):
         expect_temperature: the teacher temperature the student's loss is set up for,
             checked against ``GetInfo`` the same way (None: any); a teacher serving
             another one raises TeacherMismatchError naming ``teacher_temperature``.
-        record_to: record every answered sequence to this recording directory
-            (:mod:`topk_protocol.recording`; K and dtype of the first request).
+        record_to: record every answered sequence to this recording directory or URI
+            (``s3://bucket/prefix``; :mod:`topk_protocol.recording`; K and dtype of the
+            first request).
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
         record_metadata: extra JSON metadata for the recording's ``metadata.json``.
 

@@ -198,3 +198,16 @@ def test_replay_answers_from_an_s3_recording_as_from_the_local_one(
     asyncio.run(backend.start())
     assert len(backend.reader) == 9 and backend.info.vocab_size == INFO.vocab_size
     asyncio.run(backend.close())
+
+
+def test_a_new_shard_follows_the_largest_number_in_use(tmp_path: Path) -> None:
+    from topk_protocol.recording.format import next_shard_number, shards
+
+    loc = Location.of(tmp_path)
+    assert next_shard_number(shards(loc)) == 0
+    for name in ("shard-00000-aa.arrow", "shard-00003-bb.arrow", "shard-100000-cc.arrow"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "shard-99999-dd.arrow").write_bytes(b"x")
+    # a failed upload's number (1, 2) is not reused; 100000 sorts after 99999
+    assert [s.name.split("-")[1] for s, _ in shards(loc)] == ["00000", "00003", "99999", "100000"]
+    assert next_shard_number(shards(loc)) == 100001

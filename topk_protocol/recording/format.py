@@ -76,6 +76,7 @@ __all__ = [
     "cast_arrays",
     "cast_like_teacher",
     "check_schema",
+    "next_shard_number",
     "read_metadata",
     "recording_schema",
     "row_crc",
@@ -289,6 +290,12 @@ def shard_name(number: int) -> str:
 def _shard_order(name: str) -> tuple[int, str]:
     match = _SHARD_NUMBER.match(name)
     return (int(match.group(1)) if match else -1, name)
+
+
+def next_shard_number(found: list[tuple[Location, int]]) -> int:
+    """The number of a new shard after the ``found`` ones (:func:`shards`): one more than
+    the largest (numbers a failed upload used are not reused, so the order stays whole)."""
+    return max((_shard_order(s.name)[0] for s, _ in found), default=-1) + 1
 
 
 def shards(root: Location) -> list[tuple[Location, int]]:

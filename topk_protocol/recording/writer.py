@@ -40,6 +40,7 @@ from topk_protocol.recording.format import (
     METADATA_FILE,
     can_serve_dtype,
     cast_arrays,
+    next_shard_number,
     recording_schema,
     row_crc,
     sequence_key,
@@ -354,7 +355,7 @@ class RecordingWriter(Closeable):
 
     def _open_shard(self, schema: pa.Schema) -> None:
         if self._next_shard is None:
-            self._next_shard = len(shards(self._root))
+            self._next_shard = next_shard_number(shards(self._root))
         self._shard = self._root.child(shard_name(self._next_shard))
         self._next_shard += 1
         if self._shard.local:
