@@ -114,3 +114,21 @@ def teacher_factory(tmp_path: Path) -> Iterator[object]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """The session's S3-compatible server (moto's server mode on a loopback port): its
+    endpoint URL, with credentials and ``AWS_ENDPOINT_URL`` set in the environment."""
+    from object_store import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A new empty bucket on the session's S3 server: ``s3://NAME``."""
+    from object_store import make_bucket
+
+    return make_bucket()

@@ -11,6 +11,7 @@ and the limit it names reach the caller. The table between the two is
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -91,7 +92,7 @@ class RecordingError(TeacherError):
     where; both are in the message too.
     """
 
-    def __init__(self, path: str | Path, offset: int | None, message: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], offset: int | None, message: str) -> None:
         where = f"recording {path}" + (f": at byte offset {offset}" if offset is not None else "")
         super().__init__(f"{where}: {message}")
         self.path = Path(path)
@@ -112,7 +113,7 @@ class RecordingDamagedError(RecordingError, DataLossError):
     """
 
     def __init__(
-        self, path: str | Path, row: int | None, message: str, offset: int | None = None
+        self, path: str | os.PathLike[str], row: int | None, message: str, offset: int | None = None
     ) -> None:
         where = f"row {row}: " if row is not None else ""
         super().__init__(path, offset, where + message)

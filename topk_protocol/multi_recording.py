@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 from topk_protocol.errors import RecordingError
+from topk_protocol.storage import Location, join
 
 __all__ = [
     "MANIFEST_FILE",
@@ -53,18 +53,19 @@ def check_teacher_name(name: object) -> str:
     return name
 
 
-def teacher_recording_path(root: str | Path, name: str) -> Path:
-    """The recording directory of teacher ``name`` inside a multi-teacher recording."""
-    return Path(root) / check_teacher_name(name)
+def teacher_recording_path(root: str | os.PathLike[str], name: str) -> str | Path:
+    """The recording directory of teacher ``name`` inside a multi-teacher recording (a
+    ``Path``, or a URI string for a recording on another filesystem)."""
+    return join(root, check_teacher_name(name))
 
 
-def read_manifest(root: str | Path) -> list[str] | None:
+def read_manifest(root: str | os.PathLike[str]) -> list[str] | None:
     """The teacher names of a multi-teacher recording, or None when ``root`` is not one."""
-    path = Path(root) / MANIFEST_FILE
+    path = Location.of(root).child(MANIFEST_FILE)
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:
         raise RecordingError(path, None, f"unreadable: {e}") from None
     if not isinstance(data, dict) or data.get("format") != MULTI_FORMAT_NAME:
@@ -75,22 +76,21 @@ def read_manifest(root: str | Path) -> list[str] | None:
     return [check_teacher_name(n) for n in names]
 
 
-def recorded_teachers(root: str | Path) -> list[str]:
+def recorded_teachers(root: str | os.PathLike[str]) -> list[str]:
     """The teachers of a multi-teacher recording that have rows recorded (a teacher of
     the manifest that answered nothing yet has no recording directory)."""
     from topk_protocol.recording import METADATA_FILE
 
     names = read_manifest(root) or []
-    return [n for n in names if (teacher_recording_path(root, n) / METADATA_FILE).is_file()]
+    base = Location.of(root)
+    return [n for n in names if base.child(n).child(METADATA_FILE).is_file()]
 
 
-def write_manifest(root: str | Path, names: Iterable[str]) -> None:
+def write_manifest(root: str | os.PathLike[str], names: Iterable[str]) -> None:
     """Create (or extend) the manifest of a multi-teacher recording at ``root``."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    old = read_manifest(root) or []
+    base = Location.of(root)
+    base.make_dir()
+    old = read_manifest(base) or []
     merged = old + [check_teacher_name(n) for n in names if n not in old]
-    path = root / MANIFEST_FILE
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps({"format": MULTI_FORMAT_NAME, "teachers": merged}, indent=2) + "\n")
-    os.replace(tmp, path)
+    manifest = {"format": MULTI_FORMAT_NAME, "teachers": merged}
+    base.child(MANIFEST_FILE).write_bytes_atomic((json.dumps(manifest, indent=2) + "\n").encode())

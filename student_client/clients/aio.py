@@ -60,6 +60,7 @@ from topk_protocol.checks import check_depth
 from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.status import error_from_rpc
+from topk_protocol.storage import location
 
 __all__ = ["Answer", "AsyncTeacherClient", "clean_token", "parse_targets"]
 
@@ -304,8 +305,9 @@ class AsyncTeacherClient(AsyncCloseable):
         expect_temperature: the teacher temperature the student's loss is set up for,
             checked against ``GetInfo`` the same way (None: any); a teacher serving
             another one raises TeacherMismatchError naming ``teacher_temperature``.
-        record_to: record every answered sequence to this recording directory
-            (:mod:`topk_protocol.recording`; K and dtype of the first request).
+        record_to: record every answered sequence to this recording directory or URI
+            (``s3://bucket/prefix``; :mod:`topk_protocol.recording`; K and dtype of the
+            first request).
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
         record_metadata: extra JSON metadata for the recording's ``metadata.json``.
 
@@ -352,7 +354,7 @@ class AsyncTeacherClient(AsyncCloseable):
             else check_temperature(expect_temperature, "expect_temperature"),
         }
         self._record = (
-            None if record_to is None else Path(record_to),
+            None if record_to is None else location(record_to),
             record_compression,
             dict(record_metadata or {}),
         )

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import ConcatDataset
 
 from student_client.offline.dataset import PayloadDataset
+from topk_protocol.storage import join
 
 __all__ = [
     "RANK_DIR_FORMAT",
@@ -59,7 +60,7 @@ def rank_client_options(
     result = dict(options or {})
     record_to = result.get("record_to")
     if record_to is not None and world_size > 1:
-        result["record_to"] = Path(record_to) / RANK_DIR_FORMAT.format(rank=rank)
+        result["record_to"] = join(record_to, RANK_DIR_FORMAT.format(rank=rank))
     return result
 
 

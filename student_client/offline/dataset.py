@@ -48,6 +48,7 @@ from topk_protocol.multi_recording import (
 from topk_protocol.recording import RecordingReader
 from topk_protocol.recording.format import cast_arrays
 from topk_protocol.replay import check_options, recorded_arrays
+from topk_protocol.storage import location
 
 __all__ = ["PayloadBatch", "PayloadDataset", "PayloadItem", "collate_payloads"]
 
@@ -86,7 +87,8 @@ class PayloadDataset(Dataset[PayloadItem]):
     """The rows of a recording, as :class:`PayloadItem` items.
 
     Args:
-        path: the recording directory.
+        path: the recording directory: a local path or a URI (``s3://bucket/prefix``;
+            :mod:`topk_protocol.storage`), streamed without downloading it whole.
         top_k: K' <= the recorded K (the top-K' prefix of each row); default: recorded K.
         dtype: log-prob dtype to serve, the values the teacher would have sent in it
             (float32 recordings serve every dtype); default: the recorded one.
@@ -104,7 +106,7 @@ class PayloadDataset(Dataset[PayloadItem]):
         dtype: str | None = None,
         include_sampled: bool = False,
     ) -> None:
-        self.path = Path(path)
+        self.path = location(path)
         self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
         names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
         #: ``(name, dataset)`` of each teacher of a multi-teacher recording, in order.

@@ -42,6 +42,7 @@ from topk_protocol.recording import (
     METADATA_FILE,
     RecordingReader,
 )
+from topk_protocol.storage import Location, StorageError, location
 
 __all__ = ["build_parser", "main", "read_teacher_column", "read_token_sequences"]
 
@@ -179,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with several teachers: the input column naming each sequence's teacher",
     )
     ap.add_argument("--input", required=True, type=Path, help="token sequences (see above)")
-    ap.add_argument("--output", required=True, type=Path, help="recording directory")
+    ap.add_argument(
+        "--output", required=True, type=location, help="recording directory or URI (s3://...)"
+    )
     ap.add_argument("--top-k", type=int, default=16, help="K (default 16)")
     ap.add_argument(
         "--dtype",
@@ -215,9 +218,17 @@ def _teachers(values: list[str]) -> str | dict[str, str]:
     return out
 
 
-def _todo(output: Path, seqs: list[np.ndarray], top_k: int, dtype: str) -> tuple[list[int], int]:
+def _todo(
+    output: str | Path, seqs: list[np.ndarray], top_k: int, dtype: str
+) -> tuple[list[int], int]:
     """Indices of ``seqs`` not yet recorded in ``output`` (a recording, maybe absent)."""
-    if not (output / METADATA_FILE).exists():
+    try:  # an unreachable store fails here, before any teacher is asked
+        out = Location.of(output)
+        out.make_dir()
+        recorded = out.child(METADATA_FILE).is_file()
+    except StorageError as e:
+        raise SystemExit(f"teacher-record: --output {output}: {e}") from None
+    if not recorded:
         return list(range(len(seqs))), 0
     with RecordingReader(output) as r:
         if r.top_k != top_k or r.dtype != dtype:

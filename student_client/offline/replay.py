@@ -150,7 +150,8 @@ class ReplayClient(Closeable):
             raise
 
     @property
-    def path(self) -> Path:
+    def path(self) -> str | Path:
+        """The recording (a ``Path``, or the URI string)."""
         return self._reader.path
 
     @property

@@ -29,6 +29,7 @@ from topk_protocol import RequestOptions, SequenceArrays, teacher_temperature
 from topk_protocol.multi_recording import read_manifest, teacher_recording_path
 from topk_protocol.recording import RecordingReader
 from topk_protocol.replay import find_rows, recorded_arrays
+from topk_protocol.storage import Location, location
 
 __all__ = ["ReplayBackend", "ReplayFlags", "replay_path"]
 
@@ -39,12 +40,12 @@ class ReplayFlags:
     so it takes no --teacher-temperature)."""
 
     recording: str
-    """recording directory to serve"""
+    """recording directory (or URI, e.g. s3://bucket/prefix) to serve"""
     replay_teacher: str | None = field(default=None, metadata={"metavar": "NAME"})
     """with a multi-teacher recording: serve this teacher's rows"""
 
 
-def replay_path(recording: str | Path, teacher: str | None) -> Path:
+def replay_path(recording: str | Path, teacher: str | None) -> str | Path:
     """The recording to replay: ``recording`` itself, or one teacher's part of a
     multi-teacher recording (``ValueError`` naming what is wrong otherwise)."""
     names = read_manifest(recording)
@@ -53,13 +54,13 @@ def replay_path(recording: str | Path, teacher: str | None) -> Path:
             raise ValueError(
                 f"--replay-teacher {teacher}: {recording} is a single-teacher recording"
             )
-        return Path(recording)
+        return location(recording)
     if teacher not in names:
         raise ValueError(
             f"{recording} is a multi-teacher recording of {names}: pass --replay-teacher "
             f"NAME (got {teacher!r})"
         )
-    return Path(teacher_recording_path(recording, teacher))
+    return teacher_recording_path(recording, teacher)
 
 
 class ReplayBackend(Backend):
@@ -72,7 +73,7 @@ class ReplayBackend(Backend):
     """
 
     def __init__(self, path: str | Path, *, max_top_k: int | None = None) -> None:
-        self._path = Path(path)
+        self._path = Location.of(path)
         self._max_top_k = max_top_k
         self._reader: RecordingReader | None = None
 

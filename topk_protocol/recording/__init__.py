@@ -28,7 +28,10 @@ verifies each row as it reads it and reports damage as a
 Crash safety: the writer writes its buffered rows as one record batch every
 ``flush_interval_s`` seconds, so a killed writer loses at most that interval's rows; the
 reader keeps every complete batch and lists what it skipped in
-:attr:`RecordingReader.skipped`.
+:attr:`RecordingReader.skipped`. On object storage (``s3://...``; any filesystem but the
+local one) each flush uploads one whole shard object, which the store publishes only
+when the upload completes, so no reader ever sees part of a batch; the reader streams
+such a recording, a few batches in memory (``docs/datasets.md``, "Object storage").
 """
 
 from topk_protocol._deprecation import deprecated_names

@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import re
 import uuid
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,6 +60,7 @@ from topk_protocol.integrity import (
     row_checksum,
     shard_format,
 )
+from topk_protocol.storage import Location, StorageError
 
 __all__ = [
     "COMPRESSIONS",
@@ -76,10 +76,12 @@ __all__ = [
     "cast_arrays",
     "cast_like_teacher",
     "check_schema",
+    "next_shard_number",
     "read_metadata",
     "recording_schema",
     "row_crc",
     "sequence_key",
+    "shard_name",
     "shards",
     "storage_dtype",
     "write_json_atomic",
@@ -214,14 +216,17 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def read_metadata(root: Path) -> tuple[dict[str, Any], pb.TeacherInfo]:
+def read_metadata(root: Location) -> tuple[dict[str, Any], pb.TeacherInfo]:
     """``metadata.json`` checked field by field, and the teacher's info it holds; every
-    problem is a :class:`RecordingError` naming ``metadata.json`` and the field."""
-    path = root / METADATA_FILE
+    problem is a :class:`RecordingError` naming ``metadata.json`` and the field (and one
+    the store raised, e.g. an unreachable bucket, names the location)."""
+    path = root.child(METADATA_FILE)
     try:
+        if not path.is_file():
+            raise RecordingError(root, None, f"no {METADATA_FILE}: not a recording")
         meta = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise RecordingError(root, None, f"no {METADATA_FILE}: not a recording") from None
+    except StorageError as e:
+        raise RecordingError(root, None, f"cannot read it: {e}") from None
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise RecordingError(path, None, f"unreadable: {e}") from None
     if not isinstance(meta, dict):
@@ -267,16 +272,36 @@ def read_metadata(root: Path) -> tuple[dict[str, Any], pb.TeacherInfo]:
     return meta, info
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` through a renamed temporary file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+def write_json_atomic(path: Location, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path``, whole or not at all
+    (:meth:`~topk_protocol.storage.Location.write_bytes_atomic`)."""
+    path.write_bytes_atomic((json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
-def shards(root: Path) -> list[Path]:
-    """The recording's shard files, in the order their rows are numbered."""
-    return sorted(p for p in root.glob(f"*{SHARD_SUFFIX}") if p.is_file())
+_SHARD_NUMBER = re.compile(r"shard-(\d+)-")
+
+
+def shard_name(number: int) -> str:
+    """A new shard's file name: its number (the order its rows are numbered in) and a
+    random id (two writers never pick one name)."""
+    return f"shard-{number:05d}-{uuid.uuid4().hex[:8]}{SHARD_SUFFIX}"
+
+
+def _shard_order(name: str) -> tuple[int, str]:
+    match = _SHARD_NUMBER.match(name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+def next_shard_number(found: list[tuple[Location, int]]) -> int:
+    """The number of a new shard after the ``found`` ones (:func:`shards`): one more than
+    the largest (numbers a failed upload used are not reused, so the order stays whole)."""
+    return max((_shard_order(s.name)[0] for s, _ in found), default=-1) + 1
+
+
+def shards(root: Location) -> list[tuple[Location, int]]:
+    """The recording's shard files and their sizes in bytes, in the order their rows are
+    numbered (by shard number, so ``shard-100000-*`` follows ``shard-99999-*``)."""
+    return sorted(root.files(SHARD_SUFFIX), key=lambda item: _shard_order(item[0].name))
 
 
 # -- a shard's schema --------------------------------------------------------------------

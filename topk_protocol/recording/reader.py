@@ -9,9 +9,14 @@ Shards written before checksums (no ``row_crc32`` column) still open, with one w
 
 from __future__ import annotations
 
+import io
 import logging
+import os
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,7 @@ import pyarrow as pa
 from topk_protocol import RequestOptions
 from topk_protocol._closeable import Closeable
 from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
-from topk_protocol.errors import RecordingDamagedError
+from topk_protocol.errors import RecordingDamagedError, RecordingError
 from topk_protocol.integrity import CHECKSUM_COLUMN
 from topk_protocol.recording.format import (
     METADATA_FILE,
@@ -34,10 +39,18 @@ from topk_protocol.recording.format import (
     shards,
 )
 from topk_protocol.recording.index import NOT_RECORDED, RowIndex
+from topk_protocol.storage import Location, StorageError, location
 
-__all__ = ["RecordingReader"]
+__all__ = ["INDEX_READ_BUFFER_BYTES", "REMOTE_CACHED_BATCHES", "RecordingReader"]
 
 log = logging.getLogger(__name__)
+
+#: Decoded record batches a reader of a non-local recording keeps (each fetched by its
+#: byte range when one of its rows is read; the least recently used one goes first):
+#: its memory is this many batches, whatever the recording's size.
+REMOTE_CACHED_BATCHES = 4
+#: Read-ahead of the pass that indexes a non-local shard when a reader opens it.
+INDEX_READ_BUFFER_BYTES = 1 << 20
 
 #: A row as read: ``(token_ids [L] int32, field name -> its array in the storage dtype,
 #: or None when absent)``.
@@ -51,7 +64,7 @@ class _Chunk:
     row is, for the error that names a damaged one.
     """
 
-    def __init__(self, batch: pa.RecordBatch, top_k: int, shard: Path, first_row: int) -> None:
+    def __init__(self, batch: pa.RecordBatch, top_k: int, shard: Location, first_row: int) -> None:
         self.shard = shard
         self.first_row = first_row
         self.num_rows = batch.num_rows
@@ -146,10 +159,51 @@ class _Chunk:
         return None
 
 
+class _Tally(io.RawIOBase):
+    """A sequential stream that counts the bytes read from it: where each IPC message of
+    a non-local shard starts and ends (pyarrow's own ``tell`` needs a seekable file, and
+    a seekable S3 file makes one ranged request per read; this one reads ahead)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__()
+        self._stream = stream
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self.position += len(data)
+        return bytes(data)
+
+    def close(self) -> None:
+        self._stream.close()
+        super().close()
+
+
+@dataclass
+class _Slot:
+    """One record batch of the recording: its shard, its first row in that shard, its
+    rows and positions, and the batch itself (a local shard: decoded or mapped when
+    opened) or the byte range of its message in the shard (any other filesystem: fetched
+    when one of its rows is read)."""
+
+    shard: Location
+    schema: pa.Schema
+    first_row: int
+    num_rows: int
+    positions: int
+    chunk: _Chunk | None = None
+    offset: int = 0
+    length: int = 0
+
+
 class RecordingReader(Closeable):
     """Reads a recording directory: every complete record batch of every shard.
 
     Attributes:
+        path: the directory as given (a ``Path``, or the URI string).
         info: the recorded teacher's ``TeacherInfo`` message.
         metadata: ``metadata.json`` as a dict.
         top_k, dtype: what the recording stores.
@@ -161,16 +215,25 @@ class RecordingReader(Closeable):
             when opened (rows are verified when read: see :meth:`row`).
         unverified: shards without checksums (written before they existed).
 
-    Raises :class:`RecordingError` naming ``metadata.json`` when it is not a recording's,
-    and :class:`RecordingDamagedError` naming it when it disagrees with every shard's
-    schema (K, dtype, vocabulary, tokenizer, temperature). Uncompressed shards are
-    memory-mapped (rows are views); compressed ones are decompressed into memory when
-    opened. Thread-safe for reads; works after ``fork``.
+    ``path`` is a local directory or a URI of any filesystem pyarrow knows
+    (``s3://bucket/prefix``; :mod:`topk_protocol.storage`). Raises
+    :class:`RecordingError` naming ``metadata.json`` when it is not a recording's (or
+    naming the location when the store cannot be reached), and
+    :class:`RecordingDamagedError` naming it when it disagrees with every shard's schema
+    (K, dtype, vocabulary, tokenizer, temperature).
+
+    Local shards: uncompressed ones are memory-mapped (rows are views); compressed ones
+    are decompressed into memory when opened. Any other filesystem streams: opening
+    reads each shard once, sequentially, keeping only the index columns (one batch in
+    memory at a time); reading a row fetches its batch's byte range, and the reader
+    keeps the last :data:`REMOTE_CACHED_BATCHES` decoded batches. Thread-safe for
+    reads; works after ``fork`` (files are reopened in the child).
     """
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.metadata, self.info = read_metadata(self.path)
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path: str | Path = location(path)
+        self._root = Location.of(path)
+        self.metadata, self.info = read_metadata(self._root)
         self.top_k = int(self.metadata["top_k"])
         self.dtype = str(self.metadata["dtype"])
         self.temperature = float(self.metadata["temperature"])
@@ -186,44 +249,39 @@ class RecordingReader(Closeable):
         self.unverified: list[str] = []
         self.index = RowIndex()
         self._maps: list[pa.MemoryMappedFile] = []
-        self._chunks: list[_Chunk] = []
-        disagreeing: list[tuple[Path, tuple[str, ...]]] = []
+        self._slots: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[int, _Chunk] = OrderedDict()
+        self._files: dict[str, Any] = {}
+        self._pid = os.getpid()
+        disagreeing: list[tuple[Location, tuple[str, ...]]] = []
         agreeing = 0
-        for shard in shards(self.path):
-            stream = self._open_shard(shard)
-            if stream is None:
+        try:
+            found = shards(self._root)
+        except StorageError as e:
+            raise RecordingError(self._root, None, f"cannot list its shards: {e}") from None
+        for shard, size in found:
+            if size == 0:
+                self.skipped.append(f"recording {self.path}: {shard.name} is empty (0 bytes)")
                 continue
-            check = check_schema(stream.schema, self.metadata)
-            if check.damage is not None:
-                self._damage(shard, None, f"{check.damage}; none of its rows are served")
-                continue
-            if check.disagrees:
-                disagreeing.append((shard, check.disagrees))
-                continue
-            agreeing += 1
-            if not check.checksums:
-                self.unverified.append(shard.name)
-            for first_row, batch in self._read_batches(shard, stream):
-                chunk = _Chunk(batch, self.top_k, shard, first_row)
-                self._chunks.append(chunk)
-                self.index.extend(
-                    chunk.keys,
-                    chunk.starts.tolist(),
-                    chunk.ends.tolist(),
-                    chunk.has_sampled.tolist(),
-                )
+            source, stream = self._open_shard(shard)
+            try:
+                agreeing += self._add_shard(shard, size, source, stream, disagreeing)
+            finally:
+                if not shard.local:
+                    source.close()
         if disagreeing and not agreeing:
             # Every shard says otherwise: it is metadata.json that is wrong.
             shard, what = disagreeing[0]
             raise RecordingDamagedError(
-                self.path / METADATA_FILE,
+                self._root.child(METADATA_FILE),
                 None,
                 f"disagrees with every shard's schema ({len(disagreeing)}), e.g. "
                 f"{shard.name}: " + "; ".join(what),
             )
         for shard, what in disagreeing:
             self._damage(shard, None, f"{'; '.join(what)}; none of its rows are served")
-        self._chunk_start = np.cumsum([0] + [c.num_rows for c in self._chunks])
+        self._chunk_start = np.cumsum([0] + [s.num_rows for s in self._slots])
         for line in self.skipped:
             log.warning("%s", line)
             warnings.warn(line, stacklevel=2)
@@ -236,42 +294,76 @@ class RecordingReader(Closeable):
             log.warning("%s", line)
             warnings.warn(line, stacklevel=2)
 
-    def _damage(self, shard: Path, row: int | None, message: str) -> None:
+    def _add_shard(
+        self,
+        shard: Location,
+        size: int,
+        source: Any,
+        stream: pa.ipc.RecordBatchStreamReader | None,
+        disagreeing: list[tuple[Location, tuple[str, ...]]],
+    ) -> bool:
+        """Index the shard's rows; False when none are served (its schema is damaged, or
+        disagrees with ``metadata.json``: then it joins ``disagreeing``)."""
+        if stream is None:
+            return False
+        check = check_schema(stream.schema, self.metadata)
+        if check.damage is not None:
+            self._damage(shard, None, f"{check.damage}; none of its rows are served")
+            return False
+        if check.disagrees:
+            disagreeing.append((shard, check.disagrees))
+            return False
+        if not check.checksums:
+            self.unverified.append(shard.name)
+        tell = source.tell if shard.local else lambda: source.position
+        for slot, chunk in self._read_batches(shard, size, tell, stream):
+            self._slots.append(slot)
+            self.index.extend(
+                chunk.keys, chunk.starts.tolist(), chunk.ends.tolist(), chunk.has_sampled.tolist()
+            )
+        return True
+
+    def _damage(self, shard: Location, row: int | None, message: str) -> None:
         err = RecordingDamagedError(shard, row, message)
         self.damaged.append(err)
         self.skipped.append(str(err))
 
-    def _open_shard(self, shard: Path) -> pa.ipc.RecordBatchStreamReader | None:
-        size = shard.stat().st_size
-        if size == 0:
-            self.skipped.append(f"recording {self.path}: {shard.name} is empty (0 bytes)")
-            return None
-        source = pa.memory_map(str(shard))
-        self._maps.append(source)
+    def _open_shard(self, shard: Location) -> tuple[Any, pa.ipc.RecordBatchStreamReader | None]:
+        """The shard's source (a memory map, or a stream read ahead) and its IPC stream."""
         try:
-            return pa.ipc.open_stream(source)
+            if shard.local:
+                source: Any = pa.memory_map(shard.path)
+                self._maps.append(source)
+                native = source
+            else:
+                source = _Tally(shard.open_input_stream(INDEX_READ_BUFFER_BYTES))
+                native = pa.PythonFile(source, mode="r")
+        except OSError as e:
+            raise RecordingError(shard, None, f"cannot open it: {e}") from None
+        try:
+            return source, pa.ipc.open_stream(native)
         except READ_ERRORS as e:
             self._damage(shard, None, f"no readable schema ({e}); none of its rows are served")
-            return None
+            return source, None
 
     def _read_batches(
-        self, shard: Path, stream: pa.ipc.RecordBatchStreamReader
-    ) -> Iterator[tuple[int, pa.RecordBatch]]:
-        """``(first row in the shard, batch)`` of the shard's batches that parse and
+        self, shard: Location, size: int, tell: Any, stream: pa.ipc.RecordBatchStreamReader
+    ) -> Iterator[tuple[_Slot, _Chunk]]:
+        """A slot and the decoded chunk of each of the shard's batches that parse and
         validate; a batch that does not validate is reported and passed over, one that
-        does not parse ends the shard."""
+        does not parse ends the shard. ``tell()``: the byte offset reached in the shard."""
         n = rows = 0
         while True:
+            offset = tell()
             try:
                 batch = stream.read_next_batch()
             except StopIteration:
                 return
             except READ_ERRORS as e:
-                left = shard.stat().st_size - self._maps[-1].tell()
                 self.skipped.append(
                     f"recording {self.path}: {shard.name}: kept {n} complete batches; skipped "
-                    f"the {left} bytes after them (a batch cut short, e.g. by a killed "
-                    f"writer, or damaged: {e})"
+                    f"the {size - offset} bytes after them (a batch cut short, e.g. by a "
+                    f"killed writer, or damaged: {e})"
                 )
                 return
             n += 1
@@ -285,8 +377,56 @@ class RecordingReader(Closeable):
                     f"validate ({e}); its rows are not served",
                 )
             else:
-                yield rows, batch
+                chunk = _Chunk(batch, self.top_k, shard, rows)
+                slot = _Slot(
+                    shard,
+                    stream.schema,
+                    rows,
+                    chunk.num_rows,
+                    int((chunk.ends - chunk.starts).sum()),
+                    chunk if shard.local else None,
+                    offset,
+                    tell() - offset,
+                )
+                yield slot, chunk
             rows += batch.num_rows
+
+    def _chunk(self, c: int) -> _Chunk:
+        """Batch ``c`` decoded: kept (a local shard), or fetched by byte range and kept
+        among the last :data:`REMOTE_CACHED_BATCHES`."""
+        slot = self._slots[c]
+        if slot.chunk is not None:
+            return slot.chunk
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's files are not ours
+                self._files.clear()
+                self._cache.clear()
+                self._pid = os.getpid()
+            chunk = self._cache.get(c)
+            if chunk is not None:
+                self._cache.move_to_end(c)
+                return chunk
+            chunk = _Chunk(self._fetch(slot), self.top_k, slot.shard, slot.first_row)
+            self._cache[c] = chunk
+            while len(self._cache) > REMOTE_CACHED_BATCHES:
+                self._cache.popitem(last=False)
+            return chunk
+
+    def _fetch(self, slot: _Slot) -> pa.RecordBatch:
+        """A batch's message read by its byte range (one ranged read on an object store)."""
+        where = f"rows {slot.first_row} to {slot.first_row + slot.num_rows - 1}"
+        try:
+            f = self._files.get(slot.shard.path)
+            if f is None:
+                f = self._files[slot.shard.path] = slot.shard.open_input_file()
+            message = pa.ipc.read_message(f.read_at(slot.length, slot.offset))
+            return pa.ipc.read_record_batch(message, slot.schema)
+        except OSError as e:
+            raise RecordingError(slot.shard, slot.offset, f"reading {where} failed: {e}") from None
+        except READ_ERRORS as e:
+            raise RecordingDamagedError(
+                slot.shard, None, f"{where} no longer decode (the shard changed?): {e}"
+            ) from None
 
     # -- access ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -295,7 +435,7 @@ class RecordingReader(Closeable):
 
     @property
     def num_positions(self) -> int:
-        return int(sum(int((c.ends - c.starts).sum()) for c in self._chunks))
+        return int(sum(s.positions for s in self._slots))
 
     def row(self, i: int) -> tuple[npt.NDArray[np.int32], SequenceArrays]:
         """Row ``i`` (in shard order) as ``(token_ids [L] int32, arrays)``, verified
@@ -304,21 +444,23 @@ class RecordingReader(Closeable):
         if not 0 <= i < len(self.index):
             raise IndexError(f"row {i} of a recording with {len(self.index)} rows")
         c = int(np.searchsorted(self._chunk_start, i, side="right")) - 1
-        return self._chunks[c].row(i - int(self._chunk_start[c]), self._vocab_size)
+        return self._chunk(c).row(i - int(self._chunk_start[c]), self._vocab_size)
 
     def key(self, i: int) -> bytes:
         return self.index.key(i)
 
     def __iter__(self) -> Iterator[tuple[npt.NDArray[np.int32], SequenceArrays]]:
         """Every row, as :meth:`row` gives it."""
-        for chunk in self._chunks:
+        for c in range(len(self._slots)):
+            chunk = self._chunk(c)
             for r in range(chunk.num_rows):
                 yield chunk.row(r, self._vocab_size)
 
     def verify(self) -> list[RecordingDamagedError]:
         """Read every row: the damage found when opening and in every row that fails."""
         found = list(self.damaged)
-        for chunk in self._chunks:
+        for c in range(len(self._slots)):
+            chunk = self._chunk(c)
             for r in range(chunk.num_rows):
                 try:
                     chunk.row(r, self._vocab_size)
@@ -356,7 +498,9 @@ class RecordingReader(Closeable):
         return f" (the recording has unreadable parts: {self.skipped[0]})"
 
     def close(self) -> None:
-        self._chunks.clear()
-        for m in self._maps:
-            m.close()
+        self._slots.clear()
+        self._cache.clear()
+        for f in [*self._maps, *self._files.values()]:
+            f.close()
         self._maps.clear()
+        self._files.clear()

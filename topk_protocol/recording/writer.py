@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,18 +38,20 @@ from topk_protocol.recording.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     METADATA_FILE,
-    SHARD_SUFFIX,
     can_serve_dtype,
     cast_arrays,
+    next_shard_number,
     recording_schema,
     row_crc,
     sequence_key,
+    shard_name,
     shards,
     storage_dtype,
     write_json_atomic,
 )
 from topk_protocol.recording.index import RowIndex
 from topk_protocol.recording.reader import RecordingReader
+from topk_protocol.storage import Location, StorageError, location
 
 __all__ = ["RecordingWriter"]
 
@@ -77,13 +78,18 @@ class RecordingWriter(Closeable):
     """Appends scored sequences to a recording directory (created, or resumed).
 
     Args:
-        path: the directory. When it holds a recording already, new rows go to a new shard
-            and the teacher (vocabulary, tokenizer), K and dtype must match it.
+        path: the directory: a local path, or a URI of any filesystem pyarrow knows
+            (``s3://bucket/prefix``; :mod:`topk_protocol.storage`). When it holds a
+            recording already, new rows go to a new shard and the teacher (vocabulary,
+            tokenizer), K and dtype must match it.
         info: the teacher's ``TeacherInfo`` message (stored in ``metadata.json``).
         top_k, dtype: what the recording stores; ``None`` takes them from the first
             request written. Later requests may ask for more K or a more precise dtype
             (the rows are cut / cast exactly as the teacher casts); less raises.
-        flush_interval_s: longest time a written row stays in memory only.
+        flush_interval_s: longest time a written row stays in memory only. On a local
+            disk each flush appends a record batch to this session's shard; on any other
+            filesystem (an object store) each flush writes and commits one whole shard
+            object, since an object becomes visible, whole, only when its upload ends.
         compression: Arrow IPC buffer codec, ``"zstd"`` (``"auto"``), ``"lz4"`` or
             ``"none"`` (shards are then memory-mapped when read: no decompression).
         metadata: extra JSON-serializable entries for ``metadata.json``.
@@ -94,7 +100,7 @@ class RecordingWriter(Closeable):
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | os.PathLike[str],
         info: pb.TeacherInfo,
         *,
         top_k: int | None = None,
@@ -109,7 +115,9 @@ class RecordingWriter(Closeable):
             raise ValueError(f"flush_interval_s: must be > 0, got {flush_interval_s}")
         if dtype is not None:
             dtype = dtype_name(dtype_from_name(dtype))
-        self.path = Path(path)
+        #: The directory as given: a ``Path``, or the URI string.
+        self.path: str | Path = location(path)
+        self._root = Location.of(path)
         self.info = info
         self.compression = "zstd" if compression == "auto" else compression
         self.flush_interval_s = float(flush_interval_s)
@@ -120,7 +128,8 @@ class RecordingWriter(Closeable):
         self._buffer: list[tuple[bytes, npt.NDArray[np.int32], SequenceArrays]] = []
         self._file: Any = None
         self._stream: pa.ipc.RecordBatchStreamWriter | None = None
-        self._shard: Path | None = None
+        self._shard: Location | None = None
+        self._next_shard: int | None = None  # the next shard's number
         #: Every row recorded, the resumed ones included.
         self.index = RowIndex()
         self.rows_written = 0
@@ -128,8 +137,12 @@ class RecordingWriter(Closeable):
         self.dtype: str | None = dtype
         #: The recorded request options (``RequestOptions.recorded``); None: not fixed yet.
         self.options: dict[str, Any] | None = None
-        self.path.mkdir(parents=True, exist_ok=True)
-        if (self.path / METADATA_FILE).exists():
+        try:
+            self._root.make_dir()
+            self._has_metadata = self._root.child(METADATA_FILE).is_file()
+        except StorageError as e:
+            raise RecordingError(self._root, None, f"cannot write there: {e}") from None
+        if self._has_metadata:
             self._resume()
         elif self.top_k is not None and self.dtype is not None:
             self._write_metadata()
@@ -139,7 +152,7 @@ class RecordingWriter(Closeable):
 
     # -- metadata ----------------------------------------------------------------------
     def _resume(self) -> None:
-        with RecordingReader(self.path) as r:
+        with RecordingReader(self._root) as r:
             problems = []
             for field in ("vocab_size", "tokenizer_fingerprint"):
                 old, new = getattr(r.info, field), getattr(self.info, field)
@@ -157,7 +170,7 @@ class RecordingWriter(Closeable):
                 if mine is not None and mine != theirs:
                     problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
             if problems:
-                raise RecordingError(self.path, None, "cannot append: " + "; ".join(problems))
+                raise RecordingError(self._root, None, "cannot append: " + "; ".join(problems))
             self.top_k, self.dtype, self.options = r.top_k, r.dtype, r.options
             self.index = r.index
 
@@ -179,7 +192,8 @@ class RecordingWriter(Closeable):
             "compression": self.compression,
             "extra": self._extra,
         }
-        write_json_atomic(self.path / METADATA_FILE, meta)
+        write_json_atomic(self._root.child(METADATA_FILE), meta)
+        self._has_metadata = True
 
     # -- writing -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -198,15 +212,15 @@ class RecordingWriter(Closeable):
             self.top_k = top_k
         if self.dtype is None:
             self.dtype = dtype
-        if not (self.path / METADATA_FILE).exists():
+        if not self._has_metadata:
             self._write_metadata()
         if top_k < self.top_k:
             raise RecordingError(
-                self.path, None, f"top_k: {top_k} is less than the recorded {self.top_k}"
+                self._root, None, f"top_k: {top_k} is less than the recorded {self.top_k}"
             )
         if not can_serve_dtype(dtype, self.dtype):
             raise RecordingError(
-                self.path,
+                self._root,
                 None,
                 f"dtype: {dtype} log-probs cannot give the recorded {self.dtype} exactly",
             )
@@ -221,7 +235,7 @@ class RecordingWriter(Closeable):
             raise ValueError(f"positions: [{start}, {end}) is outside the {len(tok)} tokens")
         with self._lock:
             if self._closed:
-                raise RecordingError(self.path, None, "the writer is closed")
+                raise RecordingError(self._root, None, "the writer is closed")
             self._fix_format(arrays.top_k, dtype)
             assert self.top_k is not None and self.dtype is not None
             key = sequence_key(tok.tobytes())
@@ -237,11 +251,11 @@ class RecordingWriter(Closeable):
         with self._lock:
             if self.options is None:
                 self.options = recorded
-                if (self.path / METADATA_FILE).exists():
+                if self._has_metadata:
                     self._write_metadata()
             elif recorded != self.options:
                 raise RecordingError(
-                    self.path, None, f"options: recorded {self.options}, this request {recorded}"
+                    self._root, None, f"options: recorded {self.options}, this request {recorded}"
                 )
 
     def write(
@@ -279,7 +293,9 @@ class RecordingWriter(Closeable):
                 log.exception("recording %s: background flush failed", self.path)
 
     def flush(self) -> None:
-        """Write the buffered rows as one record batch and hand it to the OS."""
+        """Write the buffered rows as one record batch and hand it to the OS (a local
+        disk), or commit them as one shard object (any other filesystem). When writing
+        fails, the rows stay buffered for the next flush and the error is raised."""
         with self._lock:
             if not self._buffer:
                 return
@@ -313,9 +329,19 @@ class RecordingWriter(Closeable):
             ]
             columns.append(pa.array(checksums, pa.uint32()))
             batch = pa.record_batch(columns, schema=schema)
-            assert self._stream is not None
-            self._stream.write_batch(batch)
-            self._file.flush()
+            assert self._stream is not None and self._shard is not None
+            try:
+                self._stream.write_batch(batch)
+                if self._shard.local:
+                    self._file.flush()
+                else:
+                    self._end_shard()
+            except (OSError, pa.ArrowException) as e:
+                if not self._shard.local:
+                    self._drop_shard()
+                raise RecordingError(
+                    self._shard, None, f"writing {len(stored)} rows failed (kept to retry): {e}"
+                ) from None
             self.rows_written += len(stored)
             self._buffer.clear()
 
@@ -328,16 +354,42 @@ class RecordingWriter(Closeable):
         }
 
     def _open_shard(self, schema: pa.Schema) -> None:
-        n = len(shards(self.path))
-        self._shard = self.path / f"shard-{n:05d}-{uuid.uuid4().hex[:8]}{SHARD_SUFFIX}"
-        self._file = open(self._shard, "xb")  # noqa: SIM115 - closed in close()
+        if self._next_shard is None:
+            self._next_shard = next_shard_number(shards(self._root))
+        self._shard = self._root.child(shard_name(self._next_shard))
+        self._next_shard += 1
+        if self._shard.local:
+            self._file = open(self._shard.path, "xb")  # noqa: SIM115 - closed in close()
+        else:
+            # The whole object is built in memory (one flush's rows) and uploaded in one
+            # go: an upload that fails publishes nothing (an abandoned pyarrow S3 stream
+            # would complete its upload, with what it had, when collected).
+            self._file = pa.BufferOutputStream()
         codec = None if self.compression == "none" else self.compression
         self._stream = pa.ipc.new_stream(
             self._file, schema, options=pa.ipc.IpcWriteOptions(compression=codec)
         )
 
+    def _end_shard(self) -> None:
+        """End the shard's stream and close it: a local file is synced to disk; an
+        object store's upload completes, which publishes the object whole."""
+        assert self._stream is not None and self._shard is not None
+        self._stream.close()
+        if self._shard.local:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+        else:
+            self._shard.write_bytes_atomic(self._file.getvalue())
+        self._stream = None
+
+    def _drop_shard(self) -> None:
+        """Give up a shard whose upload failed (never published: nothing to remove)."""
+        self._stream = None
+        self._file = None
+
     def close(self) -> None:
-        """Flush, end the stream and sync the shard to disk."""
+        """Flush, end the stream and sync the shard to disk (or commit its object)."""
         with self._lock:
             if self._closed:
                 return
@@ -347,8 +399,4 @@ class RecordingWriter(Closeable):
         with self._lock:
             self.flush()
             if self._stream is not None:
-                self._stream.close()
-                self._file.flush()
-                os.fsync(self._file.fileno())
-                self._file.close()
-                self._stream = None
+                self._end_shard()
