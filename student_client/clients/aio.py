@@ -460,6 +460,7 @@ class AsyncTeacherClient(AsyncCloseable):
             attention_mask=item.attention_mask,
             positions=item.positions,
             request_id=next(self._ids),
+            candidate_ids=item.candidate_ids,
         )
 
     def decode(self, answer: Answer, device: torch.device | str) -> TeacherPayload:
@@ -479,6 +480,7 @@ class AsyncTeacherClient(AsyncCloseable):
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        candidate_ids: Any = None,
         **options: Any,
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
@@ -500,10 +502,19 @@ class AsyncTeacherClient(AsyncCloseable):
             attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
                 Padding is not sent; the payload comes back as ``[B, T, K]`` aligned to
                 the padded batch, ``mask`` False on padding (:mod:`student_client.data.alignment`).
+            candidate_ids: ids whose exact teacher log-probs to fetch at every scored
+                position (e.g. the student's own top-C), laid out like the payload this
+                call returns: ``[B, S, C]`` (row ``j`` of sequence ``b`` is position
+                ``positions[b][0] + j``; rows past a sequence's positions are ignored)
+                or one ``[S_b, C]`` per sequence, or, with an attention mask, ``[B, T, C]``
+                (column ``t`` of the padded batch); int ids in ``[0, V)``, ``-1`` pads.
+                The payload then has ``candidate_ids`` / ``candidate_logprobs``
+                ``[B, S, C]`` (NaN at ``-1``). Needs ``C <= info().max_candidates``.
         """
         timeout = self._deadline(timeout_s)
         opts = RequestOptions.of(top_k, **options)
-        request, layout = self._request(ScoreBatch(sequences, positions, attention_mask), opts)
+        item = ScoreBatch(sequences, positions, attention_mask, candidate_ids=candidate_ids)
+        request, layout = self._request(item, opts)
 
         async def unary(index: int) -> Answer:
             await self._fetch_info(index)
