@@ -35,6 +35,7 @@ __all__ = [
     "describe_sequence",
     "find_rows",
     "recorded_arrays",
+    "serves_candidates",
 ]
 
 __getattr__ = deprecated_names(
@@ -108,10 +109,11 @@ def candidate_logprobs(
     return np.where(asked == -1, np.float32(np.nan), found).astype(np.float32)
 
 
-def _serves(
+def serves_candidates(
     start: int, end: int, candidate_ids: npt.NDArray[np.int32]
 ) -> Callable[[SequenceArrays], str | None]:
-    """Whether a row holds these candidates (None) or why not: for ``reader.find``."""
+    """``serves`` for ``RecordingReader.find``: None when a row holds these candidate
+    ids at positions ``[start, end)`` (:func:`candidate_logprobs`), else why not."""
 
     def serves(row: SequenceArrays) -> str | None:
         got = candidate_logprobs(row, start, end, candidate_ids)
@@ -139,7 +141,7 @@ def find_rows(
             rows.append(None)
             continue
         cand = rest[0] if rest else None
-        serves = None if cand is None else _serves(start, end, cand)
+        serves = None if cand is None else serves_candidates(start, end, cand)
         found = reader.find(token_ids, start, end, options.include_sampled, serves)
         if isinstance(found, str):
             problems.append(f"{describe_sequence(i, token_ids)}: {found}")

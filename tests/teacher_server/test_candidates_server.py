@@ -5,6 +5,8 @@ candidates byte-identically and refuses the rest with NOT_FOUND naming the posit
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,12 +17,22 @@ import pytest
 import torch
 from test_pipeline import LoopbackTeacher
 
-from student_client import PayloadDataset, ReplayClient, TeacherClient
+from student_client import (
+    AsyncTeacherClient,
+    MultiTeacherClient,
+    PayloadDataset,
+    ReplayClient,
+    TeacherClient,
+)
+from student_client.data.assembler import ResponseAssembler
 from student_client.offline.dataset import collate_payloads
+from student_client.offline.record_cli import main as record_main
+from teacher_server.answers import encode_response, iter_stream_responses
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.config import ServerConfig
-from topk_protocol import build_request, decode_sequence, pb
+from teacher_server.validation import Limits, parse_request
+from topk_protocol import RequestOptions, SequenceArrays, build_request, decode_sequence, pb
 from topk_protocol.status import REASON_KEY
 
 VOCAB = 512
@@ -206,3 +218,102 @@ def test_recording_with_candidates_replays_byte_identically(
 def _sequences(msg: pb.ScoreResponse) -> list[bytes]:
     """The payload messages' bytes (``teacher_seconds`` is each server's own timing)."""
     return [s.SerializeToString() for s in msg.sequences]
+
+
+def test_async_and_multi_teacher_clients_route_candidates(
+    live: LoopbackTeacher, tiny_model_dir: Path
+) -> None:
+    """``AsyncTeacherClient.score`` and ``MultiTeacherClient.score`` with
+    ``candidate_ids``: each row's candidates go with it to its teacher, and come back in
+    input order, equal to asking one teacher directly."""
+    other = LoopbackTeacher(TransformersBackend(tiny_model_dir, max_top_k=64, dtype="float32"))
+    seqs = _seqs(11, [8, 5, 7])
+    cands = [_cands(12, 8, 4), _cands(13, 5, 2), None]
+    target = f"127.0.0.1:{live.server.port}"
+    try:
+        with TeacherClient(target) as one:
+            direct = one.score(seqs, 8, candidate_ids=cands, dtype="float32")
+
+        async def via_async() -> Any:
+            async with AsyncTeacherClient(target) as client:
+                return await client.score(seqs, 8, candidate_ids=cands, dtype="float32")
+
+        teachers = {"a": target, "b": f"127.0.0.1:{other.server.port}"}
+        with MultiTeacherClient(teachers) as multi:
+            routed = multi.score(
+                seqs, 8, teacher=["b", "a", "b"], candidate_ids=cands, dtype="float32"
+            )
+        for got in (asyncio.run(via_async()), routed):
+            for name in ("ids", "logprobs", "candidate_ids", "candidate_logprobs"):
+                assert _bits(getattr(got, name)) == _bits(getattr(direct, name)), name
+        assert direct.candidate_ids is not None and direct.candidate_ids.shape == (3, 8, 4)
+        assert (direct.candidate_ids[1, :, 2:] == -1).all()  # C 2 padded to the batch's 4
+        assert (direct.candidate_ids[2] == -1).all()
+    finally:
+        other.stop()
+
+
+def test_teacher_record_cli_records_candidates(live: LoopbackTeacher, tmp_path: Path) -> None:
+    seqs = _seqs(21, [6, 9])
+    cands = [_cands(22, 6, 3), _cands(23, 9, 3)]
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"input_ids": s.tolist(), "student_top": c.tolist()}) + "\n"
+            for s, c in zip(seqs, cands, strict=True)
+        )
+    )
+    out = tmp_path / "rec"
+    args = [
+        "--teacher", f"127.0.0.1:{live.server.port}", "--input", str(src), "--output", str(out),
+        "--top-k", "8", "--dtype", "float32", "--candidate-column", "student_top",
+    ]  # fmt: skip
+    assert record_main(args) == 0
+    with TeacherClient(f"127.0.0.1:{live.server.port}") as client:
+        want = client.score(seqs, 8, candidate_ids=cands, dtype="float32")
+    with ReplayClient(out) as replay:
+        got = replay.score(seqs, 8, candidate_ids=cands, dtype="float32")
+    assert _bits(got.candidate_logprobs) == _bits(want.candidate_logprobs)
+    assert record_main(args) == 0  # a re-run: everything recorded with these candidates
+    with ReplayClient(out) as replay:
+        assert len(replay) == 2
+
+
+def test_stream_chunks_count_candidate_bytes_and_reassemble() -> None:
+    """Row chunks of a ScoreStream answer stay under the byte budget with the candidate
+    log-probs counted, and the client's assembler joins them into the unary answer."""
+    rng = np.random.default_rng(5)
+    seqs = _seqs(31, [23, 4, 17])
+    cands = [_cands(32, 23, 9), None, _cands(33, 17, 2)]
+    req = build_request(seqs, 4, candidate_ids=cands, dtype="bfloat16", request_id="s")
+    options = RequestOptions.from_proto(req)
+    scored = []
+    for s, c in zip(seqs, cands, strict=True):
+        n = len(s)
+        lps = -np.sort(rng.exponential(2.0, (n, 4)), axis=1).astype(np.float32)
+        clp = None if c is None else np.where(c == -1, np.nan, -rng.random(c.shape)).astype("f4")
+        ids = rng.integers(0, VOCAB, (n, 4)).astype(np.int32)
+        scored.append(SequenceArrays(ids, lps, -rng.random(n).astype("f4"), 0, c, clp))
+    budget = 200
+    msgs = list(iter_stream_responses("s", scored, options, chunk_bytes=budget))
+    assert len(msgs) > 5
+    for m in msgs:
+        sizes = [
+            int(p.num_positions) * options.bytes_per_row(int(p.num_candidates)) for p in m.sequences
+        ]
+        assert sum(sizes) <= budget or (len(sizes) == 1 and int(m.sequences[0].num_positions) == 1)
+    streamed = ResponseAssembler(req)
+    for m in msgs:
+        streamed.add(m)
+    unary = ResponseAssembler(req)
+    unary.add(pb.ScoreResponse.FromString(encode_response(_parsed(req), scored, 0.0)))
+    a, b = streamed.payload(), unary.payload()
+    for name in ("ids", "logprobs", "sampled_logprobs", "candidate_ids", "candidate_logprobs"):
+        assert _bits(getattr(a, name)) == _bits(getattr(b, name)), name
+    assert streamed.merged_response().sequences[0].SerializeToString() == (
+        unary.merged_response().sequences[0].SerializeToString()
+    )
+
+
+def _parsed(req: pb.ScoreRequest) -> Any:
+    return parse_request(req, Limits(vocab_size=VOCAB))
