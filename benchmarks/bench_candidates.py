@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.bench_teacher import add_workload_args, workload
+from benchmarks.bench_teacher import add_workload_args, model_or_tiny, workload
 from devtools.launch import start_teacher
 from topk_protocol import build_request, decode_sequence, pb, pb_grpc
 
@@ -76,11 +76,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-candidates-"))
-    model = args.model
-    if model is None:
-        from devtools.tiny_model import write_tiny_model
-
-        model = str(write_tiny_model(tmp / "model"))
+    model = model_or_tiny(args.model, tmp)
     seqs = workload(args.batch, args.seq_len)
     rows = sum(len(s) for s in seqs)
     plain = build_request(seqs, args.k, dtype="float16", request_id="plain")

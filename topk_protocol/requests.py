@@ -193,19 +193,7 @@ def normalize_sequences(sequences: Any) -> list[bytes]:
     ``sequences`` is a 2-D tensor / array ``[B, L]`` or a list of 1-D sequences (lists of
     ints, numpy arrays, 1-D tensors), ragged allowed. Raises :class:`InvalidRequestError`.
     """
-    if isinstance(sequences, torch.Tensor | np.ndarray):
-        if sequences.ndim != 2:
-            raise InvalidRequestError(
-                f"sequences: expected a 2-D [B, L] tensor or a list of 1-D sequences, "
-                f"got shape {tuple(sequences.shape)}"
-            )
-        rows: Sequence[Any] = list(sequences)
-    elif isinstance(sequences, str | bytes) or not isinstance(sequences, Iterable):
-        raise InvalidRequestError(
-            f"sequences: expected a batch of token sequences, got {type(sequences).__name__}"
-        )
-    else:
-        rows = list(sequences)
+    rows = _batch_items(sequences, "sequences", 2, "a 2-D [B, L] tensor or a list of 1-D sequences")
     check_sequence_count(len(rows))
     if isinstance(rows[0], int | np.integer):
         raise InvalidRequestError(
@@ -247,22 +235,23 @@ def check_span(pair: Any, index: int, limit: int, inside: str) -> Span:
     return start, end
 
 
+def _batch_items(value: Any, field: str, ndim: int, expected: str) -> list[Any]:
+    """A batch's items: the rows of an ``ndim``-D tensor / array, or the items of an
+    iterable (not a string). :class:`InvalidRequestError` naming ``field`` otherwise."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        if value.ndim != ndim:
+            raise InvalidRequestError(
+                f"{field}: expected {expected}, got shape {tuple(value.shape)}"
+            )
+        return list(value)
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{field}: expected {expected}, got {type(value).__name__}")
+    return list(value)
+
+
 def _candidate_rows(candidate_ids: Any, count: int) -> list[Any]:
     """``[B, S', C]`` tensor / array, or ``B`` items (``[S'_i, C]`` or None) -> a list."""
-    if isinstance(candidate_ids, torch.Tensor | np.ndarray):
-        if candidate_ids.ndim != 3:
-            raise InvalidRequestError(
-                f"candidate_ids: expected [B, S, C] or one [S, C] per sequence, got shape "
-                f"{tuple(candidate_ids.shape)}"
-            )
-        rows: list[Any] = list(candidate_ids)
-    elif isinstance(candidate_ids, str | bytes) or not isinstance(candidate_ids, Iterable):
-        raise InvalidRequestError(
-            f"candidate_ids: expected [B, S, C] or one [S, C] per sequence, got "
-            f"{type(candidate_ids).__name__}"
-        )
-    else:
-        rows = list(candidate_ids)
+    rows = _batch_items(candidate_ids, "candidate_ids", 3, "[B, S, C] or one [S, C] per sequence")
     if len(rows) != count:
         raise InvalidRequestError(f"candidate_ids: {len(rows)} rows for {count} sequences")
     return rows
