@@ -182,9 +182,8 @@ def gather_candidates(logprobs: Any, candidate_ids: Any) -> Any:
     import torch
 
     ids = candidate_ids.to(torch.int64)
-    padded = ids < 0
     got = logprobs.gather(1, ids.clamp(min=0))
-    return got.masked_fill(padded, float("nan"))
+    return torch.where(ids < 0, float("nan"), got)
 
 
 #: Names this module (and ``teacher_server.backends``) exported before ``SequenceArrays``.
