@@ -9,7 +9,9 @@ position (a random half of them from the vocabulary, the other half repeating id
 teacher ranks high, plus ~10% ``-1`` padding), in alternating order; the first round
 warms up. Reported: scored positions/s (median over rounds), the ratio with / without
 (paired within each round), and request and answer bytes per position (serialized
-messages).
+messages). Then, in this process (one thread), what the worker adds per engine call:
+the candidate gather and the concatenation onto the rows, against the CPU top-k kernel
+on the same ``[rows, 512]`` float32 log-probs (best of 5).
 
     python -m benchmarks.bench_candidates [--model DIR] [--batch 4] [--seq-len 1024]
         [--k 64] [--candidates 64] [--rounds 5]
@@ -21,6 +23,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -65,6 +68,40 @@ def _run(stub: pb_grpc.TeacherStub, req: pb.ScoreRequest, rows: int) -> tuple[fl
     if got != rows:
         raise RuntimeError(f"got {got} rows, expected {rows}")
     return seconds, nbytes
+
+
+def _worker_cost(rows: int, k: int, c: int) -> tuple[float, float]:
+    """Seconds (best of 7, one thread) of the worker's candidate step (gather, ``-1`` to
+    NaN, concatenation onto the ``[rows, K + 1]`` top-k rows) and of the top-k kernel
+    that makes those rows, on the same ``[rows, 512]`` log-probs."""
+    import torch
+
+    from teacher_server.backends import cpu_topk
+    from teacher_server.backends.base import gather_candidates
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(rows, 512, generator=gen) * 3, -1)
+    cand = torch.randint(-1, 512, (rows, c), generator=gen)
+    targets = torch.randint(0, 512, (rows,), generator=gen)
+    got = cpu_topk.topk_with_target(lp, k, targets)
+    if got is None:
+        raise RuntimeError("the top-k kernel refused the benchmark's rows")
+    ids, values, _ = got
+
+    def candidates() -> None:
+        torch.cat((ids, cand.to(ids.dtype)), 1)
+        torch.cat((values, gather_candidates(lp, cand)), 1)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(candidates), best(lambda: cpu_topk.topk_with_target(lp, k, targets))
 
 
 def main() -> None:
@@ -129,6 +166,11 @@ def main() -> None:
         f"\nwith / without candidates: {statistics.median(ratios):.2f}x positions/s "
         f"(median of {len(ratios)} paired rounds; min {min(ratios):.2f}x, "
         f"max {max(ratios):.2f}x)"
+    )
+    extra, topk = _worker_cost(rows, args.k, args.candidates)
+    print(
+        f"worker, {rows} rows of V = 512: candidate gather + concatenation "
+        f"{extra * 1e3:.1f} ms, top-k kernel {topk * 1e3:.1f} ms"
     )
 
 
