@@ -57,7 +57,12 @@ from topk_protocol import (
 )
 from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
-from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
+from topk_protocol.errors import (
+    DeadlineExceededError,
+    ResourceExhaustedError,
+    TeacherError,
+    TeacherUnavailableError,
+)
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.status import error_from_rpc
 
@@ -454,7 +459,7 @@ class AsyncTeacherClient(AsyncCloseable):
         ScoreRequest with a new id (padding cut off) and the layout :meth:`decode` places
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
-        return build_aligned_request(
+        request, layout = build_aligned_request(
             item.sequences,
             options,
             attention_mask=item.attention_mask,
@@ -462,6 +467,14 @@ class AsyncTeacherClient(AsyncCloseable):
             request_id=next(self._ids),
             candidate_ids=item.candidate_ids,
         )
+        size = request.ByteSize()
+        if size > self._max_message_bytes:  # gRPC would refuse it with a bare status
+            raise ResourceExhaustedError(
+                f"request: {size} bytes (token ids and candidate ids) exceeds the client's "
+                f"max_message_mb {self._max_message_bytes >> 20} MiB; split the batch",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
+        return request, layout
 
     def decode(self, answer: Answer, device: torch.device | str) -> TeacherPayload:
         """A complete answer's tensors on ``device``, placed into its batch's padded

@@ -33,6 +33,7 @@ from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.config import ServerConfig
 from teacher_server.validation import Limits, parse_request
 from topk_protocol import RequestOptions, SequenceArrays, build_request, decode_sequence, pb
+from topk_protocol.errors import ResourceExhaustedError
 from topk_protocol.status import REASON_KEY
 
 VOCAB = 512
@@ -317,3 +318,12 @@ def test_stream_chunks_count_candidate_bytes_and_reassemble() -> None:
 
 def _parsed(req: pb.ScoreRequest) -> Any:
     return parse_request(req, Limits(vocab_size=VOCAB))
+
+
+def test_client_refuses_a_request_over_its_message_limit_by_name(live: LoopbackTeacher) -> None:
+    seq = _seqs(41, [4096])[0]
+    cands = np.zeros((4096, 300), np.int32)  # 4.7 MiB of ids
+    with TeacherClient(f"127.0.0.1:{live.server.port}", max_message_mb=4) as client:
+        with pytest.raises(ResourceExhaustedError, match=r"request: \d+ bytes .* max_message_mb 4"):
+            client.score([seq], 4, candidate_ids=[cands])
+        assert client.score([seq[:8]], 4).ids.shape == (1, 8, 4)
