@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.backends.vllm_candidates import candidate_columns
+from teacher_server.validation import ParsedSequence
 from topk_protocol import SequenceArrays
 
 __all__ = [
@@ -184,15 +185,9 @@ def topk_payload(
     return SequenceArrays(ids, lps, actual, start, candidate_ids, cand[1])
 
 
-def payload_from_output(
-    out: Any,
-    length: int,
-    k: int,
-    start: int,
-    end: int,
-    candidate_ids: npt.NDArray[np.int32] | None = None,
-) -> SequenceArrays:
-    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request."""
+def payload_from_output(out: Any, k: int, sequence: ParsedSequence) -> SequenceArrays:
+    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request that scored
+    ``sequence`` (its length, positions and candidate ids) at K = ``k``."""
     prompt = out.prompt_logprobs
     sample = out.outputs[0].logprobs
     if not isinstance(prompt, LogprobArrays) or not isinstance(sample, LogprobArrays):
@@ -200,7 +195,10 @@ def payload_from_output(
             "the request was not handled by the array log-prob path "
             f"(got {type(prompt).__name__} / {type(sample).__name__})"
         )
-    return topk_payload(prompt.chunks, sample.chunks, length, k, start, end, candidate_ids)
+    s = sequence
+    return topk_payload(
+        prompt.chunks, sample.chunks, len(s.token_ids), k, s.start, s.end, s.candidate_ids
+    )
 
 
 def sampling_overrides() -> dict[str, Any]:

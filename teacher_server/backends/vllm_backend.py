@@ -369,7 +369,7 @@ class VLLMBackend(Backend):
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")
         if arrays:
-            return vllm_arrays.payload_from_output(final, len(token_ids), top_k, start, end, cand)
+            return vllm_arrays.payload_from_output(final, top_k, sequence)
         return self._to_payload(final, token_ids, top_k, start, end)
 
     @staticmethod
