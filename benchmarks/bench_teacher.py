@@ -103,6 +103,15 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
 
 
+def model_or_tiny(model: str | None, tmp: Path) -> str:
+    """``--model``, or a fresh tiny random Qwen2 written under ``tmp``."""
+    if model is not None:
+        return model
+    from devtools.tiny_model import write_tiny_model
+
+    return str(write_tiny_model(tmp / "model"))
+
+
 def workload(batch: int, seq_len: int) -> list[np.ndarray]:
     """The benchmark's sequences: ``batch`` x ``seq_len`` random byte-token ids, seed 0."""
     rng = np.random.default_rng(0)
@@ -324,11 +333,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["engine", "servers"], help="run one part only")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-teacher-"))
-    model = args.model
-    if model is None:
-        from devtools.tiny_model import write_tiny_model
-
-        model = str(write_tiny_model(tmp / "model"))
+    model = model_or_tiny(args.model, tmp)
     seqs = workload(args.batch, args.seq_len)
     positions = args.batch * args.seq_len
     print(

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 import psutil
 
-from benchmarks.bench_teacher import add_workload_args, workload
+from benchmarks.bench_teacher import add_workload_args, model_or_tiny, workload
 from devtools.launch import TeacherProcess, start_teacher
 from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
 
@@ -79,11 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-teacher-ab-"))
-    model = args.model
-    if model is None:
-        from devtools.tiny_model import write_tiny_model
-
-        model = str(write_tiny_model(tmp / "model"))
+    model = model_or_tiny(args.model, tmp)
     seqs: list[np.ndarray] = workload(args.batch, args.seq_len)
     positions = args.batch * args.seq_len
     req = pb.ScoreRequest(request_id="ab", top_k=args.k, dtype=pb.LOGPROB_DTYPE_FLOAT16)

@@ -66,28 +66,30 @@ def iter_stream_responses(
     teacher_seconds: float = 0.0,
 ) -> Iterator[pb.ScoreResponse]:
     """Pack all sequences' rows, in order, into messages of at most ``chunk_bytes`` of
-    payload arrays (at least one row each). Sequences with no rows still get an empty
-    piece, so the client sees every sequence. The last message has ``final`` set."""
-    budget_rows = max(1, chunk_bytes // options.bytes_per_row())
+    payload arrays (at least one row each; a row's bytes count its candidates).
+    Sequences with no rows still get an empty piece, so the client sees every sequence.
+    The last message has ``final`` set."""
     msg = pb.ScoreResponse(request_id=request_id)
-    room = budget_rows
+    room = chunk_bytes
     for index, seq in enumerate(scored):
         n = len(seq.ids)
+        per_row = options.bytes_per_row(seq.num_candidates)
         done = 0
         while True:
-            take = min(n - done, room)
+            fit = 1 if room == chunk_bytes else 0  # a message holds at least one row
+            take = min(n - done, max(room // per_row, fit))
             if take > 0 or n == 0:
                 msg.sequences.append(
                     encode_scored(seq.rows(done, done + take), options, sequence_index=index)
                 )
             done += take
-            room -= take
+            room -= take * per_row
             if done >= n:
                 break
             # This message is full: send it and start the next one.
             yield msg
             msg = pb.ScoreResponse(request_id=request_id)
-            room = budget_rows
+            room = chunk_bytes
     msg.final = True
     msg.teacher_seconds = teacher_seconds
     yield msg

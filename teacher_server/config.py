@@ -43,6 +43,9 @@ class ServerConfig:
     """HTTP port (0: pick a free one, -1: none)"""
     max_top_k: int = 64
     """largest K served"""
+    max_candidates: int = 256
+    """largest C of a request's candidate ids per position (scored where the backend
+    can; 0: none)"""
     max_tokens_per_request: int = 262_144
     """limit on a request's total tokens"""
     max_inflight_requests: int = 64
@@ -80,7 +83,7 @@ class ServerConfig:
         for name in ("max_top_k", "max_tokens_per_request", "max_message_mb", "chunk_kb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("drain_timeout_s", "memory_trim_idle_s"):
+        for name in ("drain_timeout_s", "memory_trim_idle_s", "max_candidates"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 

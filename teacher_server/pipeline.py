@@ -230,9 +230,16 @@ class RequestPipeline:
         k = options.top_k
 
         async def one(seq: ParsedSequence) -> SequenceArrays:
+            wanted = None if seq.candidate_ids is None else seq.num_candidates
             if seq.start == seq.end:  # nothing asked: no engine call
-                return SequenceArrays.empty(k, seq.start)
-            return await self._backend.score(seq, options)
+                return SequenceArrays.empty(k, seq.start, wanted)
+            scored = await self._backend.score(seq, options)
+            if wanted is not None and scored.num_candidates != wanted:
+                raise RuntimeError(
+                    f"the backend answered {scored.num_candidates} candidate columns "
+                    f"for the {wanted} asked"
+                )
+            return scored
 
         return await gather_bounded(one, parsed.sequences)
 

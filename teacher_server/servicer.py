@@ -48,6 +48,7 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
         max_sequence_length=limits.max_sequence_length,
         engine_dtype=info.dtype,
         teacher_temperature=info.temperature,
+        max_candidates=limits.max_candidates,
     )
 
 

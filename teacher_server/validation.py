@@ -19,6 +19,7 @@ from teacher_server.config import MIB, ServerConfig
 from topk_protocol import RequestOptions, pb, sequence_span
 from topk_protocol.checks import (
     TeacherLimits,
+    check_candidates,
     check_range,
     check_sequence_count,
     check_token_ids,
@@ -39,6 +40,7 @@ class Limits(TeacherLimits):
     max_top_k: int = ServerConfig.max_top_k
     max_tokens_per_request: int = ServerConfig.max_tokens_per_request
     max_sequence_length: int = 0
+    max_candidates: int = ServerConfig.max_candidates
     max_message_bytes: int = ServerConfig.max_message_mb * MIB
     chunk_bytes: int = ServerConfig.chunk_kb * 1024  # target size of one ScoreStream message
 
@@ -49,6 +51,7 @@ class Limits(TeacherLimits):
             vocab_size=vocab_size,
             max_top_k=config.max_top_k,
             max_tokens_per_request=config.max_tokens_per_request,
+            max_candidates=config.max_candidates,
             max_message_bytes=config.max_message_bytes,
             chunk_bytes=config.chunk_bytes,
         )
@@ -56,11 +59,19 @@ class Limits(TeacherLimits):
 
 @dataclass(frozen=True)
 class ParsedSequence:
-    """One validated sequence: ``token_ids`` ``[L]`` int32 and positions ``[start, end)``."""
+    """One validated sequence: ``token_ids`` ``[L]`` int32, positions ``[start, end)``
+    and, when the request names them, ``candidate_ids`` ``[end - start, C]`` int32 (ids
+    in ``[-1, vocab_size)``, ``-1`` padding) to score at each position."""
 
     token_ids: npt.NDArray[np.int32]
     start: int
     end: int
+    candidate_ids: npt.NDArray[np.int32] | None = None
+
+    @property
+    def num_candidates(self) -> int:
+        """``C`` (0 without candidates)."""
+        return 0 if self.candidate_ids is None else int(self.candidate_ids.shape[1])
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,9 @@ class ParsedRequest:
 
     def response_bytes(self) -> int:
         """Bytes of the payload arrays this request will produce."""
-        return self.num_positions * self.options.bytes_per_row()
+        return sum(
+            (s.end - s.start) * self.options.bytes_per_row(s.num_candidates) for s in self.sequences
+        )
 
 
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
@@ -107,5 +120,12 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
             f"sequences[{i}].position_start/position_end",
             f"the sequence's {n} positions",
         )
-        parsed.append(ParsedSequence(ids, start, end))
+        candidates = check_candidates(
+            seq.candidate_ids,
+            int(seq.num_candidates),
+            end - start,
+            limits,
+            f"sequences[{i}].candidate_ids",
+        )
+        parsed.append(ParsedSequence(ids, start, end, candidates))
     return ParsedRequest(req.request_id, parsed, options)

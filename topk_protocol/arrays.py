@@ -8,6 +8,10 @@ join and build arrays go over the fields generically (:data:`ARRAY_FIELDS`), so 
 per-row field is declared here once and carried through every slice, join and empty
 answer without further code. A new field goes after ``position_start``, with a default
 (None for an optional one), so that positional construction keeps its meaning.
+
+Candidate fields (``candidate_ids`` / ``candidate_logprobs``, ``[S, C]``) are the teacher's
+log-probs at ids the request named for each row: a column per candidate, not cut by
+:meth:`SequenceArrays.top`, both present or both absent.
 """
 
 from __future__ import annotations
@@ -27,17 +31,32 @@ __all__ = ["ARRAY_FIELDS", "ArrayField", "SequenceArrays"]
 @dataclass(frozen=True)
 class ArrayField:
     """How one array field of :class:`SequenceArrays` is shaped: ``columns`` True for
-    ``[S, K]``, False for ``[S]``; ``dtype`` its numpy dtype; ``optional``: may be None."""
+    ``[S, K]``, False for ``[S]``; ``candidates`` True for ``[S, C]`` (a column per
+    candidate id); ``dtype`` its numpy dtype; ``optional``: may be None."""
 
     name: str
     dtype: type[np.generic]
     columns: bool
     optional: bool
+    candidates: bool = False
+
+    @property
+    def width(self) -> str:
+        """The name of its column count: ``"K"``, ``"C"`` or ``""`` (``[S]``)."""
+        return "K" if self.columns else "C" if self.candidates else ""
+
+    def shape(self, rows: int, top_k: int, num_candidates: int) -> tuple[int, ...]:
+        """Its shape for ``rows`` rows of ``top_k`` columns and ``num_candidates``."""
+        if self.columns:
+            return (rows, top_k)
+        return (rows, num_candidates) if self.candidates else (rows,)
 
 
-def _array(dtype: type[np.generic], columns: bool, optional: bool = False) -> dict[str, Any]:
+def _array(
+    dtype: type[np.generic], columns: bool, optional: bool = False, candidates: bool = False
+) -> dict[str, Any]:
     """The metadata of a dataclass field holding an array of :class:`SequenceArrays`."""
-    return {"array": (dtype, columns, optional)}
+    return {"array": (dtype, columns, optional, candidates)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +69,11 @@ class SequenceArrays:
         sampled_logprobs: ``[S]`` float32, log p(x[t+1] | x[..t]), NaN at the last
             position of the sequence; None when not computed or not asked for.
         position_start: the absolute position of row 0 (>= 0).
+        candidate_ids: ``[S, C]`` int32 ids the request named for each row, ``-1``
+            padding; None without candidates.
+        candidate_logprobs: ``[S, C]`` float32, the teacher's log-prob at each candidate
+            id (same log-softmax as ``logprobs``), NaN where the id is ``-1``; present
+            exactly when ``candidate_ids`` is.
 
     Arrays are converted to their dtypes when built (no copy when they already have
     them) and their shapes checked here, once: a bad one raises ``ValueError`` naming the
@@ -63,6 +87,12 @@ class SequenceArrays:
         default=None, metadata=_array(np.float32, columns=False, optional=True)
     )
     position_start: int = 0
+    candidate_ids: npt.NDArray[np.int32] | None = field(
+        default=None, metadata=_array(np.int32, columns=False, optional=True, candidates=True)
+    )
+    candidate_logprobs: npt.NDArray[np.float32] | None = field(
+        default=None, metadata=_array(np.float32, columns=False, optional=True, candidates=True)
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -77,6 +107,10 @@ class SequenceArrays:
         ids = np.asarray(self.ids, dtype=np.int32)
         if ids.ndim != 2:
             raise ValueError(f"ids: expected [S, K], got shape {ids.shape}")
+        if (self.candidate_ids is None) != (self.candidate_logprobs is None):
+            raise ValueError("candidate_ids, candidate_logprobs: give both or neither")
+        cand = None if self.candidate_ids is None else np.shape(self.candidate_ids)
+        c = cand[1] if cand is not None and len(cand) == 2 else 0
         for f in ARRAY_FIELDS:
             value = getattr(self, f.name)
             if value is None:
@@ -84,11 +118,11 @@ class SequenceArrays:
                     raise ValueError(f"{f.name}: required, got None")
                 continue
             arr = np.asarray(value, dtype=f.dtype)
-            want = ids.shape if f.columns else ids.shape[:1]
+            want = f.shape(ids.shape[0], ids.shape[1], c)
             if arr.shape != want:
-                shape = "[S, K]" if f.columns else "[S]"
+                shape = f"[{', '.join(['S', f.width] if f.width else ['S'])}]"
                 raise ValueError(
-                    f"{f.name}: expected shape {shape} = {want} (the shape of ids), got {arr.shape}"
+                    f"{f.name}: expected shape {shape} = {want} (S from ids), got {arr.shape}"
                 )
             object.__setattr__(self, f.name, arr)
 
@@ -104,6 +138,11 @@ class SequenceArrays:
         return int(self.ids.shape[1])
 
     @property
+    def num_candidates(self) -> int:
+        """``C``: candidate columns (0 without candidates)."""
+        return 0 if self.candidate_ids is None else int(self.candidate_ids.shape[1])
+
+    @property
     def position_end(self) -> int:
         """The position after the last row (``position_start + S``)."""
         return self.position_start + self.num_positions
@@ -115,7 +154,7 @@ class SequenceArrays:
         present = [f.name for f in ARRAY_FIELDS if getattr(self, f.name) is not None]
         return (
             f"SequenceArrays(positions=[{self.position_start}, {self.position_end}), "
-            f"top_k={self.top_k}, fields={present})"
+            f"top_k={self.top_k}, num_candidates={self.num_candidates}, fields={present})"
         )
 
     # -- cut, join, build -------------------------------------------------------------
@@ -158,8 +197,9 @@ class SequenceArrays:
     def concat(cls, parts: Sequence[SequenceArrays]) -> SequenceArrays:
         """Join consecutive row chunks of one sequence, in order (e.g. a streamed answer).
 
-        Each part must start where the one before ends and have the same K; an optional
-        field is kept only when every part has it. ``ValueError`` names what differs.
+        Each part must start where the one before ends and have the same K (and C when
+        it has candidates); an optional field is kept only when every part has it.
+        ``ValueError`` names what differs.
         """
         if not parts:
             raise ValueError("parts: need at least one chunk")
@@ -172,6 +212,12 @@ class SequenceArrays:
                 )
             if b.top_k != first.top_k:
                 raise ValueError(f"parts[{i}]: top_k {b.top_k}, parts[0] has {first.top_k}")
+            both = b.candidate_ids is not None and first.candidate_ids is not None
+            if both and b.num_candidates != first.num_candidates:
+                raise ValueError(
+                    f"parts[{i}]: num_candidates {b.num_candidates}, parts[0] has "
+                    f"{first.num_candidates}"
+                )
         if len(parts) == 1:
             return first
         joined: dict[str, Any] = {}
@@ -181,10 +227,17 @@ class SequenceArrays:
         return cls(**joined, position_start=first.position_start)
 
     @classmethod
-    def empty(cls, top_k: int, position_start: int = 0) -> SequenceArrays:
-        """No rows (``S = 0``), every field present: the answer to an empty range."""
+    def empty(
+        cls, top_k: int, position_start: int = 0, num_candidates: int | None = None
+    ) -> SequenceArrays:
+        """No rows (``S = 0``), every field present (the candidate fields with
+        ``num_candidates`` columns; None: absent): the answer to an empty range."""
         return cls(
-            **{f.name: np.zeros((0, top_k) if f.columns else (0,), f.dtype) for f in ARRAY_FIELDS},
+            **{
+                f.name: np.zeros(f.shape(0, top_k, num_candidates or 0), f.dtype)
+                for f in ARRAY_FIELDS
+                if not f.candidates or num_candidates is not None
+            },
             position_start=position_start,
         )
 

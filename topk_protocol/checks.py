@@ -19,6 +19,7 @@ from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
 
 __all__ = [
     "TeacherLimits",
+    "check_candidates",
     "check_depth",
     "check_range",
     "check_sequence_count",
@@ -33,12 +34,14 @@ __all__ = [
 class TeacherLimits:
     """What a teacher accepts: token ids in ``[0, vocab_size)``, K in ``[1, max_top_k]``,
     at most ``max_tokens_per_request`` tokens in one request and ``max_sequence_length``
-    in one sequence (0: no limit of that kind)."""
+    in one sequence (0: no limit of that kind), and at most ``max_candidates`` candidate
+    ids per position (0: it scores no candidates)."""
 
     vocab_size: int
     max_top_k: int
     max_tokens_per_request: int = 0
     max_sequence_length: int = 0
+    max_candidates: int = 0
 
     @classmethod
     def of_info(cls, info: Any) -> TeacherLimits:
@@ -49,6 +52,7 @@ class TeacherLimits:
             max_top_k=int(info.max_top_k),
             max_tokens_per_request=int(info.max_tokens_per_request),
             max_sequence_length=int(info.max_sequence_length),
+            max_candidates=int(getattr(info, "max_candidates", 0)),
         )
 
 
@@ -109,6 +113,43 @@ def check_range(start: int, end: int, limit: int, field: str, inside: str) -> No
         raise InvalidRequestError(
             f"{field}: [{start}, {end}) is not a range inside {inside} [0, {limit}]"
         )
+
+
+def check_candidates(
+    raw: bytes, num_candidates: int, rows: int, limits: TeacherLimits, field: str
+) -> npt.NDArray[np.int32] | None:
+    """One sequence's candidate ids: ``raw`` int32 little-endian bytes of ``[rows, C]``
+    (``rows``: its requested positions, ``C = num_candidates``), ``1 <= C <=
+    max_candidates``, every id in ``[-1, vocab_size)`` (``-1`` pads a row). Returns the
+    ``[rows, C]`` view of ``raw``, or None when it names no candidates (empty, C 0);
+    ``field`` names the sequence's ``candidate_ids``."""
+    if not raw and not num_candidates:
+        return None
+    c, limit = int(num_candidates), limits.max_candidates
+    if c < 1:
+        raise InvalidRequestError(
+            f"{field}: {len(raw)} bytes with num_candidates 0; set num_candidates to C"
+        )
+    if c > limit:
+        why = " (this teacher scores no candidates)" if limit == 0 else ""
+        raise InvalidRequestError(
+            f"{field}: C = {c} candidates per position exceeds max_candidates {limit}{why}"
+        )
+    if len(raw) % 4:
+        raise InvalidRequestError(f"{field}: {len(raw)} bytes is not a multiple of 4 (int32)")
+    if len(raw) != 4 * rows * c:
+        raise InvalidRequestError(
+            f"{field}: {len(raw) // 4} ids, expected [S, C] = [{rows}, {c}] = {rows * c} "
+            f"(S: the {rows} requested positions)"
+        )
+    ids = np.frombuffer(raw, dtype="<i4").reshape(rows, c)
+    if ids.size and (int(ids.min()) < -1 or int(ids.max()) >= limits.vocab_size):
+        r, j = (int(a[0]) for a in np.nonzero((ids < -1) | (ids >= limits.vocab_size)))
+        raise InvalidRequestError(
+            f"{field}[{r}, {j}]: {int(ids[r, j])} is outside [-1, {limits.vocab_size}) "
+            "(the vocabulary; -1 pads a row)"
+        )
+    return ids
 
 
 def check_depth(depth: int) -> int:

@@ -156,8 +156,9 @@ def encode_sequence(
     sequence_index: int = 0,
 ) -> pb.SequencePayload:
     """Pack one sequence's payload (``arrays``: ``[S, K]`` ids and log-probs, ``[S]``
-    sampled log-probs when present) in the wire ``dtype`` (name or enum);
-    ``sequence_index``: the sequence's index in its request."""
+    sampled log-probs and ``[S, C]`` candidate log-probs when present) in the wire
+    ``dtype`` (name or enum); ``sequence_index``: the sequence's index in its request.
+    The candidate ids are the request's and do not travel back."""
     s, k = arrays.ids.shape
     enum = dtype_from_name(dtype)
     msg = pb.SequencePayload(
@@ -171,6 +172,9 @@ def encode_sequence(
     )
     if arrays.sampled_logprobs is not None:
         msg.sampled_logprobs = _encode_floats(arrays.sampled_logprobs, enum)
+    if arrays.candidate_logprobs is not None:
+        msg.num_candidates = arrays.num_candidates
+        msg.candidate_logprobs = _encode_floats(arrays.candidate_logprobs, enum)
     return msg
 
 
@@ -184,11 +188,16 @@ def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:
     return s, k, enum
 
 
-def decode_sequence(msg: pb.SequencePayload) -> SequenceArrays:
+def decode_sequence(
+    msg: pb.SequencePayload, candidate_ids: npt.ArrayLike | None = None
+) -> SequenceArrays:
     """``SequencePayload`` -> numpy arrays (float32 log-probs whatever the wire dtype).
 
     ``ids`` is a read-only view of the message's bytes. A message with no rows decodes
-    with empty sampled log-probs (an empty range sends none either way)."""
+    with empty sampled log-probs (an empty range sends none either way).
+    ``candidate_ids``: the ``[S, C]`` ids the request named for these rows (the payload
+    carries only their log-probs), required when the message has candidate log-probs
+    (``ValueError`` naming the field otherwise)."""
     s, k, enum = _check_shape(msg)
     ids = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(s, k)
     lp = _decode_floats(msg.logprobs, enum, (s, k), "logprobs")
@@ -197,7 +206,21 @@ def decode_sequence(msg: pb.SequencePayload) -> SequenceArrays:
         if msg.sampled_logprobs
         else (None if s else np.zeros(0, np.float32))
     )
-    return SequenceArrays(ids, lp, sp, int(msg.position_start))
+    c = int(msg.num_candidates)
+    if not c:
+        if len(msg.candidate_logprobs):
+            raise ValueError("candidate_logprobs: bytes present with num_candidates 0")
+        return SequenceArrays(ids, lp, sp, int(msg.position_start))
+    if candidate_ids is None:
+        raise ValueError(
+            "candidate_ids: the payload has candidate log-probs; pass the request's "
+            "candidate ids of these rows"
+        )
+    cand = np.asarray(candidate_ids, dtype=np.int32)
+    if cand.shape != (s, c):
+        raise ValueError(f"candidate_ids: expected [{s}, {c}], got {list(cand.shape)}")
+    clp = _decode_floats(msg.candidate_logprobs, enum, (s, c), "candidate_logprobs")
+    return SequenceArrays(ids, lp, sp, int(msg.position_start), cand, clp)
 
 
 #: Names this module (and ``topk_protocol``) exported before ``SequenceArrays``.

@@ -28,6 +28,8 @@ class TeacherInfo:
     max_sequence_length: int
     engine_dtype: str = ""  # what the engine computes in; empty for replay
     teacher_temperature: float = DEFAULT_TEACHER_TEMPERATURE
+    #: Largest C of candidate ids per position it scores (0: none; an older teacher).
+    max_candidates: int = 0
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -46,6 +48,7 @@ class TeacherInfo:
             max_sequence_length=int(msg.max_sequence_length),
             engine_dtype=msg.engine_dtype,
             teacher_temperature=teacher_temperature(msg),
+            max_candidates=int(msg.max_candidates),
         )
 
     def check_schema(self) -> None:

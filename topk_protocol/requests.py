@@ -38,6 +38,7 @@ __all__ = [
     "build_request",
     "bytes_per_row",
     "check_span",
+    "encode_candidates",
     "fits_one_message",
     "normalize_sequences",
     "request_spans",
@@ -132,9 +133,10 @@ class RequestOptions:
         """The ``LogprobDtype`` enum value of :attr:`dtype`."""
         return DTYPE_NAMES[self.dtype]
 
-    def bytes_per_row(self) -> int:
-        """Payload bytes of one position (see :func:`bytes_per_row`)."""
-        return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled)
+    def bytes_per_row(self, num_candidates: int = 0) -> int:
+        """Payload bytes of one position with ``num_candidates`` candidate ids (see
+        :func:`bytes_per_row`)."""
+        return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled, num_candidates)
 
     def recorded(self) -> dict[str, Any]:
         """The values of the :data:`RECORDED` options (what a recording is made at)."""
@@ -191,19 +193,7 @@ def normalize_sequences(sequences: Any) -> list[bytes]:
     ``sequences`` is a 2-D tensor / array ``[B, L]`` or a list of 1-D sequences (lists of
     ints, numpy arrays, 1-D tensors), ragged allowed. Raises :class:`InvalidRequestError`.
     """
-    if isinstance(sequences, torch.Tensor | np.ndarray):
-        if sequences.ndim != 2:
-            raise InvalidRequestError(
-                f"sequences: expected a 2-D [B, L] tensor or a list of 1-D sequences, "
-                f"got shape {tuple(sequences.shape)}"
-            )
-        rows: Sequence[Any] = list(sequences)
-    elif isinstance(sequences, str | bytes) or not isinstance(sequences, Iterable):
-        raise InvalidRequestError(
-            f"sequences: expected a batch of token sequences, got {type(sequences).__name__}"
-        )
-    else:
-        rows = list(sequences)
+    rows = _batch_items(sequences, "sequences", 2, "a 2-D [B, L] tensor or a list of 1-D sequences")
     check_sequence_count(len(rows))
     if isinstance(rows[0], int | np.integer):
         raise InvalidRequestError(
@@ -245,12 +235,65 @@ def check_span(pair: Any, index: int, limit: int, inside: str) -> Span:
     return start, end
 
 
+def _batch_items(value: Any, field: str, ndim: int, expected: str) -> list[Any]:
+    """A batch's items: the rows of an ``ndim``-D tensor / array, or the items of an
+    iterable (not a string). :class:`InvalidRequestError` naming ``field`` otherwise."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        if value.ndim != ndim:
+            raise InvalidRequestError(
+                f"{field}: expected {expected}, got shape {tuple(value.shape)}"
+            )
+        return list(value)
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{field}: expected {expected}, got {type(value).__name__}")
+    return list(value)
+
+
+def _candidate_rows(candidate_ids: Any, count: int) -> list[Any]:
+    """``[B, S', C]`` tensor / array, or ``B`` items (``[S'_i, C]`` or None) -> a list."""
+    rows = _batch_items(candidate_ids, "candidate_ids", 3, "[B, S, C] or one [S, C] per sequence")
+    if len(rows) != count:
+        raise InvalidRequestError(f"candidate_ids: {len(rows)} rows for {count} sequences")
+    return rows
+
+
+def encode_candidates(candidates: Any, rows: int, field: str) -> tuple[bytes, int]:
+    """One sequence's candidate ids for its ``rows`` requested positions -> ``(int32
+    little-endian bytes of [rows, C], C)``. ``candidates`` is ``[S', C]`` with ``S' >=
+    rows`` (the rows after ``rows`` are padding, dropped), ints in ``[-1, 2**31)``;
+    ``-1`` pads a row with fewer ids. None or ``C = 0``: no candidates (``(b"", 0)``).
+    Raises :class:`InvalidRequestError` naming ``field``; the teacher checks the
+    vocabulary and its ``max_candidates``."""
+    if candidates is None:
+        return b"", 0
+    arr = (
+        candidates.detach().cpu().numpy()
+        if isinstance(candidates, torch.Tensor)
+        else np.asarray(candidates)
+    )
+    if arr.ndim != 2:
+        raise InvalidRequestError(f"{field}: expected [S, C], got shape {arr.shape}")
+    if arr.shape[1] == 0:
+        return b"", 0
+    if arr.shape[0] < rows:
+        raise InvalidRequestError(
+            f"{field}: {arr.shape[0]} rows for the {rows} requested positions"
+        )
+    arr = arr[:rows]
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidRequestError(f"{field}: expected integer ids, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < -1 or int(arr.max()) > np.iinfo(np.int32).max):
+        raise InvalidRequestError(f"{field}: ids must lie in [-1, 2**31) (-1 pads a row)")
+    return np.ascontiguousarray(arr, dtype="<i4").tobytes(), int(arr.shape[1])
+
+
 def build_request(
     sequences: Any,
     top_k: int | RequestOptions,
     *,
     positions: Sequence[tuple[int, int]] | None = None,
     request_id: str = "",
+    candidate_ids: Any = None,
     **options: Any,
 ) -> pb.ScoreRequest:
     """Build a ``ScoreRequest`` for a batch (see :func:`normalize_sequences`).
@@ -258,6 +301,10 @@ def build_request(
     ``top_k`` is K or a whole :class:`RequestOptions`; ``options`` are its other fields
     by keyword (``dtype``, ``include_sampled``; see :meth:`RequestOptions.of`).
     ``positions``: ``None`` (every position) or one ``(start, end)`` per sequence.
+    ``candidate_ids``: None, or ids to score at every requested position: ``[B, S, C]``
+    (a tensor or array) or one ``[S_i, C]`` (or None) per sequence, row ``j`` of
+    sequence ``b`` for position ``positions[b][0] + j`` (rows past a sequence's
+    requested positions are padding; ``-1`` pads a row; see :func:`encode_candidates`).
     Client-side checks raise :class:`InvalidRequestError` naming the field; the server
     checks the rest (vocabulary, limits).
     """
@@ -269,10 +316,16 @@ def build_request(
         if positions is not None
         else None
     )
+    cands = None if candidate_ids is None else _candidate_rows(candidate_ids, len(token_bytes))
     for i, buf in enumerate(token_bytes):
         seq = req.sequences.add(token_ids=buf)
         if spans is not None:
             seq.position_start, seq.position_end = spans[i]
+        if cands is not None:
+            start, end = sequence_span(seq)
+            raw, c = encode_candidates(cands[i], end - start, f"candidate_ids[{i}]")
+            if c:
+                seq.candidate_ids, seq.num_candidates = raw, c
     return req
 
 
@@ -291,16 +344,20 @@ def request_spans(req: pb.ScoreRequest) -> list[Span]:
 
 
 # -- sizes ---------------------------------------------------------------------------------
-def bytes_per_row(top_k: int, dtype: int, include_sampled: bool) -> int:
-    """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)."""
+def bytes_per_row(top_k: int, dtype: int, include_sampled: bool, num_candidates: int = 0) -> int:
+    """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)
+    (+ ``num_candidates`` candidate log-probs; their ids are the request's)."""
     size = itemsize(dtype)
-    return top_k * (4 + size) + (size if include_sampled else 0)
+    return top_k * (4 + size) + (size if include_sampled else 0) + num_candidates * size
 
 
 def response_bytes(req: pb.ScoreRequest) -> int:
     """Bytes of the payload arrays the answer to ``req`` carries."""
-    per_row = RequestOptions.from_proto(req).bytes_per_row()
-    return per_row * sum(end - start for start, end in request_spans(req))
+    opts = RequestOptions.from_proto(req)
+    return sum(
+        (end - start) * opts.bytes_per_row(int(seq.num_candidates))
+        for seq, (start, end) in zip(req.sequences, request_spans(req), strict=True)
+    )
 
 
 def fits_one_message(payload_bytes: int, num_sequences: int, max_message_bytes: int) -> bool:

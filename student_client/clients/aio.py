@@ -57,7 +57,12 @@ from topk_protocol import (
 )
 from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
-from topk_protocol.errors import DeadlineExceededError, TeacherError, TeacherUnavailableError
+from topk_protocol.errors import (
+    DeadlineExceededError,
+    ResourceExhaustedError,
+    TeacherError,
+    TeacherUnavailableError,
+)
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.status import error_from_rpc
 from topk_protocol.storage import location
@@ -456,13 +461,22 @@ class AsyncTeacherClient(AsyncCloseable):
         ScoreRequest with a new id (padding cut off) and the layout :meth:`decode` places
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
-        return build_aligned_request(
+        request, layout = build_aligned_request(
             item.sequences,
             options,
             attention_mask=item.attention_mask,
             positions=item.positions,
             request_id=next(self._ids),
+            candidate_ids=item.candidate_ids,
         )
+        size = request.ByteSize()
+        if size > self._max_message_bytes:  # gRPC would refuse it with a bare status
+            raise ResourceExhaustedError(
+                f"request: {size} bytes (token ids and candidate ids) exceeds the client's "
+                f"max_message_mb {self._max_message_bytes >> 20} MiB; split the batch",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            )
+        return request, layout
 
     def decode(self, answer: Answer, device: torch.device | str) -> TeacherPayload:
         """A complete answer's tensors on ``device``, placed into its batch's padded
@@ -481,6 +495,7 @@ class AsyncTeacherClient(AsyncCloseable):
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        candidate_ids: Any = None,
         **options: Any,
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
@@ -502,10 +517,19 @@ class AsyncTeacherClient(AsyncCloseable):
             attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
                 Padding is not sent; the payload comes back as ``[B, T, K]`` aligned to
                 the padded batch, ``mask`` False on padding (:mod:`student_client.data.alignment`).
+            candidate_ids: ids whose exact teacher log-probs to fetch at every scored
+                position (e.g. the student's own top-C), laid out like the payload this
+                call returns: ``[B, S, C]`` (row ``j`` of sequence ``b`` is position
+                ``positions[b][0] + j``; rows past a sequence's positions are ignored)
+                or one ``[S_b, C]`` per sequence, or, with an attention mask, ``[B, T, C]``
+                (column ``t`` of the padded batch); int ids in ``[0, V)``, ``-1`` pads.
+                The payload then has ``candidate_ids`` / ``candidate_logprobs``
+                ``[B, S, C]`` (NaN at ``-1``). Needs ``C <= info().max_candidates``.
         """
         timeout = self._deadline(timeout_s)
         opts = RequestOptions.of(top_k, **options)
-        request, layout = self._request(ScoreBatch(sequences, positions, attention_mask), opts)
+        item = ScoreBatch(sequences, positions, attention_mask, candidate_ids=candidate_ids)
+        request, layout = self._request(item, opts)
 
         async def unary(index: int) -> Answer:
             await self._fetch_info(index)

@@ -209,6 +209,7 @@ class AsyncMultiTeacherClient(AsyncCloseable):
                 positions=r.batch.positions,
                 attention_mask=r.batch.attention_mask,
                 timeout_s=timeout_s,
+                candidate_ids=r.batch.candidate_ids,
             )
             for r in routes
         }
@@ -230,15 +231,16 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        candidate_ids: Any = None,
         **options: Any,
     ) -> TeacherPayload:
         """Score one batch, each sequence by its ``teacher`` (a name per sequence, one
         name, or indices into :attr:`names`); the other arguments (the request options:
-        ``top_k`` or a :class:`~topk_protocol.RequestOptions`, and keywords) and the
-        ``[B, S, K]`` payload as :meth:`AsyncTeacherClient.score`, with
-        ``payload.teachers`` set."""
+        ``top_k`` or a :class:`~topk_protocol.RequestOptions`, and keywords;
+        ``candidate_ids``) and the ``[B, S, K]`` payload as
+        :meth:`AsyncTeacherClient.score`, with ``payload.teachers`` set."""
         opts = RequestOptions.of(top_k, **options)
-        item = ScoreBatch(sequences, positions, attention_mask, teacher)
+        item = ScoreBatch(sequences, positions, attention_mask, teacher, candidate_ids)
         return self.decode(await self._answer(item, opts, timeout_s), device)
 
     # -- stream ------------------------------------------------------------------------

@@ -139,10 +139,13 @@ def plan_routes(item: ScoreBatch, names: Sequence[str]) -> tuple[list[str], list
         sub_mask = None if mask is None else _take(mask, rows)
         if sub_mask is not None and len(by_teacher) > 1 and _all_padding(sub_mask):
             continue
+        split = len(by_teacher) > 1
+        cands = item.candidate_ids
         sub = ScoreBatch(
-            _take(seqs, rows) if len(by_teacher) > 1 else seqs,
+            _take(seqs, rows) if split else seqs,
             None if item.positions is None else _take(item.positions, rows),
-            sub_mask if len(by_teacher) > 1 else mask,
+            sub_mask if split else mask,
+            candidate_ids=None if cands is None else (_take(cands, rows) if split else cands),
         )
         routes.append(Route(name, rows, sub))
     if not routes:
@@ -171,6 +174,11 @@ def merge_payloads(
     first = parts[0][1]
     k, s = first.top_k, max(int(p.ids.shape[1]) for _, p in parts)
     with_sampled = first.sampled_logprobs is not None
+    widths = [int(p.candidate_ids.shape[2]) for _, p in parts if p.candidate_ids is not None]
+    cand_ids = cand_lps = None
+    if widths:  # the candidate padding: -1 / NaN (TeacherPayload)
+        cand_ids = torch.full((b, s, max(widths)), -1, dtype=torch.int64)
+        cand_lps = torch.full((b, s, max(widths)), float("nan"), dtype=torch.float32)
     ids = torch.zeros((b, s, k), dtype=first.ids.dtype)
     lps = torch.zeros((b, s, k), dtype=first.logprobs.dtype)
     sampled = torch.zeros((b, s), dtype=torch.float32) if with_sampled else None
@@ -188,6 +196,11 @@ def merge_payloads(
         if sampled is not None and p.sampled_logprobs is not None:
             sampled[idx, :n] = p.sampled_logprobs
         mask[idx, :n] = p.mask
+        if cand_ids is not None and cand_lps is not None and p.candidate_ids is not None:
+            assert p.candidate_logprobs is not None  # present together (TeacherPayload)
+            c = int(p.candidate_ids.shape[2])
+            cand_ids[idx, :n, :c] = p.candidate_ids
+            cand_lps[idx, :n, :c] = p.candidate_logprobs
         starts[idx] = p.position_start
         lengths[idx] = p.lengths
     return TeacherPayload(
@@ -202,6 +215,8 @@ def merge_payloads(
         request_id=",".join(p.request_id for _, p in parts),
         teacher_seconds=sum(p.teacher_seconds for _, p in parts),
         teachers=tuple(teachers),
+        candidate_ids=cand_ids,
+        candidate_logprobs=cand_lps,
     )
 
 

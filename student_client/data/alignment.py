@@ -73,12 +73,14 @@ class PaddedLayout:
 
 @dataclass(frozen=True)
 class PreparedInputs:
-    """What to send for one batch: sequences and positions as the wire wants them, and
-    the layout to place the answer into (None: the batch had no attention mask)."""
+    """What to send for one batch: sequences, positions and candidate ids as the wire
+    wants them, and the layout to place the answer into (None: the batch had no
+    attention mask)."""
 
     sequences: Any
     positions: list[Span] | None
     layout: PaddedLayout | None
+    candidate_ids: Any = None
 
 
 def _as_2d(name: str, value: Any, is_mask: bool = False) -> npt.NDArray[np.int64]:
@@ -167,6 +169,30 @@ def _unpadded_positions(
     return out
 
 
+def _padded_candidates(
+    candidate_ids: Any, layout: PaddedLayout, spans: Sequence[Span]
+) -> list[torch.Tensor]:
+    """``[B, T, C]`` candidate ids laid out like the padded batch (column ``t``: the
+    candidates of column ``t``) -> each sent sequence's rows ``[S_i, C]`` of its span."""
+    cand = torch.as_tensor(
+        candidate_ids.detach().cpu()
+        if isinstance(candidate_ids, torch.Tensor)
+        else np.asarray(candidate_ids)
+    )
+    want = (layout.batch_size, layout.total_len)
+    if cand.dim() != 3 or tuple(cand.shape[:2]) != want:
+        raise InvalidRequestError(
+            f"candidate_ids: with an attention mask, expected [B, T, C] = "
+            f"[{want[0]}, {want[1]}, C] like the padded batch, got {list(cand.shape)}"
+        )
+    return [
+        cand[row, offset + lo : offset + hi]
+        for row, offset, (lo, hi) in zip(
+            layout.rows.tolist(), layout.offsets.tolist(), spans, strict=True
+        )
+    ]
+
+
 def unpack_inputs(sequences: Any, attention_mask: Any = None) -> tuple[Any, Any]:
     """``(sequences, attention_mask)`` of a batch: a ``BatchEncoding`` / dict is unpacked
     (``input_ids`` and its ``attention_mask``, which must not be given twice); anything
@@ -191,24 +217,33 @@ def prepare_inputs(
     sequences: Any,
     attention_mask: Any = None,
     positions: Sequence[tuple[int, int]] | None = None,
+    candidate_ids: Any = None,
 ) -> PreparedInputs:
     """Normalize one batch as the clients accept it.
 
     ``sequences`` is what :func:`topk_protocol.build_request` takes, or a
     tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and ``attention_mask``).
-    With an attention mask, the padding is cut off (:func:`unpad`) and ``positions`` are
-    column ranges of the padded batch; without one, everything passes through unchanged.
+    With an attention mask, the padding is cut off (:func:`unpad`), ``positions`` are
+    column ranges of the padded batch and ``candidate_ids`` ``[B, T, C]`` is laid out
+    like the padded batch (the candidates of column ``t`` at ``[:, t]``); without one,
+    everything passes through unchanged.
     """
     sequences, attention_mask = unpack_inputs(sequences, attention_mask)
     if attention_mask is None:
-        return PreparedInputs(sequences, None if positions is None else list(positions), None)
+        return PreparedInputs(
+            sequences, None if positions is None else list(positions), None, candidate_ids
+        )
     seqs, layout = unpad(sequences, attention_mask)
-    spans = (
+    lengths = [len(s) for s in seqs]
+    spans = None if positions is None else _unpadded_positions(list(positions), layout, lengths)
+    cands = (
         None
-        if positions is None
-        else _unpadded_positions(list(positions), layout, [len(s) for s in seqs])
+        if candidate_ids is None
+        else _padded_candidates(
+            candidate_ids, layout, spans if spans is not None else [(0, n) for n in lengths]
+        )
     )
-    return PreparedInputs(seqs, spans, layout)
+    return PreparedInputs(seqs, spans, layout, cands)
 
 
 def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
@@ -245,6 +280,7 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
         return out
 
     mask = place(payload.mask, False)
+    cand_ids, cand_lps = payload.candidate_ids, payload.candidate_logprobs
     return TeacherPayload(
         ids=place(payload.ids),
         logprobs=place(payload.logprobs),
@@ -258,6 +294,8 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
         dtype=payload.dtype,
         request_id=payload.request_id,
         teacher_seconds=payload.teacher_seconds,
+        candidate_ids=None if cand_ids is None else place(cand_ids, -1),
+        candidate_logprobs=None if cand_lps is None else place(cand_lps, float("nan")),
     )
 
 
@@ -268,17 +306,20 @@ def build_aligned_request(
     attention_mask: Any = None,
     positions: Sequence[tuple[int, int]] | None = None,
     request_id: str = "",
+    candidate_ids: Any = None,
     **options: Any,
 ) -> tuple[pb.ScoreRequest, PaddedLayout | None]:
     """:func:`prepare_inputs` + :func:`topk_protocol.build_request`: the request for one
-    batch (padding cut off; ``top_k`` and ``options`` as :meth:`RequestOptions.of`) and
-    the layout to :func:`align` its answer with."""
-    inputs = prepare_inputs(sequences, attention_mask, positions)
+    batch (padding cut off; ``top_k`` and ``options`` as :meth:`RequestOptions.of`;
+    ``candidate_ids`` laid out like the answer, see :func:`prepare_inputs`) and the
+    layout to :func:`align` its answer with."""
+    inputs = prepare_inputs(sequences, attention_mask, positions, candidate_ids)
     request = build_request(
         inputs.sequences,
         top_k,
         positions=inputs.positions,
         request_id=request_id,
+        candidate_ids=inputs.candidate_ids,
         **options,
     )
     return request, inputs.layout

@@ -55,6 +55,15 @@ class ResponseAssembler:
         self.include_sampled = options.include_sampled
         self.teacher_seconds = 0.0
         self._size = itemsize(self.dtype)
+        #: Each sequence's candidate ids ``[S_i, C_i]`` as requested (None: none).
+        self.candidates = [
+            np.frombuffer(seq.candidate_ids, dtype=_LE_I32).reshape(
+                end - start, int(seq.num_candidates)
+            )
+            if seq.num_candidates
+            else None
+            for seq, (start, end) in zip(request.sequences, self.spans, strict=True)
+        ]
         self.reset()
 
     def reset(self) -> None:
@@ -111,6 +120,15 @@ class ResponseAssembler:
                 f"{where}: sampled_logprobs has {len(c.sampled_logprobs)} bytes, "
                 f"expected {want_sampled}"
             )
+        cand = self.candidates[i]
+        want_c = 0 if cand is None else cand.shape[1]
+        if (n and int(c.num_candidates) != want_c) or len(c.candidate_logprobs) != (
+            n * want_c * self._size
+        ):
+            raise _protocol(
+                f"{where}: {c.num_candidates} candidates in {len(c.candidate_logprobs)} "
+                f"bytes, requested [{n}, {want_c}]"
+            )
         self._chunks[i].append(c)
         self._rows[i] += n
 
@@ -134,6 +152,8 @@ class ResponseAssembler:
                     ids=b"".join(c.ids for c in chunks),
                     logprobs=b"".join(c.logprobs for c in chunks),
                     sampled_logprobs=b"".join(c.sampled_logprobs for c in chunks),
+                    candidate_logprobs=b"".join(c.candidate_logprobs for c in chunks),
+                    num_candidates=self.request.sequences[i].num_candidates,
                 )
             )
         return out
@@ -150,6 +170,11 @@ class ResponseAssembler:
         lps = np.zeros((b, s, k), dtype=np.float32)
         sampled = np.zeros((b, s), dtype=np.float32) if self.include_sampled else None
         mask = np.zeros((b, s), dtype=np.bool_)
+        c_max = max((0 if c is None else c.shape[1] for c in self.candidates), default=0)
+        cand_ids = cand_lps = None
+        if any(c is not None for c in self.candidates):
+            cand_ids = np.full((b, s, c_max), -1, dtype=np.int64)
+            cand_lps = np.full((b, s, c_max), np.nan, dtype=np.float32)
         for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
             row = 0
             for c in chunks:
@@ -163,8 +188,19 @@ class ResponseAssembler:
                     decode_floats_into(
                         sampled[i, rows], c.sampled_logprobs, self.dtype, "sampled_logprobs"
                     )
+                cand = self.candidates[i]
+                if cand_lps is not None and cand is not None:
+                    width = slice(0, cand.shape[1])
+                    decode_floats_into(
+                        cand_lps[i, rows, width],
+                        c.candidate_logprobs,
+                        self.dtype,
+                        "candidate_logprobs",
+                    )
                 row += n
             mask[i, :row] = True
+            if cand_ids is not None and (cand := self.candidates[i]) is not None:
+                cand_ids[i, :row, : cand.shape[1]] = cand
         starts = torch.tensor([sp[0] for sp in self.spans], dtype=torch.int64)
         payload = TeacherPayload(
             ids=torch.from_numpy(ids),
@@ -177,5 +213,7 @@ class ResponseAssembler:
             dtype=dtype_name(self.dtype),
             request_id=self.request.request_id,
             teacher_seconds=self.teacher_seconds,
+            candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
+            candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
         )
         return payload if str(device) == "cpu" else payload.to(device)

@@ -7,6 +7,11 @@ Padding of ragged batches: rows past a sequence's end have ``ids`` 0, ``logprobs
 ``sampled_logprobs`` 0 and ``mask`` False. The values are finite (nothing turns into NaN
 when a masked loss multiplies them by 0), and a loss that forgets the mask fails loudly
 on them (ids repeated within a position) instead of training on them.
+
+Candidates (when the request named candidate ids) follow one rule everywhere:
+``candidate_ids == -1`` exactly where ``candidate_logprobs`` is NaN (padding inside a
+row, padding rows, sequences sent without candidates), so a loss selects real entries
+with ``candidate_ids >= 0`` and must not multiply the NaN away.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ class TeacherPayload:
         teacher_seconds: engine time the teacher reported for the request.
         teachers: the name of the teacher that scored each sequence (``B`` names), from
             a multi-teacher client or recording; None from a single teacher.
+        candidate_ids: ``[B, S, C]`` int64, the candidate ids the request named for each
+            row (``-1``: padding), or None when it named none.
+        candidate_logprobs: ``[B, S, C]`` float32, the teacher's log-prob at each
+            candidate id, from the same distribution as ``logprobs`` (row ``t`` is
+            ``log p(. | x[0..t])`` at the teacher temperature), NaN where the id is
+            ``-1``; None when ``candidate_ids`` is.
     """
 
     ids: torch.Tensor
@@ -56,6 +67,8 @@ class TeacherPayload:
     request_id: str = ""
     teacher_seconds: float = 0.0
     teachers: tuple[str, ...] | None = None
+    candidate_ids: torch.Tensor | None = None
+    candidate_logprobs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

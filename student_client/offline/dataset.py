@@ -28,7 +28,7 @@ is the teacher column.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -58,8 +58,9 @@ class PayloadItem(NamedTuple):
 
     ``token_ids`` ``[L]`` int64; ``arrays``: rows ``j`` = position
     ``arrays.position_start + j`` (``ids`` ``[S, K]``, ``logprobs`` ``[S, K]`` float32,
-    ``sampled_logprobs`` ``[S]`` or None); ``dtype``: the log-prob dtype whose values
-    they hold; ``teacher``: its teacher's name in a multi-teacher recording (else None).
+    ``sampled_logprobs`` ``[S]`` or None, ``candidate_ids`` / ``candidate_logprobs``
+    ``[S, C]`` as recorded or None); ``dtype``: the log-prob dtype whose values they
+    hold; ``teacher``: its teacher's name in a multi-teacher recording (else None).
     """
 
     token_ids: torch.Tensor
@@ -184,7 +185,11 @@ class PayloadDataset(Dataset[PayloadItem]):
             raise NotRecordedError(
                 f"recording {self.path}: row {i}: sampled log-probs are not recorded"
             )
-        arrays = recorded_arrays(row, row.position_start, row.position_end, self._served)
+        arrays = replace(  # the row's candidates as recorded (the row is whole)
+            recorded_arrays(row, row.position_start, row.position_end, self._served),
+            candidate_ids=row.candidate_ids,
+            candidate_logprobs=row.candidate_logprobs,
+        )
         if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
             arrays = cast_arrays(arrays, self.dtype)
         return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
@@ -192,7 +197,8 @@ class PayloadDataset(Dataset[PayloadItem]):
 
 def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBatch:
     """Pad a list of dataset items into a :class:`PayloadBatch` (padding rows: ids 0,
-    log-probs 0, sampled 0, mask False, as the live client pads)."""
+    log-probs 0, sampled 0, mask False, as the live client pads; candidates, when any
+    item has them, ``[B, S, C_max]`` with ``-1`` / NaN padding)."""
     if not items:
         raise ValueError("items: empty batch")
     b = len(items)
@@ -209,6 +215,10 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
     with_sampled = items[0].arrays.sampled_logprobs is not None
     sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
     mask = np.zeros((b, s), dtype=np.bool_)
+    c_max = max(it.arrays.num_candidates for it in items)
+    with_cands = any(it.arrays.candidate_ids is not None for it in items)
+    cand_ids = np.full((b, s, c_max), -1, dtype=np.int64) if with_cands else None
+    cand_lps = np.full((b, s, c_max), np.nan, dtype=np.float32) if with_cands else None
     names = [it.teacher for it in items]
     teachers = None if any(n is None for n in names) else tuple(str(n) for n in names)
     for j, it in enumerate(items):
@@ -220,6 +230,10 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         lps[j, :n] = p.logprobs
         if sampled is not None and p.sampled_logprobs is not None:
             sampled[j, :n] = p.sampled_logprobs
+        if cand_ids is not None and cand_lps is not None and p.candidate_ids is not None:
+            c = p.num_candidates
+            cand_ids[j, :n, :c] = p.candidate_ids
+            cand_lps[j, :n, :c] = p.candidate_logprobs
         mask[j, :n] = True
     payload = TeacherPayload(
         ids=torch.from_numpy(ids),
@@ -231,6 +245,8 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         top_k=k,
         dtype=items[0].dtype,
         teachers=teachers,
+        candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
+        candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
 

@@ -101,11 +101,12 @@ class MultiReplayClient(Closeable):
         positions: Sequence[tuple[int, int]] | None = None,
         device: torch.device | str = "cpu",
         attention_mask: Any = None,
+        candidate_ids: Any = None,
         **options: Any,
     ) -> TeacherPayload:
         """The recorded payload of this batch, each sequence from its ``teacher``'s rows
         (arguments as ``MultiTeacherClient.score``)."""
-        item = ScoreBatch(sequences, positions, attention_mask, teacher)
+        item = ScoreBatch(sequences, positions, attention_mask, teacher, candidate_ids)
         teachers, routes = plan_routes(item, self._names)
         parts = []
         for r in routes:
@@ -117,6 +118,7 @@ class MultiReplayClient(Closeable):
                     top_k,
                     positions=r.batch.positions,
                     attention_mask=r.batch.attention_mask,
+                    candidate_ids=r.batch.candidate_ids,
                     **options,
                 )
             except TeacherError as e:

@@ -17,6 +17,11 @@ Several teachers (a multi-teacher recording, :mod:`topk_protocol.multi_recording
     teacher-record --teacher math=HOST:PORT --teacher code=H1:P,H2:P --input TOKENS ...
 
 each sequence goes to the teacher its ``--teacher-column`` (default ``teacher_id``) names.
+
+``--candidate-column NAME`` also scores, at every position, the candidate ids that column
+holds (one list of C ids per token, ``-1`` padding; e.g. a student's top-C): the
+recording then holds their log-probs too, and a re-run skips a sequence only when it is
+recorded with those candidates.
 """
 
 from __future__ import annotations
@@ -42,9 +47,16 @@ from topk_protocol.recording import (
     METADATA_FILE,
     RecordingReader,
 )
+from topk_protocol.replay import serves_candidates
 from topk_protocol.storage import Location, StorageError, location
 
-__all__ = ["build_parser", "main", "read_teacher_column", "read_token_sequences"]
+__all__ = [
+    "build_parser",
+    "main",
+    "read_candidate_column",
+    "read_teacher_column",
+    "read_token_sequences",
+]
 
 TOKEN_COLUMNS = ("input_ids", "token_ids", "tokens")
 
@@ -83,8 +95,17 @@ def read_teacher_column(path: str | Path, column: str) -> list[str]:
     return _read(Path(path), column, teacher_column=True)
 
 
-def _read(path: Path, column: str | None, teacher_column: bool = False) -> Any:
-    """The token column (or, ``teacher_column``, the named column of strings) of ``path``."""
+def read_candidate_column(path: str | Path, column: str) -> list[np.ndarray]:
+    """Each sequence's candidate ids ``[L, C]`` (one list of C ids per token, ``-1``
+    padding): column ``column`` of the same input."""
+    return _read(Path(path), column, nested=True)
+
+
+def _read(
+    path: Path, column: str | None, teacher_column: bool = False, nested: bool = False
+) -> Any:
+    """The token column (or, ``teacher_column``, the named column of strings; ``nested``:
+    the named column of lists of id lists) of ``path``."""
     if path.is_dir():
         try:
             import datasets
@@ -120,8 +141,12 @@ def _read(path: Path, column: str | None, teacher_column: bool = False) -> Any:
                     continue
                 if isinstance(item, dict):
                     item = item[_pick_column(item.keys(), column, path)]
-                if not isinstance(item, list) or not all(isinstance(v, int) for v in item):
-                    raise SystemExit(f"teacher-record: {path}:{n}: expected a list of ints")
+                rows = item if nested and isinstance(item, list) else [item]
+                if not all(
+                    isinstance(r, list) and all(isinstance(v, int) for v in r) for r in rows
+                ):
+                    want = "a list of lists of ints" if nested else "a list of ints"
+                    raise SystemExit(f"teacher-record: {path}:{n}: expected {want}")
                 out.append(np.asarray(item, dtype=np.int64))
         return out
     else:
@@ -191,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="log-prob dtype to record (float32 serves every dtype later; default float16)",
     )
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
+    ap.add_argument(
+        "--candidate-column",
+        help="also score these candidate ids: a column with one list of C ids (-1 pads) "
+        "per token of each sequence; recorded with the payload",
+    )
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per request")
     ap.add_argument("--depth", type=int, default=4, help="requests in flight")
     ap.add_argument("--token", help="bearer token of the teacher")
@@ -219,9 +249,14 @@ def _teachers(values: list[str]) -> str | dict[str, str]:
 
 
 def _todo(
-    output: str | Path, seqs: list[np.ndarray], top_k: int, dtype: str
+    output: str | Path,
+    seqs: list[np.ndarray],
+    top_k: int,
+    dtype: str,
+    cands: list[np.ndarray] | None = None,
 ) -> tuple[list[int], int]:
-    """Indices of ``seqs`` not yet recorded in ``output`` (a recording, maybe absent)."""
+    """Indices of ``seqs`` not yet recorded in ``output`` (a recording, maybe absent;
+    with ``cands``, with these candidate ids)."""
     try:  # an unreachable store fails here, before any teacher is asked
         out = Location.of(output)
         out.make_dir()
@@ -238,7 +273,16 @@ def _todo(
         todo = [
             i
             for i, s in enumerate(seqs)
-            if isinstance(r.find(s.astype("<i4").tobytes(), 0, len(s), True), str)
+            if isinstance(
+                r.find(
+                    s.astype("<i4").tobytes(),
+                    0,
+                    len(s),
+                    True,
+                    None if cands is None else serves_candidates(0, len(s), cands[i]),
+                ),
+                str,
+            )
         ]
     return todo, len(seqs) - len(todo)
 
@@ -249,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
     teachers = _teachers(args.teacher)
     seqs = read_token_sequences(args.input, args.column)
+    cands = None
+    if args.candidate_column:
+        cands = read_candidate_column(args.input, args.candidate_column)
+        bad = [i for i, (s, c) in enumerate(zip(seqs, cands, strict=True)) if len(c) != len(s)]
+        if bad:
+            raise SystemExit(
+                f"teacher-record: {args.input}: --candidate-column {args.candidate_column!r}: "
+                f"row {bad[0]} has {len(cands[bad[0]])} id lists for {len(seqs[bad[0]])} tokens"
+            )
     names: list[str] | None = None
     if isinstance(teachers, dict):
         names = read_teacher_column(args.input, args.teacher_column)
@@ -263,14 +316,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = [i for i, n in enumerate(names) if n == name]
             todo, already = _todo(
                 teacher_recording_path(args.output, name), [seqs[i] for i in rows],
-                args.top_k, args.dtype,
+                args.top_k, args.dtype, None if cands is None else [cands[i] for i in rows],
             )  # fmt: skip
             keep += [rows[i] for i in todo]
             done += already
         keep.sort()
     else:
-        keep, done = _todo(args.output, seqs, args.top_k, args.dtype)
+        keep, done = _todo(args.output, seqs, args.top_k, args.dtype, cands)
     seqs = [seqs[i] for i in keep]
+    cands = None if cands is None else [cands[i] for i in keep]
     route = None if names is None else [names[i] for i in keep]
     bar = _progress(len(seqs))
     positions = 0
@@ -288,9 +342,14 @@ def main(argv: list[str] | None = None) -> int:
         client = TeacherClient(teachers, **options)
     with client:
         batches: list[Any] = list(_batches(seqs, args.batch_size))
-        if route is not None:
+        if route is not None or cands is not None:
+            size = args.batch_size
             batches = [
-                ScoreBatch(b, teacher=route[i * args.batch_size : i * args.batch_size + len(b)])
+                ScoreBatch(
+                    b,
+                    teacher=None if route is None else route[i * size : i * size + len(b)],
+                    candidate_ids=None if cands is None else cands[i * size : i * size + len(b)],
+                )
                 for i, b in enumerate(batches)
             ]
         for _batch, payload in zip(

@@ -17,6 +17,7 @@ recording.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,13 @@ from topk_protocol import (
     request_spans,
 )
 from topk_protocol._closeable import Closeable
-from topk_protocol.checks import TeacherLimits, check_depth, check_token_ids, check_top_k
+from topk_protocol.checks import (
+    TeacherLimits,
+    check_candidates,
+    check_depth,
+    check_token_ids,
+    check_top_k,
+)
 from topk_protocol.multi_recording import (
     read_manifest,
     recorded_teachers,
@@ -57,14 +64,20 @@ def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.Sco
     """
     options = RequestOptions.from_proto(request)
     spans = request_spans(request)
-    keys = [
-        (seq.token_ids, start, end)
+    cands = [
+        np.frombuffer(seq.candidate_ids, dtype="<i4").reshape(end - start, seq.num_candidates)
+        if seq.num_candidates
+        else None
         for seq, (start, end) in zip(request.sequences, spans, strict=True)
+    ]
+    keys = [
+        (seq.token_ids, start, end, cand)
+        for seq, (start, end), cand in zip(request.sequences, spans, cands, strict=True)
     ]
     rows = find_rows(reader, keys, options, f"recording {reader.path}")
     out = pb.ScoreResponse(request_id=request.request_id, final=True)
     for i, (row, (start, end)) in enumerate(zip(rows, spans, strict=True)):
-        arrays = recorded_arrays(row, start, end, options)
+        arrays = recorded_arrays(row, start, end, options, cands[i])
         out.sequences.append(encode_sequence(arrays, dtype=options.wire_dtype, sequence_index=i))
     return out
 
@@ -92,6 +105,7 @@ def replay_stream(
             device=device,
             attention_mask=item.attention_mask,
             teacher=item.teacher,
+            candidate_ids=item.candidate_ids,
         )
 
 
@@ -169,13 +183,25 @@ class ReplayClient(Closeable):
 
     def _check(self, request: pb.ScoreRequest) -> None:
         """The checks of the live teacher that do not need the engine (the same
-        functions and messages: :mod:`topk_protocol.checks`)."""
-        limits = TeacherLimits.of_info(self._info)
+        functions and messages: :mod:`topk_protocol.checks`). Any C of candidates is
+        looked up: what the recording does not hold is not recorded (NotRecordedError)."""
+        limits = replace(
+            TeacherLimits.of_info(self._info), max_candidates=int(self._info.vocab_size)
+        )
         if limits.max_top_k:
             check_top_k(int(request.top_k), limits)
-        for i, seq in enumerate(request.sequences):
+        for i, (seq, (start, end)) in enumerate(
+            zip(request.sequences, request_spans(request), strict=True)
+        ):
             ids = np.frombuffer(seq.token_ids, dtype="<i4")
             check_token_ids(ids, limits, f"sequences[{i}].token_ids")
+            check_candidates(
+                seq.candidate_ids,
+                int(seq.num_candidates),
+                end - start,
+                limits,
+                f"sequences[{i}].candidate_ids",
+            )
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
         self._check(request)
@@ -192,12 +218,18 @@ class ReplayClient(Closeable):
         device: torch.device | str = "cpu",
         attention_mask: Any = None,
         teacher: Any = None,
+        candidate_ids: Any = None,
         **options: Any,
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``;
         ``teacher`` is ignored, as by a single-teacher client)."""
         request, layout = build_aligned_request(
-            sequences, top_k, attention_mask=attention_mask, positions=positions, **options
+            sequences,
+            top_k,
+            attention_mask=attention_mask,
+            positions=positions,
+            candidate_ids=candidate_ids,
+            **options,
         )
         return align(self._answer(request, device), layout)
 

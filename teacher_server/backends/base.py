@@ -21,6 +21,7 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "ModelFlags",
+    "gather_candidates",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
 ]
@@ -31,7 +32,9 @@ class BackendInfo:
     """What the engine is. ``max_sequence_length`` 0 means no limit of its own; ``dtype``
     is the dtype the engine actually computes in (e.g. ``bfloat16`` for a float32
     checkpoint served with ``--dtype auto`` on CPU), empty when there is no engine;
-    ``temperature`` is the teacher temperature ``T`` of every log-prob it serves."""
+    ``temperature`` is the teacher temperature ``T`` of every log-prob it serves;
+    ``max_candidates`` the most candidate ids per position it scores (0: none; the
+    server's ``--max-candidates`` caps it)."""
 
     model_name: str
     vocab_size: int
@@ -41,6 +44,7 @@ class BackendInfo:
     name: str = "unknown"
     dtype: str = ""
     temperature: float = DEFAULT_TEACHER_TEMPERATURE
+    max_candidates: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,10 @@ class Backend(abc.ABC):
         (``[L]``, validated) as ``options`` asks (``options.top_k`` columns): ``ids``
         and ``logprobs`` ``[S, K]``, rows sorted descending, and ``sampled_logprobs``
         ``[S]`` (NaN at the last position of the sequence; docs/protocol.md, position
-        alignment; a backend may leave it None when ``options`` does not ask for it)."""
+        alignment; a backend may leave it None when ``options`` does not ask for it).
+        With ``sequence.candidate_ids`` (``[S, C]``; only when ``info.max_candidates``
+        allows): ``candidate_ids`` as given and ``candidate_logprobs`` ``[S, C]`` from the
+        same log-softmax as the top-k (:func:`gather_candidates`)."""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -157,6 +164,26 @@ def topk_from_logprobs(
     if n > 1:
         sampled[:-1] = logprobs[np.arange(n - 1), token_ids[1:n]]
     return SequenceArrays(ids, lps, sampled)
+
+
+def gather_candidates(logprobs: Any, candidate_ids: Any) -> Any:
+    """The log-probs at each row's candidate ids, as the teacher serves them.
+
+    Args:
+        logprobs: ``[N, V]`` float32 torch tensor (a row's full log-softmax).
+        candidate_ids: ``[N, C]`` integer torch tensor on the same device, ids in
+            ``[-1, V)``; ``-1`` pads.
+
+    Returns:
+        ``[N, C]`` float32: ``logprobs[i, candidate_ids[i, j]]``, NaN where the id is
+        ``-1``. One vectorized gather (no per-entry Python), used by every backend so
+        that the padding rule is written once.
+    """
+    import torch
+
+    ids = candidate_ids.to(torch.int64)
+    got = logprobs.gather(1, ids.clamp(min=0))
+    return torch.where(ids < 0, float("nan"), got)
 
 
 #: Names this module (and ``teacher_server.backends``) exported before ``SequenceArrays``.

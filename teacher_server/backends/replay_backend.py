@@ -98,6 +98,8 @@ class ReplayBackend(Backend):
             max_sequence_length=int(info.max_sequence_length),
             name="replay",
             temperature=teacher_temperature(info),
+            # Any C: what the recording does not hold is NOT_FOUND, never made up.
+            max_candidates=int(info.vocab_size),
         )
 
     @property
@@ -122,7 +124,10 @@ class ReplayBackend(Backend):
     def _rows(
         self, sequences: list[ParsedSequence], options: RequestOptions
     ) -> list[SequenceArrays | None]:
-        keys = [(np.asarray(s.token_ids, dtype="<i4").tobytes(), s.start, s.end) for s in sequences]
+        keys = [
+            (np.asarray(s.token_ids, dtype="<i4").tobytes(), s.start, s.end, s.candidate_ids)
+            for s in sequences
+        ]
         return find_rows(self.reader, keys, options, self._where)
 
     def check_request(self, parsed: ParsedRequest) -> None:
@@ -131,4 +136,4 @@ class ReplayBackend(Backend):
 
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         (row,) = self._rows([sequence], options)
-        return recorded_arrays(row, sequence.start, sequence.end, options)
+        return recorded_arrays(row, sequence.start, sequence.end, options, sequence.candidate_ids)

@@ -19,6 +19,7 @@ from teacher_server.backends.base import (
     Backend,
     BackendInfo,
     ModelFlags,
+    gather_candidates,
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
@@ -114,6 +115,7 @@ class TransformersBackend(Backend):
             name="transformers",
             dtype=str(self._model.dtype).removeprefix("torch."),
             temperature=self._temperature,
+            max_candidates=int(cfg.vocab_size),  # any C: one gather of the dense rows
         )
         log.info("transformers model computes in %s (%s)", self.info.dtype, choice.reason)
 
@@ -155,6 +157,17 @@ class TransformersBackend(Backend):
             x = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self._device)
             logits = self._model(input_ids=x[None, : max(end, 1)]).logits[0]
             tempered = torch.log_softmax(logits.float() / self._temperature, dim=-1)
+            cand = sequence.candidate_ids
+            cand_lp = (
+                None
+                if cand is None
+                else gather_candidates(
+                    tempered[start:end],
+                    torch.from_numpy(cand.astype(np.int64)).to(tempered.device),
+                )
+                .cpu()
+                .numpy()
+            )
             lp = tempered[start:end].cpu().numpy()
         full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), options.top_k)
         sampled = full.sampled_logprobs
@@ -162,4 +175,10 @@ class TransformersBackend(Backend):
         if end < len(token_ids):
             # The last row of the slice has a following token inside the sequence.
             sampled[-1] = lp[-1, int(token_ids[end])]
-        return replace(full, sampled_logprobs=sampled, position_start=start)
+        return replace(
+            full,
+            sampled_logprobs=sampled,
+            position_start=start,
+            candidate_ids=cand,
+            candidate_logprobs=cand_lp,
+        )

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from teacher_server.backends.vllm_candidates import candidate_columns
+from teacher_server.validation import ParsedSequence
 from topk_protocol import SequenceArrays
 
 __all__ = [
@@ -104,23 +106,31 @@ def _fill(
     ids: npt.NDArray[np.int32],
     lps: npt.NDArray[np.float32],
     actual: npt.NDArray[np.float32],
+    cand: tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]] | None = None,
 ) -> None:
     """Copy rows ``[start, stop)`` of the concatenated chunks into the ``[stop - start, ...]``
-    outputs: top-K columns into ``ids`` / ``lps``, column 0 into ``actual``."""
+    outputs: top-K columns into ``ids`` / ``lps``, column 0 into ``actual`` and, with
+    ``cand`` (``[stop - start, C]`` ids and log-probs), the last C columns
+    (:func:`~teacher_server.backends.vllm_candidates.candidate_columns`)."""
+    c = 0 if cand is None else cand[0].shape[1]
     offset = 0
     for c_ids, c_lps in chunks:
         n = len(c_ids)
         lo, hi = max(start - offset, 0), min(stop - offset, n)
         if lo < hi:
-            if c_ids.shape[1] < k + 1 or c_lps.shape != c_ids.shape:
+            if c_ids.shape[1] < k + 1 + c or c_lps.shape != c_ids.shape:
                 raise RuntimeError(
                     f"vLLM log-prob rows have shape {c_ids.shape} / {c_lps.shape}; "
-                    f"expected [rows, >= {k + 1}] for K = {k}"
+                    f"expected [rows, >= {k + 1 + c}] for K = {k}, C = {c}"
                 )
             dst = slice(offset + lo - start, offset + hi - start)
             ids[dst] = c_ids[lo:hi, 1 : k + 1]
             lps[dst] = c_lps[lo:hi, 1 : k + 1]
             actual[dst] = c_lps[lo:hi, 0]
+            if cand is not None:
+                got_ids, got_lps = candidate_columns(c_ids[lo:hi], c_lps[lo:hi], c)
+                cand[0][dst] = got_ids
+                cand[1][dst] = got_lps
         offset += n
 
 
@@ -131,6 +141,7 @@ def topk_payload(
     k: int,
     start: int,
     end: int,
+    candidate_ids: npt.NDArray[np.int32] | None = None,
 ) -> SequenceArrays:
     """Payload positions ``[start, end)`` of a sequence of ``length`` tokens.
 
@@ -138,7 +149,10 @@ def topk_payload(
     ``x[t+1]``); ``sample``: the generated token's rows (row 0 is the distribution after
     the whole sequence, used when ``end == length``). Returns ``ids`` ``[S, K]``,
     ``logprobs`` ``[S, K]`` sorted descending and ``sampled_logprobs`` ``[S]`` (the
-    actual next token's) with ``S = end - start``, NaN at the last when ``end == length``.
+    actual next token's) with ``S = end - start``, NaN at the last when ``end == length``;
+    with ``candidate_ids`` (``[S, C]``, the request's), ``candidate_logprobs`` ``[S, C]``
+    from the rows' last C columns, which the worker gathered at exactly those ids
+    (checked: a mismatch raises).
     """
     rows = sum(len(i) for i, _ in prompt)
     if rows != length - 1:
@@ -147,24 +161,33 @@ def topk_payload(
     ids = np.empty((s, k), np.int32)
     lps = np.empty((s, k), np.float32)
     actual = np.empty(s, np.float32)
+    cand = None
+    if candidate_ids is not None:
+        cand = (np.empty(candidate_ids.shape, np.int32), np.empty(candidate_ids.shape, np.float32))
     p_end = min(end, length - 1)
-    _fill(prompt, start, p_end, k, ids, lps, actual)
+    _fill(prompt, start, p_end, k, ids, lps, actual, cand)
     if end == length:
         if sum(len(i) for i, _ in sample) < 1:
             raise RuntimeError("vLLM returned no log-probs for the generated token")
         last = slice(s - 1, s)
-        _fill(sample, 0, 1, k, ids[last], lps[last], actual[last])
+        last_cand = None if cand is None else (cand[0][last], cand[1][last])
+        _fill(sample, 0, 1, k, ids[last], lps[last], actual[last], last_cand)
         actual[-1] = np.nan
+    if cand is not None and not np.array_equal(cand[0], np.asarray(candidate_ids)):
+        raise RuntimeError("vLLM's candidate columns do not hold the request's candidate ids")
     # vLLM's top-k comes sorted; sort (stably, as the flat path does) only if it is not.
     if s and k > 1 and not np.all(lps[:, :-1] >= lps[:, 1:]):
         order = np.argsort(-lps, axis=1, kind="stable")
         ids = np.take_along_axis(ids, order, axis=1)
         lps = np.take_along_axis(lps, order, axis=1)
-    return SequenceArrays(ids, lps, actual, start)
+    if cand is None:
+        return SequenceArrays(ids, lps, actual, start)
+    return SequenceArrays(ids, lps, actual, start, candidate_ids, cand[1])
 
 
-def payload_from_output(out: Any, length: int, k: int, start: int, end: int) -> SequenceArrays:
-    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request."""
+def payload_from_output(out: Any, k: int, sequence: ParsedSequence) -> SequenceArrays:
+    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request that scored
+    ``sequence`` (its length, positions and candidate ids) at K = ``k``."""
     prompt = out.prompt_logprobs
     sample = out.outputs[0].logprobs
     if not isinstance(prompt, LogprobArrays) or not isinstance(sample, LogprobArrays):
@@ -172,7 +195,10 @@ def payload_from_output(out: Any, length: int, k: int, start: int, end: int) -> 
             "the request was not handled by the array log-prob path "
             f"(got {type(prompt).__name__} / {type(sample).__name__})"
         )
-    return topk_payload(prompt.chunks, sample.chunks, length, k, start, end)
+    s = sequence
+    return topk_payload(
+        prompt.chunks, sample.chunks, len(s.token_ids), k, s.start, s.end, s.candidate_ids
+    )
 
 
 def sampling_overrides() -> dict[str, Any]:

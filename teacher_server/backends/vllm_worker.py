@@ -24,6 +24,10 @@ copied from vLLM's log-probs, so they are bit-identical; only the order of exact
 log-probs can differ (lower id first). It is installed only after a self-check against
 vLLM's own function on the installed vLLM.
 
+**Candidates.** :meth:`TeacherWorkerExtension.topk_distill_candidates` makes the worker
+append each request's candidate log-probs to its log-prob rows, gathered from the same
+``[N, V]`` log-probs as the top-k (:mod:`teacher_server.backends.vllm_candidates`).
+
 **Memory.** :meth:`TeacherWorkerExtension.topk_distill_malloc_trim` hands the freed heap
 memory of the worker's process back to the OS (:mod:`teacher_server.malloc_trim`); the
 server calls it once it has been idle for ``--memory-trim-idle-s``.
@@ -34,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CANDIDATES_METHOD",
     "ENGINE_TOPK_CHOICES",
     "ENGINE_TOPK_METHOD",
     "EXTENSION_QUALNAME",
@@ -148,6 +153,15 @@ class TeacherWorkerExtension:
         runner = getattr(worker, "model_runner", None)
         return route_gather_logprobs(getattr(runner, "sampler", None), use_kernel)
 
+    def topk_distill_candidates(self) -> str:
+        """Let this worker gather candidate log-probs with the top-k
+        (:func:`teacher_server.backends.vllm_candidates.install`); ``"ok"`` or
+        ``"unavailable: <why>"``."""
+        from teacher_server.backends.vllm_candidates import install
+
+        worker: Any = self
+        return install(getattr(worker, "model_runner", None))
+
     def topk_distill_malloc_trim(self) -> int:
         """``malloc_trim(0)`` in this worker's process; returns the resident bytes given
         back."""
@@ -160,5 +174,6 @@ class TeacherWorkerExtension:
 SET_TEMPERATURE_METHOD = TeacherWorkerExtension.topk_distill_set_temperature.__name__
 ENGINE_TOPK_METHOD = TeacherWorkerExtension.topk_distill_engine_topk.__name__
 MALLOC_TRIM_METHOD = TeacherWorkerExtension.topk_distill_malloc_trim.__name__
+CANDIDATES_METHOD = TeacherWorkerExtension.topk_distill_candidates.__name__
 #: Value of vLLM's ``worker_extension_cls`` engine argument.
 EXTENSION_QUALNAME = f"{__name__}.{TeacherWorkerExtension.__qualname__}"

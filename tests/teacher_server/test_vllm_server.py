@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,6 +23,7 @@ from teacher_server.validation import ParsedSequence
 from topk_protocol import (
     RequestOptions,
     SequenceArrays,
+    build_request,
     decode_sequence,
     encode_token_ids,
     pb,
@@ -337,6 +339,24 @@ def test_fallback_warns_once_and_uses_vllms_way(
     assert len(warnings) == 1, warnings
     assert "WARNING" in warnings[0] and "vLLM 0.0.7 is not a version" in warnings[0]
     assert in_use in log
+
+
+def test_fallback_refuses_candidate_ids_by_name(
+    fallback_teacher: ServerProcess, fallback_stub: pb_grpc.TeacherStub
+) -> None:
+    """Candidates need the array path: on the flat one the teacher announces
+    ``max_candidates`` 0, refuses them by name (INVALID_ARGUMENT), and goes on serving."""
+    assert fallback_stub.GetInfo(pb.GetInfoRequest()).max_candidates == 0
+    assert "candidate ids are not scored (max_candidates 0)" in fallback_teacher.log()
+    seq = _sequences(5, [6])
+    req = build_request(seq, 4, candidate_ids=[np.zeros((6, 2), np.int32)])
+    with pytest.raises(grpc.RpcError) as err:
+        fallback_stub.Score(req, timeout=60)
+    e: Any = err.value
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sequences[0].candidate_ids: C = 2 candidates per position exceeds " in e.details()
+    assert "max_candidates 0 (this teacher scores no candidates)" in e.details()
+    assert len(fallback_stub.Score(build_request(seq, 4), timeout=60).sequences) == 1
 
 
 #: Two engines' float32 log-probs of the same sequence: they may batch and chunk the

@@ -72,8 +72,14 @@ def test_empty_rows_everywhere() -> None:
     assert e.ids.shape == (0, 4) and e.logprobs.shape == (0, 4)
     assert e.sampled_logprobs is not None and e.sampled_logprobs.shape == (0,)
     assert (e.position_start, e.position_end) == (9, 9)
-    for f in ARRAY_FIELDS:  # every field present, with its dtype
-        assert getattr(e, f.name).dtype == f.dtype
+    for f in ARRAY_FIELDS:  # every field present (candidates only when asked), its dtype
+        assert (getattr(e, f.name) is None) == f.candidates
+        if not f.candidates:
+            assert getattr(e, f.name).dtype == f.dtype
+    ec = SequenceArrays.empty(4, position_start=9, num_candidates=3)
+    for f in ARRAY_FIELDS:
+        assert getattr(ec, f.name).dtype == f.dtype
+    assert ec.candidate_ids is not None and ec.candidate_ids.shape == (0, 3)
     assert len(SequenceArrays.concat([a.rows(0, 0), a.rows(0, 47), a.rows(47, 47)])) == 47
 
 

@@ -17,12 +17,16 @@ column                        Arrow type                                 meaning
 ``ids``                       ``list<fixed_size_list<int32, K>>``        ``[S, K]`` top-k ids
 ``logprobs``                  ``list<fixed_size_list<F, K>>``            ``[S, K]`` sorted desc.
 ``sampled_logprobs``          ``list<F>``, null when not recorded        ``[S]``, NaN at L-1
+``candidate_ids``             ``list<list<int32>>``, null without        ``[S, C]``, -1 pads
+``candidate_logprobs``        ``list<list<F>>``, null without            ``[S, C]``, NaN at -1
 ``row_crc32``                 ``uint32``                                 the row's checksum
 ============================  =========================================  ==================
 
 ``S = position_end - position_start``; row ``j`` is position ``position_start + j``. ``F``
 is ``float16`` for a float16 recording and ``float32`` for float32 and bfloat16 ones
-(bfloat16 values widened to float32, which is exact). The columns from ``ids`` on are the
+(bfloat16 values widened to float32, which is exact). ``C`` (candidate ids per position)
+is a row's own: every position of a row has ``C`` entries, rows differ. The columns from
+``ids`` on are the
 array fields of :class:`~topk_protocol.arrays.SequenceArrays`, in order
 (:func:`recording_schema` derives them from it); an optional field's column may be
 absent from a shard written before the field existed (its rows then have none).
@@ -128,6 +132,8 @@ def storage_dtype(f: ArrayField, dtype: str) -> type[np.generic]:
 
 def _arrow_type(f: ArrayField, dtype: str, top_k: int) -> pa.DataType:
     value = pa.from_numpy_dtype(storage_dtype(f, dtype))
+    if f.candidates:  # C is each row's own: a list per position
+        return pa.list_(pa.list_(value))
     return pa.list_(pa.list_(value, top_k) if f.columns else value)
 
 

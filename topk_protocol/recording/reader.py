@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,11 +77,16 @@ class _Chunk:
         names = batch.schema.names
         #: field name -> (row offsets, values ``[rows, K]`` or ``[rows]``, valid or None)
         self.arrays: dict[str, tuple[npt.NDArray[Any], npt.NDArray[Any], Any]] = {}
+        #: candidate field name -> offsets of each position's ids into its values
+        self.widths: dict[str, npt.NDArray[Any]] = {}
         for f in ARRAY_FIELDS:
             if f.name not in names:  # an optional field newer than the shard
                 continue
             col = batch.column(f.name)
             values = col.values
+            if f.candidates:  # list<list<v>>: positions, then each position's ids
+                self.widths[f.name] = values.offsets.to_numpy()
+                values = values.values
             flat = (values.flatten() if f.columns else values).to_numpy()
             valid = col.is_valid().to_numpy(zero_copy_only=False) if f.optional else None
             self.arrays[f.name] = (
@@ -108,7 +113,17 @@ class _Chunk:
                 continue
             offsets, flat, valid = self.arrays[f.name]
             present = valid is None or bool(valid[r])
-            values[f.name] = flat[offsets[r] : offsets[r + 1]] if present else None
+            a, b = offsets[r], offsets[r + 1]
+            if not present:
+                values[f.name] = None
+            elif f.name in self.widths:  # [S, C]: every position of the row has C ids
+                inner = self.widths[f.name][a : b + 1]
+                c = int(inner[1] - inner[0]) if b > a else 0
+                if np.any(np.diff(inner) != c):
+                    raise ValueError(f"{f.name}: positions of one row differ in width")
+                values[f.name] = flat[inner[0] : inner[-1]].reshape(b - a, c)
+            else:
+                values[f.name] = flat[a:b]
         return tokens, values
 
     def row(self, r: int, vocab_size: int) -> tuple[npt.NDArray[np.int32], SequenceArrays]:
@@ -116,7 +131,12 @@ class _Chunk:
         have the lengths its positions say, and that its ids lie in the vocabulary.
         Raises :class:`RecordingDamagedError` naming the shard and the row otherwise.
         Log-probs come widened to float32 (no copy for a float32 recording)."""
-        tokens, values = self.stored(r)
+        try:
+            tokens, values = self.stored(r)
+        except ValueError:  # a candidate row whose positions have different widths
+            raise RecordingDamagedError(
+                self.shard, self.first_row + r, "its candidate rows differ in width"
+            ) from None
         problem = self._problem(r, tokens, values, vocab_size)
         if problem is not None:
             raise RecordingDamagedError(self.shard, self.first_row + r, problem)
@@ -148,13 +168,18 @@ class _Chunk:
                     f"checksum mismatch ({CHECKSUM_COLUMN} {int(self.checksums[r]):#010x}, the "
                     f"row's bytes give {crc:#010x}): the shard is damaged; this row is not served"
                 )
-        for name, arr in (("token_ids", tokens), ("ids", values["ids"])):
+        for name, arr, low in (
+            ("token_ids", tokens, 0),
+            ("ids", values["ids"], 0),
+            ("candidate_ids", values.get("candidate_ids"), -1),
+        ):
             if arr is None or not arr.size:
                 continue
-            if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+            if int(arr.min()) < low or int(arr.max()) >= vocab_size:
                 return (
                     f"{name} [{int(arr.min())}, {int(arr.max())}] are outside the vocabulary "
-                    f"[0, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} is damaged"
+                    f"[{low}, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} "
+                    "is damaged"
                 )
         return None
 
@@ -468,9 +493,17 @@ class RecordingReader(Closeable):
                     found.append(e)
         return found
 
-    def find(self, token_ids: bytes, start: int, end: int, sampled: bool) -> SequenceArrays | str:
+    def find(
+        self,
+        token_ids: bytes,
+        start: int,
+        end: int,
+        sampled: bool,
+        serves: Callable[[SequenceArrays], str | None] | None = None,
+    ) -> SequenceArrays | str:
         """The recorded row holding positions ``[start, end)`` of this sequence (with
-        sampled log-probs when ``sampled``), whole, or a sentence saying what is missing.
+        sampled log-probs when ``sampled``, and that ``serves``: None when it does, else
+        why not), whole, or a sentence saying what is missing.
 
         Copies that fail verification are passed over for an intact one; when every
         copy is damaged, raises the first one's :class:`RecordingDamagedError`.
@@ -479,6 +512,7 @@ class RecordingReader(Closeable):
         if isinstance(covering, str):
             return covering + (self._damage_note() if covering == NOT_RECORDED else "")
         first: RecordingDamagedError | None = None
+        why: str | None = None
         tokens = np.frombuffer(token_ids, dtype="<i4")
         for c in covering:
             try:
@@ -486,8 +520,13 @@ class RecordingReader(Closeable):
             except RecordingDamagedError as e:
                 first = first or e
                 continue
-            if np.array_equal(row_tokens, tokens):
+            if not np.array_equal(row_tokens, tokens):
+                continue
+            why = None if serves is None else serves(arrays)
+            if why is None:
                 return arrays
+        if why is not None:
+            return why
         if first is not None:
             raise first
         return NOT_RECORDED + self._damage_note()

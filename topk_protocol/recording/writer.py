@@ -58,16 +58,28 @@ __all__ = ["RecordingWriter"]
 log = logging.getLogger(__name__)
 
 
-def _list_column(rows: list[npt.NDArray[Any] | None], typ: pa.DataType, width: int = 0) -> pa.Array:
+def _offsets(lengths: list[int] | npt.NDArray[np.int64]) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
+
+
+def _list_column(
+    rows: list[npt.NDArray[Any] | None], typ: pa.DataType, width: int = 0, ragged: bool = False
+) -> pa.Array:
     """``[n_i]`` (or ``[n_i, width]``) arrays -> ``list<typ>`` (or
-    ``list<fixed_size_list<typ, width>>``); a None row is a null list."""
+    ``list<fixed_size_list<typ, width>>``); ``ragged``: ``[n_i, c_i]`` arrays ->
+    ``list<list<typ>>`` (each row its own width); a None row is a null list."""
     present = [r for r in rows if r is not None]
     lengths = np.array([0 if r is None else len(r) for r in rows], dtype=np.int64)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    offsets = _offsets(lengths)
     flat = np.concatenate([r.reshape(-1) for r in present]) if present else np.zeros(0)
     values = pa.array(flat, type=typ)
     if width:
         values = pa.FixedSizeListArray.from_arrays(values, width)
+    elif ragged:  # one list per position: [c_i] * n_i
+        widths = np.concatenate(
+            [np.full(len(r), r.shape[1], np.int64) for r in present] or [np.zeros(0, np.int64)]
+        )
+        values = pa.ListArray.from_arrays(_offsets(widths), values)
     if len(present) == len(rows):
         return pa.ListArray.from_arrays(offsets, values)
     mask = pa.array([r is None for r in rows], type=pa.bool_())
@@ -95,7 +107,9 @@ class RecordingWriter(Closeable):
         metadata: extra JSON-serializable entries for ``metadata.json``.
 
     Thread-safe. A sequence whose positions (and sampled log-probs) are covered by a
-    recorded row is not written again.
+    recorded row is not written again; one with candidate ids is written unless this
+    writer wrote the same positions with the same candidate ids already (the candidates
+    change from request to request, e.g. the student's own top ids).
     """
 
     def __init__(
@@ -132,6 +146,8 @@ class RecordingWriter(Closeable):
         self._next_shard: int | None = None  # the next shard's number
         #: Every row recorded, the resumed ones included.
         self.index = RowIndex()
+        #: (key, start, end, candidate id bytes) of the rows with candidates written here.
+        self._candidate_rows: set[tuple[bytes, int, int, bytes]] = set()
         self.rows_written = 0
         self.top_k: int | None = top_k
         self.dtype: str | None = dtype
@@ -240,8 +256,14 @@ class RecordingWriter(Closeable):
             assert self.top_k is not None and self.dtype is not None
             key = sequence_key(tok.tobytes())
             has_sampled = arrays.sampled_logprobs is not None
-            if self.covers(tok.tobytes(), start, end, has_sampled):
-                return False
+            if arrays.candidate_ids is None:
+                if self.covers(tok.tobytes(), start, end, has_sampled):
+                    return False
+            else:
+                seen = (key, start, end, np.ascontiguousarray(arrays.candidate_ids).tobytes())
+                if seen in self._candidate_rows:
+                    return False
+                self._candidate_rows.add(seen)
             self._buffer.append((key, tok, cast_arrays(arrays.top(self.top_k), self.dtype)))
             self.index.add(key, start, end, has_sampled)
         return True
@@ -278,7 +300,9 @@ class RecordingWriter(Closeable):
                 raise ValueError(f"response: sequence {i} is missing")
             if start == end:
                 continue  # an empty range: nothing to record
-            arrays = decode_sequence(by_index[i])
+            raw, c = seq.candidate_ids, int(seq.num_candidates)
+            cand = np.frombuffer(raw, dtype="<i4").reshape(end - start, c) if c else None
+            arrays = decode_sequence(by_index[i], cand)
             if not options.include_sampled:
                 arrays = replace(arrays, sampled_logprobs=None)
             tokens = np.frombuffer(seq.token_ids, dtype="<i4")
@@ -322,7 +346,8 @@ class RecordingWriter(Closeable):
             for f in ARRAY_FIELDS:
                 typ = pa.from_numpy_dtype(storage_dtype(f, self.dtype))
                 width = self.top_k if f.columns else 0
-                columns.append(_list_column([v[f.name] for v in stored], typ, width))
+                rows = [v[f.name] for v in stored]
+                columns.append(_list_column(rows, typ, width, ragged=f.candidates))
             checksums = [
                 row_crc(k, t, a.position_start, a.position_end, v)
                 for (k, t, a), v in zip(self._buffer, stored, strict=True)

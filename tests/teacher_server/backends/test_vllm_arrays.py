@@ -22,6 +22,7 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 from teacher_server.backends import vllm_arrays as va
 from teacher_server.backends.base import topk_from_logprobs
 from teacher_server.backends.vllm_backend import VLLMBackend, flat_to_topk
+from teacher_server.validation import ParsedSequence
 
 V = 512
 
@@ -119,7 +120,7 @@ def test_array_path_matches_flat_path_and_reference(
     assert len(arr.prompt_logprobs.chunks) == len(splits) + 1
     ref = topk_from_logprobs(dense, x, k)
     for a, b in ranges:
-        got = va.payload_from_output(arr, length, k, a, b)
+        got = va.payload_from_output(arr, k, ParsedSequence(x, a, b))
         want = VLLMBackend._to_payload(flat, x, k, a, b)
         assert got.position_start == want.position_start == a and len(got) == b - a
         assert got.sampled_logprobs is not None and want.sampled_logprobs is not None
