@@ -46,7 +46,7 @@ import torch
 from examples.data import PAD_ID, ByteCorpus, fixed_windows, load_stdlib_corpus
 from examples.distill import DistillConfig, EvalResult, evaluate, heldout_table, student_model
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
-from student_client.losses import DIVERGENCES, get_divergence, topk_kl_loss
+from student_client.losses import DIVERGENCES, SUPPORTS, get_divergence, topk_kl_loss
 from topk_protocol import build_request, response_bytes
 
 __all__ = ["OnPolicyConfig", "OnPolicyResult", "main", "run_onpolicy", "sample_prompts"]
@@ -73,6 +73,11 @@ class OnPolicyConfig:
     threads: int = 2
     divergence: str = "reverse"
     beta: float | None = None
+    #: Where the divergence is computed: the teacher's top-k ("teacher"), the student's
+    #: own top-C at each position ("student") or both ("union"); docs/losses.md.
+    support: str = "teacher"
+    #: C: how many of the student's most likely ids are sent as candidates (not "teacher").
+    candidates: int = 16
 
 
 @dataclass
@@ -82,6 +87,8 @@ class OnPolicyResult:
     train_loss: list[float] = field(default_factory=list)
     #: Payload bytes received (response rows only) and what full sequences would carry.
     payload_bytes: int = 0
+    #: Request bytes sent (token ids and candidate ids, serialized ``ScoreRequest``s).
+    request_bytes: int = 0
     full_sequence_bytes: int = 0
     response_rows: int = 0
     full_rows: int = 0
@@ -109,13 +116,46 @@ def _position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp_min(0)
 
 
+def student_candidates(
+    step_logits: tuple[torch.Tensor, ...], total: int, first_row: int, count: int
+) -> torch.Tensor:
+    """The student's top-``count`` ids at every generated position, as a batch's candidates.
+
+    ``step_logits``: ``generate``'s logits ``[B, V]`` of each of the R steps, the
+    distributions the response tokens were sampled from (before any processing). Step
+    ``j`` predicts column ``first_row + 1 + j``, so its ids go to row ``first_row + j``
+    (row t of a payload is ``p(. | x[0..t])``). Returns ``[B, total, count]`` int64 with
+    -1 in every other row.
+    """
+    ranked = torch.stack(step_logits, dim=1).topk(count, dim=-1).indices  # [B, R, C]
+    out = torch.full((ranked.shape[0], total, count), -1, dtype=torch.int64)
+    out[:, first_row : first_row + ranked.shape[1]] = ranked
+    return out
+
+
+def _support_arguments(cfg: OnPolicyConfig, payload: Any) -> dict[str, Any]:
+    """The loss's support arguments: none for the teacher's top-k (today's loss)."""
+    if cfg.support == "teacher":
+        return {}
+    return {
+        "support": cfg.support,
+        "candidate_ids": payload.candidate_ids,
+        "candidate_logprobs": payload.candidate_logprobs,
+    }
+
+
 def _traffic(
-    sequences: list[torch.Tensor], spans: list[tuple[int, int]], k: int
-) -> tuple[int, int]:
-    """Payload bytes of the response-only request and of the full-sequence request."""
-    part = build_request(sequences, k, positions=spans, include_sampled=False)
+    sequences: list[torch.Tensor],
+    spans: list[tuple[int, int]],
+    k: int,
+    candidates: list[torch.Tensor] | None,
+) -> tuple[int, int, int]:
+    """Payload bytes of the response-only request and of the full-sequence request, and
+    the serialized size of the response-only request (candidate ids included)."""
+    extra = {} if candidates is None else {"candidate_ids": candidates}
+    part = build_request(sequences, k, positions=spans, include_sampled=False, **extra)
     full = build_request(sequences, k, include_sampled=False)
-    return response_bytes(part), response_bytes(full)
+    return response_bytes(part), response_bytes(full), part.ByteSize()
 
 
 def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolicyResult:
@@ -149,7 +189,7 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
         g0 = time.perf_counter()
         student.eval()
         with torch.no_grad():
-            seqs = student.generate(
+            rollout = student.generate(
                 input_ids=prompts,
                 attention_mask=prompt_mask,
                 do_sample=True,
@@ -159,18 +199,36 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
                 max_new_tokens=cfg.response,
                 min_new_tokens=cfg.response,
                 pad_token_id=PAD_ID,
-            )  # [B, P + R]
+                return_dict_in_generate=True,
+                output_logits=cfg.support != "teacher",
+            )
+        seqs = rollout.sequences  # [B, P + R]
         student.train()
         result.generate_seconds += time.perf_counter() - g0
         mask = torch.cat([prompt_mask, torch.ones_like(seqs[:, prompt_end:])], dim=1)
+        candidates = None
+        if cfg.support != "teacher":
+            candidates = student_candidates(
+                rollout.logits, seqs.shape[1], prompt_end - 1, cfg.candidates
+            )  # [B, P + R, C]
         payload = client.score(
-            seqs, cfg.top_k, attention_mask=mask, positions=columns, include_sampled=False
-        )  # [B, P + R, K], mask True on the response rows only
+            seqs,
+            cfg.top_k,
+            attention_mask=mask,
+            positions=columns,
+            include_sampled=False,
+            **({} if candidates is None else {"candidate_ids": candidates}),
+        )  # [B, P + R, K] (+ [B, P + R, C]), mask True on the response rows only
         logits = student(
             input_ids=seqs, attention_mask=mask, position_ids=_position_ids(mask)
         ).logits
         loss, _stats = topk_kl_loss(
-            logits, payload.ids, payload.logprobs, mask=payload.mask, divergence=divergence
+            logits,
+            payload.ids,
+            payload.logprobs,
+            mask=payload.mask,
+            divergence=divergence,
+            **_support_arguments(cfg, payload),
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -179,9 +237,13 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
         result.train_loss.append(loss.item())
         real = [row[m.bool()] for row, m in zip(seqs, mask, strict=True)]
         spans = [(len(r) - cfg.response - 1, len(r) - 1) for r in real]
-        part, full = _traffic(real, spans, cfg.top_k)
+        sent = None
+        if candidates is not None:
+            sent = [c[prompt_end - 1 : prompt_end + cfg.response - 1] for c in candidates]
+        part, full, up = _traffic(real, spans, cfg.top_k, sent)
         result.payload_bytes += part
         result.full_sequence_bytes += full
+        result.request_bytes += up
         result.response_rows += int(payload.mask.sum())
         result.full_rows += sum(len(r) for r in real)
         if step % 10 == 0 or step == cfg.steps:
@@ -205,15 +267,31 @@ def format_table(result: OnPolicyResult, cfg: OnPolicyConfig) -> str:
             "",
             f"{cfg.steps} steps x {cfg.batch_size} samples: prompts of {cfg.min_prompt}-"
             f"{cfg.max_prompt} bytes, {cfg.response} sampled response bytes, top-{cfg.top_k} "
-            f"tail-aware {cfg.divergence} divergence on the response positions only; "
+            f"tail-aware {cfg.divergence} divergence on the {_support_words(cfg)} at the "
+            "response positions only; "
             f"{result.seconds:.0f} s "
             f"({result.generate_seconds:.0f} s generating)",
             f"teacher traffic: {result.payload_bytes:,} payload bytes for "
             f"{result.response_rows:,} response rows; full-sequence requests would carry "
             f"{result.full_sequence_bytes:,} bytes for {result.full_rows:,} rows "
-            f"({saved:.0f}% saved by the sub-range)",
+            f"({saved:.0f}% saved by the sub-range); {result.request_bytes:,} request bytes "
+            f"({bytes_per_row(result.request_bytes, result.response_rows):.1f} per response "
+            f"row up, {bytes_per_row(result.payload_bytes, result.response_rows):.1f} down)",
         ]
     )
+
+
+def bytes_per_row(total: int, rows: int) -> float:
+    """``total`` bytes per row (0 when there are no rows)."""
+    return total / rows if rows else 0.0
+
+
+def _support_words(cfg: OnPolicyConfig) -> str:
+    return {
+        "teacher": "teacher's top-k",
+        "student": f"student's top-{cfg.candidates}",
+        "union": f"teacher's top-k and student's top-{cfg.candidates}",
+    }[cfg.support]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +334,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="reverse KL(student || teacher) (default: see the module doc), forward KL, or JSD",
     )
     ap.add_argument("--beta", type=float, default=d.beta, help="JSD only (default 0.5)")
+    ap.add_argument(
+        "--support",
+        choices=list(SUPPORTS),
+        default=d.support,
+        help="ids the divergence is computed on: the teacher's top-k, the student's top-C "
+        "at each generated position (sent to the teacher as candidates), or both",
+    )
+    ap.add_argument(
+        "--candidates",
+        type=int,
+        default=d.candidates,
+        help="C: the student's top-C ids per position (--support student|union)",
+    )
     return ap
 
 
@@ -268,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             "--min-prompt/--max-prompt/--response: need 1 <= min <= max, response >= 1"
         )
+    if cfg.support != "teacher" and cfg.candidates < 1:
+        raise SystemExit(f"--candidates: need C >= 1 with --support {cfg.support}")
     from student_client.clients.blocking import TeacherClient
 
     server = None
