@@ -152,8 +152,9 @@ def _traffic(
 ) -> tuple[int, int, int]:
     """Payload bytes of the response-only request and of the full-sequence request, and
     the serialized size of the response-only request (candidate ids included)."""
-    extra = {} if candidates is None else {"candidate_ids": candidates}
-    part = build_request(sequences, k, positions=spans, include_sampled=False, **extra)
+    part = build_request(
+        sequences, k, positions=spans, include_sampled=False, candidate_ids=candidates
+    )
     full = build_request(sequences, k, include_sampled=False)
     return response_bytes(part), response_bytes(full), part.ByteSize()
 
