@@ -11,7 +11,7 @@ both ways: the serialized requests up, the payload arrays down.
 
 Run from the repository root (builds the demo teacher first if it is not cached)::
 
-    python -m benchmarks.quality_support [--steps 40] [--batch-size 8] [--out runs/quality_support]
+    python -m benchmarks.quality_support [--steps 40] [--seeds 0 1 2] [--out runs/quality_support]
 
 One teacher server (the transformers backend, by default) serves every run. Each run's
 result is kept in ``--out/<label>.json`` together with its configuration, and a re-run
@@ -53,6 +53,11 @@ def _label(cfg: OnPolicyConfig) -> str:
     return f"{name}-{cfg.support}"
 
 
+def _file(cfg: OnPolicyConfig) -> str:
+    """The run's result file: the label, and the seed when it is not 0."""
+    return _label(cfg) + ("" if cfg.seed == 0 else f"-seed{cfg.seed}") + ".json"
+
+
 def _load(path: Path, cfg: OnPolicyConfig) -> OnPolicyResult | None:
     """The stored result of a run with exactly ``cfg``, or None."""
     if not path.exists():
@@ -70,33 +75,46 @@ def _load(path: Path, cfg: OnPolicyConfig) -> OnPolicyResult | None:
     )
 
 
-def format_table(rows: list[tuple[OnPolicyConfig, OnPolicyResult]]) -> str:
-    """The markdown table: one row per run, the untrained student first."""
-    first = rows[0][0]
-    before = rows[0][1].before
+def _cell(values: list[float]) -> str:
+    """The mean, and the range over seeds when there are several."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:.3f}"
+    return f"{mean:.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def format_table(runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]]) -> str:
+    """The markdown table: one row per (divergence, support), the seeds' mean (range)."""
+    first = runs[0][0][0]
+    seeds = [cfg.seed for cfg, _ in runs[0]]
+    befores = [res.before for _, res in runs[0]]
     lines = [
         f"{first.steps} steps x {first.batch_size} samples, prompts of {first.min_prompt}-"
         f"{first.max_prompt} bytes, {first.response}-byte responses, top-{first.top_k} "
-        f"teacher ids, top-{first.candidates} student candidates, tail mode, seed "
-        f"{first.seed}; held-out {first.eval_windows} windows x {first.eval_len} bytes, nats "
-        "per byte (lower is better).",
+        f"teacher ids, top-{first.candidates} student candidates, tail mode, seeds "
+        f"{', '.join(map(str, seeds))} (mean, and range over seeds); held-out "
+        f"{first.eval_windows} windows x {first.eval_len} bytes, nats per byte (lower is "
+        "better).",
         "",
         "| divergence | support | KL(teacher \\|\\| student) | KL(student \\|\\| teacher) "
         "| student CE | bytes/row up | bytes/row down |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-        f"| (untrained) | | {before.kl_teacher_student:.3f} | {before.kl_student_teacher:.3f} "
-        f"| {before.student_ce:.3f} | | |",
+        f"| (untrained) | | {_cell([b.kl_teacher_student for b in befores])} "
+        f"| {_cell([b.kl_student_teacher for b in befores])} "
+        f"| {_cell([b.student_ce for b in befores])} | | |",
     ]
-    for cfg, res in rows:
-        a = res.after
+    for seeds_of_row in runs:
+        cfg = seeds_of_row[0][0]
+        results = [res for _, res in seeds_of_row]
         name = "forward KL" if cfg.divergence == "forward" else "reverse KL"
         if cfg.divergence == "jsd":
             name = f"JSD({cfg.beta:g})"
-        up = bytes_per_row(res.request_bytes, res.response_rows)
-        down = bytes_per_row(res.payload_bytes, res.response_rows)
+        up = bytes_per_row(results[0].request_bytes, results[0].response_rows)
+        down = bytes_per_row(results[0].payload_bytes, results[0].response_rows)
         lines.append(
-            f"| {name} | {cfg.support} | {a.kl_teacher_student:.3f} "
-            f"| {a.kl_student_teacher:.3f} | {a.student_ce:.3f} | {up:.1f} | {down:.1f} |"
+            f"| {name} | {cfg.support} | {_cell([r.after.kl_teacher_student for r in results])} "
+            f"| {_cell([r.after.kl_student_teacher for r in results])} "
+            f"| {_cell([r.after.student_ce for r in results])} | {up:.1f} | {down:.1f} |"
         )
     return "\n".join(lines)
 
@@ -112,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=d.top_k)
     ap.add_argument("--candidates", type=int, default=d.candidates)
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)"
+    )
     ap.add_argument(
         "--only", nargs="+", default=None, help="run only these labels (e.g. reverse-union)"
     )
@@ -128,40 +148,43 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         top_k=args.top_k,
         candidates=args.candidates,
-        seed=args.seed,
     )
-    configs = [
+    grid = [
         dataclasses.replace(base, divergence=div, beta=beta, support=support)
         for div, beta, support in GRID
     ]
     if args.only:
-        configs = [c for c in configs if _label(c) in args.only]
+        grid = [c for c in grid if _label(c) in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     teacher_dir = build_default_teacher(
         args.teacher_dir, config=PretrainConfig(train_seconds=0, max_steps=300)
     )
-    rows: list[tuple[OnPolicyConfig, OnPolicyResult]] = []
+    runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]] = []
     server: Any = None
     try:
-        for cfg in configs:
-            path = args.out / f"{_label(cfg)}.json"
-            result = _load(path, cfg)
-            if result is None:
-                if server is None:
-                    server = serve_teacher(
-                        teacher_dir, args.backend, args.out / "teacher-server.log"
+        for row in grid:
+            runs.append([])
+            for seed in args.seeds:
+                cfg = dataclasses.replace(row, seed=seed)
+                path = args.out / _file(cfg)
+                result = _load(path, cfg)
+                if result is None:
+                    if server is None:
+                        server = serve_teacher(
+                            teacher_dir, args.backend, args.out / "teacher-server.log"
+                        )
+                    print(f"== {path.stem}", file=sys.stderr, flush=True)
+                    with TeacherClient(server.target) as client:
+                        result = run_onpolicy(client, teacher_dir, cfg)
+                    path.write_text(
+                        json.dumps({"config": asdict(cfg), "result": asdict(result)}, indent=2)
+                        + "\n"
                     )
-                print(f"== {_label(cfg)}", file=sys.stderr, flush=True)
-                with TeacherClient(server.target) as client:
-                    result = run_onpolicy(client, teacher_dir, cfg)
-                path.write_text(
-                    json.dumps({"config": asdict(cfg), "result": asdict(result)}, indent=2) + "\n"
-                )
-            rows.append((cfg, result))
+                runs[-1].append((cfg, result))
     finally:
         if server is not None:
             server.stop(timeout_s=120)
-    table = format_table(rows)
+    table = format_table(runs)
     (args.out / "table.md").write_text(table + "\n")
     print(table)
     return 0
