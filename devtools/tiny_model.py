@@ -1,4 +1,5 @@
-"""Write a tiny Qwen2 model directory (weights + byte-level tokenizer) for tests and examples.
+"""Write a tiny Qwen2 model directory (weights + byte-level tokenizer) for tests and examples,
+and the byte-level BPE tokenizers the examples train.
 
 The architecture follows docs/vllm.md: it loads in vLLM's CPU backend (head_dim 64; 16
 fails in the CPU attention kernel) and in transformers.
@@ -7,10 +8,18 @@ fails in the CPU attention kernel) and in transformers.
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_SERVE_ARGS", "byte_tokenizer", "tiny_qwen2_config", "write_tiny_model"]
+__all__ = [
+    "TINY_SERVE_ARGS",
+    "byte_tokenizer",
+    "tiny_qwen2_config",
+    "train_bpe_tokenizer",
+    "write_tiny_model",
+]
 
 #: ``teacher-server serve`` flags for the tiny model with the vLLM backend, as the tests'
 #: shared server and the recorded fixture (``scripts/record_fixture.py``) use them:
@@ -32,6 +41,43 @@ def byte_tokenizer() -> Any:
 
     Returns a ``transformers.PreTrainedTokenizerFast``.
     """
+    return _byte_level_tokenizer([], use_regex=False)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids learned from ``texts`` (the
+    ``tokenizers`` library's trainer, GPT-2's pre-tokenizer regex).
+
+    Ids 0..255 are the bytes and 256.. the special tokens, as in :func:`byte_tokenizer`
+    (so a stream joined with ``<|endoftext|>`` = 256 means the same in both); the merged
+    tokens follow in the order they were learned. Returns a
+    ``transformers.PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    merged_ids = vocab_size - 256 - len(EXTRA_TOKENS)
+    if merged_ids < 0:
+        raise ValueError(f"vocab_size: must be >= {256 + len(EXTRA_TOKENS)}, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + merged_ids,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # tokenizers writes a merge as a pair (0.20+) or as one "a b" string (before).
+    pairs = (
+        m.split(" ") if isinstance(m, str) else m
+        for m in json.loads(tok.to_str())["model"]["merges"]
+    )
+    merges = [(a, b) for a, b in pairs]
+    return _byte_level_tokenizer(merges, use_regex=True)
+
+
+def _byte_level_tokenizer(merges: list[tuple[str, str]], *, use_regex: bool) -> Any:
+    """The byte-level BPE with ``merges``: bytes 0..255, then :data:`EXTRA_TOKENS`, then
+    one id per merge (its result), in merge order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
@@ -40,8 +86,11 @@ def byte_tokenizer() -> Any:
     byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
     assert set(byte_to_char.values()) == set(alphabet)
     vocab = {byte_to_char[b]: b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab.update({t: 256 + i for i, t in enumerate(EXTRA_TOKENS)})
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(EXTRA_TOKENS)
     return PreTrainedTokenizerFast(
