@@ -41,25 +41,47 @@ def byte_tokenizer() -> Any:
 
     Returns a ``transformers.PreTrainedTokenizerFast``.
     """
-    return _byte_level_tokenizer([], use_regex=False)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
+    assert set(byte_to_char.values()) == set(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(EXTRA_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EXTRA_TOKENS[0],
+        pad_token=EXTRA_TOKENS[1],
+    )
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
-    """A byte-level BPE tokenizer of ``vocab_size`` ids learned from ``texts`` (the
-    ``tokenizers`` library's trainer, GPT-2's pre-tokenizer regex).
+    """A byte-level BPE tokenizer of ``vocab_size`` ids learned from ``texts`` by the
+    ``tokenizers`` library's trainer, returned as a ``transformers`` ``Qwen2Tokenizer``.
 
     Ids 0..255 are the bytes and 256.. the special tokens, as in :func:`byte_tokenizer`
     (so a stream joined with ``<|endoftext|>`` = 256 means the same in both); the merged
-    tokens follow in the order they were learned. Returns a
-    ``transformers.PreTrainedTokenizerFast``.
+    tokens follow in the order they were learned. The training uses Qwen2's own
+    normalizer (NFC) and pre-tokenizer: transformers (and vLLM through it) load a Qwen2
+    model directory's tokenizer as ``Qwen2Tokenizer`` whatever its ``tokenizer_class``
+    says, and that class sets both, so the tokens a model is trained on are the tokens
+    every loader of its directory produces.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
     merged_ids = vocab_size - 256 - len(EXTRA_TOKENS)
     if merged_ids < 0:
         raise ValueError(f"vocab_size: must be >= {256 + len(EXTRA_TOKENS)}, got {vocab_size}")
+    qwen2 = Qwen2Tokenizer().backend_tokenizer
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.normalizer = qwen2.normalizer
+    tok.pre_tokenizer = qwen2.pre_tokenizer
     trainer = trainers.BpeTrainer(
         vocab_size=256 + merged_ids,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -72,32 +94,22 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
         for m in json.loads(tok.to_str())["model"]["merges"]
     )
     merges = [(a, b) for a, b in pairs]
-    return _byte_level_tokenizer(merges, use_regex=True)
-
-
-def _byte_level_tokenizer(merges: list[tuple[str, str]], *, use_regex: bool) -> Any:
-    """The byte-level BPE with ``merges``: bytes 0..255, then :data:`EXTRA_TOKENS`, then
-    one id per merge (its result), in merge order."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = ByteLevel.alphabet()
-    byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
-    assert set(byte_to_char.values()) == set(alphabet)
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    vocab.update({t: 256 + i for i, t in enumerate(EXTRA_TOKENS)})
-    for a, b in merges:
-        vocab.setdefault(a + b, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(EXTRA_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    return Qwen2Tokenizer(
+        vocab=_byte_level_vocab(merges),
+        merges=merges,
         eos_token=EXTRA_TOKENS[0],
         pad_token=EXTRA_TOKENS[1],
     )
+
+
+def _byte_level_vocab(merges: list[tuple[str, str]]) -> dict[str, int]:
+    """Bytes 0..255 (as GPT-2's printable characters), then :data:`EXTRA_TOKENS`, then one
+    id per merge (its result), in merge order."""
+    vocab = {c: b for b, c in enumerate(_bytes_to_unicode())}
+    vocab.update({t: 256 + i for i, t in enumerate(EXTRA_TOKENS)})
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return vocab
 
 
 def _bytes_to_unicode() -> list[str]:

@@ -217,14 +217,15 @@ def test_same_seed_and_steps_give_the_same_weights(tmp_path: Path) -> None:
 def test_bpe_tokenizer_keeps_the_byte_ids_and_learns_merges() -> None:
     from devtools.tiny_model import byte_tokenizer, train_bpe_tokenizer
 
-    texts = [f"def function_{i}(value):\n    return value + {i}\n" for i in range(200)]
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda"]
+    texts = [f"def {a}_{b}(value):\n    return value + {b}\n" for a in words for b in words]
     tok = train_bpe_tokenizer(texts, 300)
     assert len(tok) == 300
     byte_tok = byte_tokenizer()
     for special in ("<|endoftext|>", "<|pad|>"):  # the same ids as the byte tokenizer's
         assert tok.convert_tokens_to_ids(special) == byte_tok.convert_tokens_to_ids(special)
     assert tok.convert_tokens_to_ids("<|endoftext|>") == EOT_ID
-    text = "def function_7(value):\n    return value + 7\n"
+    text = "def beta_gamma(value):\n    return value + gamma\n"
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
     assert len(ids) < len(text.encode()) / 2  # merges learned
@@ -246,7 +247,8 @@ def test_tokenize_corpus_keeps_documents_and_split(tmp_path: Path) -> None:
     ]
     tok = train_bpe_tokenizer((d.decode() for d in split_documents(corpus.train)), 280)
     bpe = tokenize_corpus(corpus, tok)
-    assert bpe.source == "python-stdlib, BPE 280" and bpe.fingerprint != corpus.fingerprint
+    assert bpe.source == f"python-stdlib, BPE {len(tok)}" and 258 < len(tok) <= 280
+    assert bpe.fingerprint != corpus.fingerprint
     assert int((bpe.train == EOT_ID).sum()) == corpus.train_files
     assert int((bpe.heldout == EOT_ID).sum()) == corpus.heldout_files
     assert len(bpe.train) < len(corpus.train) and not bpe.train.flags.writeable
@@ -255,7 +257,7 @@ def test_tokenize_corpus_keeps_documents_and_split(tmp_path: Path) -> None:
 
 
 def test_bpe_teacher_trains_saves_its_tokenizer_and_retokenizes(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg = tiny_config(
         tokenizer="bpe", vocab_size=384, train_seconds=0, max_steps=3, corpus_max_bytes=300_000
@@ -270,7 +272,13 @@ def test_bpe_teacher_trains_saves_its_tokenizer_and_retokenizes(tmp_path: Path) 
     assert len(tok) == 384 and json.loads((out / "config.json").read_text())["vocab_size"] == 384
     corpus = teacher_corpus(out)
     assert corpus.source.endswith("BPE 384") and int(corpus.train.max()) < 384
+    # Whatever class a loader picks for the directory (transformers: Qwen2Tokenizer, by
+    # the model type), the tokens are those of the tokenizer as saved (and trained on).
+    saved = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     byte_corpus = load_stdlib_corpus(max_bytes=300_000)
-    assert np.array_equal(corpus.heldout, tokenize_corpus(byte_corpus, tok).heldout)
+    for loaded in (tok, saved):
+        assert np.array_equal(corpus.heldout, tokenize_corpus(byte_corpus, loaded).heldout)
+    text = "caf\u00e9 = 'cafe\u0301'  # \u00fc\n\tif x:\n        return  x<<2\n"
+    assert tok(text)["input_ids"] == saved(text)["input_ids"]
     with pytest.raises(ValueError, match="tokenizer"):
         PretrainConfig(tokenizer="words")
