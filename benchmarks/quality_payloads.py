@@ -40,7 +40,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -188,7 +188,7 @@ def topk_kind(top_k: int, mode: LossMode = "tail", dtype: str = "float16") -> Pa
     suffix = "" if dtype == "float16" else f"-{dtype}"
     return PayloadKind(
         name=f"top{top_k}-{mode}{suffix}",
-        label=f"top-{top_k} {mode}, {dtype}",
+        label=f"top-{top_k} ids (int32) + {dtype} log-probs + next token's; {mode} loss",
         record=partial(_record_topk, options=options),
         read=_read_topk,
         loss=partial(_topk_loss, mode=mode),
@@ -234,7 +234,6 @@ class KindResult:
     train_seconds: float
     #: ``record`` alone per position on dense log-probs of :data:`SCALE_VOCAB` ids.
     scale_record_us_per_position: float = math.nan
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -338,15 +337,15 @@ def format_tables(
         f"{before.kl_student_teacher:.3f}, CE {before.student_ce:.3f}; teacher CE "
         f"{before.teacher_ce:.3f}.",
         "",
-        "| payload | bytes / position | vs top-64 | KL(teacher \\|\\| student) "
+        "| payload | sent, loss | bytes / position | vs top-64 | KL(teacher \\|\\| student) "
         "| KL(student \\|\\| teacher) | student CE | record us / position | train s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         a = r.after
         kl = f"{a.kl_teacher_student:.4f}"
         lines.append(
-            f"| {r.name} | {r.bytes_per_position:.1f} "
+            f"| {r.name} | {r.label} | {r.bytes_per_position:.1f} "
             f"| {r.bytes_per_position / base.bytes_per_position:.3f}x "
             f"| {f'**{kl}**' if r is best else kl} | {a.kl_student_teacher:.4f} "
             f"| {a.student_ce:.4f} | {r.record_us_per_position:.1f} | {r.train_seconds:.0f} |"

@@ -36,7 +36,7 @@ SEQ_LEN = 16
 def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = PretrainConfig(
         tokenizer="bpe", vocab_size=384, train_seconds=0, max_steps=3, batch_size=4,
-        seq_len=32, eval_windows=2, warmup_steps=1, corpus_max_bytes=300_000,
+        seq_len=32, eval_windows=2, warmup_steps=1, corpus_max_bytes=150_000,
     )  # fmt: skip
     return build_default_teacher(tmp_path_factory.mktemp("cache") / "bpe", config=cfg)
 
