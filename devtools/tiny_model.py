@@ -11,7 +11,7 @@ import argparse
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "TINY_SERVE_ARGS",
@@ -96,7 +96,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
     merges = [(a, b) for a, b in pairs]
     return Qwen2Tokenizer(
         vocab=_byte_level_vocab(merges),
-        merges=merges,
+        merges=cast(Any, merges),  # pairs, which its BPE takes (annotated: str | list[str])
         eos_token=EXTRA_TOKENS[0],
         pad_token=EXTRA_TOKENS[1],
     )
