@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,15 @@ from student_client.losses import (
     get_divergence,
 )
 
-__all__ = ["QualityRow", "main", "teacher_payload", "train_one"]
+__all__ = [
+    "QualityRow",
+    "main",
+    "teacher_log_probs",
+    "teacher_payload",
+    "topk_payload",
+    "train_one",
+    "train_student",
+]
 
 #: (label, registry name, parameters) of the divergences compared.
 DIVERGENCES: list[tuple[str, str, dict[str, Any]]] = [
@@ -60,15 +69,57 @@ class QualityRow:
 
 
 @torch.inference_mode()
-def teacher_payload(teacher: Any, x: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
-    """The teacher's top-k `[B, T, K]` and the log-prob of the next byte `[B, T]` (NaN at
-    the last position) for windows `x` `[B, T]`, from its full log-softmax."""
-    log_p = torch.log_softmax(teacher(input_ids=x).logits.float(), dim=-1)
+def teacher_log_probs(teacher: Any, x: torch.Tensor) -> torch.Tensor:
+    """The teacher's full next-token log-softmax `[B, T, V]` (float32) for windows `x`
+    `[B, T]`."""
+    return torch.log_softmax(teacher(input_ids=x).logits.float(), dim=-1)
+
+
+@torch.inference_mode()
+def topk_payload(log_p: torch.Tensor, x: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """The top-k `[B, T, K]` of full log-probs `log_p` `[B, T, V]` of windows `x` `[B, T]`,
+    the next token `[B, T]` and its log-prob `[B, T]` (NaN at the last position)."""
     logprobs, ids = log_p.topk(top_k, dim=-1)
     following = torch.roll(x, -1, dims=-1)
     sampled = log_p.gather(-1, following.unsqueeze(-1)).squeeze(-1)
     sampled[:, -1] = math.nan
     return {"ids": ids, "logprobs": logprobs, "sampled_ids": following, "sampled": sampled}
+
+
+def teacher_payload(teacher: Any, x: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
+    """:func:`topk_payload` of the teacher's forward on `x` `[B, T]`."""
+    return topk_payload(teacher_log_probs(teacher, x), x, top_k)
+
+
+#: One training step's loss: (student, window `[B, T]`) -> scalar.
+StepLoss = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def train_student(
+    teacher: Any,
+    batches: list[torch.Tensor],
+    heldout: torch.Tensor,
+    cfg: DistillConfig,
+    step_loss: StepLoss,
+) -> tuple[EvalResult, float]:
+    """Train a fresh student (`student_model`, seeded by `cfg.seed`) on `batches`, one
+    AdamW step of `step_loss` each (one-cycle learning rate, gradient norm clipped to 1);
+    its held-out metrics against `teacher` and the training seconds."""
+    student = student_model(int(teacher.config.vocab_size), cfg)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=cfg.lr, total_steps=len(batches), pct_start=0.1
+    )
+    start = time.perf_counter()
+    for x in batches:
+        loss = step_loss(student, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    seconds = time.perf_counter() - start
+    return evaluate(student, teacher, heldout), seconds
 
 
 def train_one(
@@ -79,13 +130,8 @@ def train_one(
     options: LossOptions,
 ) -> tuple[EvalResult, float]:
     """Train a fresh student on `batches` with `options`; held-out metrics and seconds."""
-    student = student_model(int(teacher.config.vocab_size), cfg)
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=cfg.lr, total_steps=len(batches), pct_start=0.1
-    )
-    start = time.perf_counter()
-    for x in batches:
+
+    def step_loss(student: Any, x: torch.Tensor) -> torch.Tensor:
         payload = teacher_payload(teacher, x, cfg.top_k)
         actual: dict[str, Any] = {}
         if options.mode == "tail_actual":
@@ -95,13 +141,9 @@ def train_one(
             head.hidden, head.weight, payload["ids"], payload["logprobs"], bias=head.bias,
             options=options, **actual,
         )  # fmt: skip
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        sched.step()
-    seconds = time.perf_counter() - start
-    return evaluate(student, teacher, heldout), seconds
+        return loss
+
+    return train_student(teacher, batches, heldout, cfg, step_loss)
 
 
 def format_table(rows: list[QualityRow], before: EvalResult, steps: int, cfg: DistillConfig) -> str:

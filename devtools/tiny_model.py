@@ -1,4 +1,5 @@
-"""Write a tiny Qwen2 model directory (weights + byte-level tokenizer) for tests and examples.
+"""Write a tiny Qwen2 model directory (weights + byte-level tokenizer) for tests and examples,
+and the byte-level BPE tokenizers the examples train.
 
 The architecture follows docs/vllm.md: it loads in vLLM's CPU backend (head_dim 64; 16
 fails in the CPU attention kernel) and in transformers.
@@ -7,10 +8,18 @@ fails in the CPU attention kernel) and in transformers.
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["TINY_SERVE_ARGS", "byte_tokenizer", "tiny_qwen2_config", "write_tiny_model"]
+__all__ = [
+    "TINY_SERVE_ARGS",
+    "byte_tokenizer",
+    "tiny_qwen2_config",
+    "train_bpe_tokenizer",
+    "write_tiny_model",
+]
 
 #: ``teacher-server serve`` flags for the tiny model with the vLLM backend, as the tests'
 #: shared server and the recorded fixture (``scripts/record_fixture.py``) use them:
@@ -49,6 +58,58 @@ def byte_tokenizer() -> Any:
         eos_token=EXTRA_TOKENS[0],
         pad_token=EXTRA_TOKENS[1],
     )
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer of ``vocab_size`` ids learned from ``texts`` by the
+    ``tokenizers`` library's trainer, returned as a ``transformers`` ``Qwen2Tokenizer``.
+
+    Ids 0..255 are the bytes and 256.. the special tokens, as in :func:`byte_tokenizer`
+    (so a stream joined with ``<|endoftext|>`` = 256 means the same in both); the merged
+    tokens follow in the order they were learned. The training uses Qwen2's own
+    normalizer (NFC) and pre-tokenizer: transformers (and vLLM through it) load a Qwen2
+    model directory's tokenizer as ``Qwen2Tokenizer`` whatever its ``tokenizer_class``
+    says, and that class sets both, so the tokens a model is trained on are the tokens
+    every loader of its directory produces.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    merged_ids = vocab_size - 256 - len(EXTRA_TOKENS)
+    if merged_ids < 0:
+        raise ValueError(f"vocab_size: must be >= {256 + len(EXTRA_TOKENS)}, got {vocab_size}")
+    qwen2 = Qwen2Tokenizer().backend_tokenizer
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = qwen2.normalizer
+    tok.pre_tokenizer = qwen2.pre_tokenizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + merged_ids,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # tokenizers writes a merge as a pair (0.20+) or as one "a b" string (before).
+    pairs = (
+        m.split(" ") if isinstance(m, str) else m
+        for m in json.loads(tok.to_str())["model"]["merges"]
+    )
+    merges = [(a, b) for a, b in pairs]
+    return Qwen2Tokenizer(
+        vocab=_byte_level_vocab(merges),
+        merges=cast(Any, merges),  # pairs, which its BPE takes (annotated: str | list[str])
+        eos_token=EXTRA_TOKENS[0],
+        pad_token=EXTRA_TOKENS[1],
+    )
+
+
+def _byte_level_vocab(merges: list[tuple[str, str]]) -> dict[str, int]:
+    """Bytes 0..255 (as GPT-2's printable characters), then :data:`EXTRA_TOKENS`, then one
+    id per merge (its result), in merge order."""
+    vocab = {c: b for b, c in enumerate(_bytes_to_unicode())}
+    vocab.update({t: 256 + i for i, t in enumerate(EXTRA_TOKENS)})
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return vocab
 
 
 def _bytes_to_unicode() -> list[str]:

@@ -22,7 +22,7 @@ import hashlib
 import importlib.metadata
 import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,10 @@ __all__ = [
     "load_docs_corpus",
     "load_stdlib_corpus",
     "package_doc_files",
+    "split_documents",
     "stdlib_root",
     "stdlib_source_files",
+    "tokenize_corpus",
 ]
 
 #: ``<|endoftext|>``: separates files in a stream.
@@ -103,6 +105,13 @@ def join_documents(docs: Iterable[bytes]) -> TokenStream:
     for doc in docs:
         parts.extend((encode_bytes(doc), eot))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+
+
+def split_documents(stream: TokenStream) -> list[bytes]:
+    """The documents of a byte stream (:func:`join_documents` undone)."""
+    ends = np.flatnonzero(stream == EOT_ID)
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    return [stream[a:b].astype(np.uint8).tobytes() for a, b in zip(starts, ends, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -212,6 +221,38 @@ def _read_corpus(
         heldout_every=heldout_every,
         fingerprint=digest.hexdigest(),
         source=source,
+    )
+
+
+def tokenize_corpus(corpus: ByteCorpus, tokenizer: Any) -> ByteCorpus:
+    """``corpus`` re-tokenized by ``tokenizer`` (a ``transformers`` fast tokenizer whose
+    ``<|endoftext|>`` is :data:`EOT_ID` and whose ids fit ``uint16``, e.g.
+    :func:`devtools.tiny_model.train_bpe_tokenizer`): each document's text (UTF-8, an
+    invalid byte read as U+FFFD) encoded and joined with ``<|endoftext|>`` as before.
+    ``source`` and ``fingerprint`` name the tokenizer too."""
+    if len(tokenizer) > np.iinfo(np.uint16).max + 1:
+        raise ValueError(f"tokenizer: {len(tokenizer)} ids do not fit uint16 streams")
+    if tokenizer.convert_tokens_to_ids("<|endoftext|>") != EOT_ID:
+        raise ValueError(f"tokenizer: <|endoftext|> must be id {EOT_ID}")
+
+    def encode(stream: TokenStream) -> TokenStream:
+        texts = [doc.decode("utf-8", "replace") for doc in split_documents(stream)]
+        rows = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)
+        eot = np.array([EOT_ID], dtype=np.uint16)
+        out = np.concatenate(
+            [a for r in rows["input_ids"] for a in (np.asarray(r, np.uint16), eot)]
+        )
+        out.flags.writeable = False
+        return out
+
+    digest = hashlib.sha256(corpus.fingerprint.encode())
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    return replace(
+        corpus,
+        train=encode(corpus.train),
+        heldout=encode(corpus.heldout),
+        fingerprint=digest.hexdigest(),
+        source=f"{corpus.source}, BPE {len(tokenizer)}",
     )
 
 

@@ -19,13 +19,16 @@ from examples.data import (
     decode_bytes,
     fixed_windows,
     load_stdlib_corpus,
+    split_documents,
     stdlib_source_files,
+    tokenize_corpus,
 )
 from examples.teacher_pretrain import (
     MARKER_NAME,
     PretrainConfig,
     build_default_teacher,
     read_marker,
+    teacher_corpus,
 )
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions
@@ -206,3 +209,76 @@ def test_same_seed_and_steps_give_the_same_weights(tmp_path: Path) -> None:
     b = load_file(build_default_teacher(tmp_path / "b", config=cfg) / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- a BPE vocabulary ------------------------------------------------------------------------
+
+
+def test_bpe_tokenizer_keeps_the_byte_ids_and_learns_merges() -> None:
+    from devtools.tiny_model import byte_tokenizer, train_bpe_tokenizer
+
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda"]
+    texts = [f"def {a}_{b}(value):\n    return value + {b}\n" for a in words for b in words]
+    tok = train_bpe_tokenizer(texts, 300)
+    assert len(tok) == 300
+    byte_tok = byte_tokenizer()
+    for special in ("<|endoftext|>", "<|pad|>"):  # the same ids as the byte tokenizer's
+        assert tok.convert_tokens_to_ids(special) == byte_tok.convert_tokens_to_ids(special)
+    assert tok.convert_tokens_to_ids("<|endoftext|>") == EOT_ID
+    text = "def beta_gamma(value):\n    return value + gamma\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()) / 2  # merges learned
+    assert max(ids) < 300 and min(ids) >= 0
+    # A single byte not merged with anything keeps its byte id.
+    assert tok("\x07", add_special_tokens=False)["input_ids"] == [7]
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_bpe_tokenizer(texts, 257)
+
+
+def test_tokenize_corpus_keeps_documents_and_split(tmp_path: Path) -> None:
+    from devtools.tiny_model import train_bpe_tokenizer
+
+    _fake_stdlib(tmp_path, n=30)
+    files = stdlib_source_files(tmp_path)
+    corpus = load_stdlib_corpus(tmp_path, heldout_every=10)
+    assert split_documents(corpus.train) == [
+        f.read_bytes() for i, f in enumerate(files) if i % 10 != 9
+    ]
+    tok = train_bpe_tokenizer((d.decode() for d in split_documents(corpus.train)), 280)
+    bpe = tokenize_corpus(corpus, tok)
+    assert bpe.source == f"python-stdlib, BPE {len(tok)}" and 258 < len(tok) <= 280
+    assert bpe.fingerprint != corpus.fingerprint
+    assert int((bpe.train == EOT_ID).sum()) == corpus.train_files
+    assert int((bpe.heldout == EOT_ID).sum()) == corpus.heldout_files
+    assert len(bpe.train) < len(corpus.train) and not bpe.train.flags.writeable
+    for stream, tokens in ((corpus.train, bpe.train), (corpus.heldout, bpe.heldout)):
+        assert tok.decode(tokens.tolist()).replace("<|endoftext|>", "\n") == decode_bytes(stream)
+
+
+def test_bpe_teacher_trains_saves_its_tokenizer_and_retokenizes(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg = tiny_config(
+        tokenizer="bpe", vocab_size=384, train_seconds=0, max_steps=3, corpus_max_bytes=300_000
+    )
+    out = build_default_teacher(tmp_path / "bpe", config=cfg)
+    marker = read_marker(out)
+    assert marker is not None and marker["config"]["tokenizer"] == "bpe"
+    m = marker["metrics"]
+    assert m["steps"] == 3 and m["heldout_bytes_per_token"] > 1.5
+    assert m["initial_heldout_ce"] > m["heldout_unigram_ce"] > 0
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 384 and json.loads((out / "config.json").read_text())["vocab_size"] == 384
+    corpus = teacher_corpus(out)
+    assert corpus.source.endswith("BPE 384") and int(corpus.train.max()) < 384
+    # Whatever class a loader picks for the directory (transformers: Qwen2Tokenizer, by
+    # the model type), the tokens are those of the tokenizer as saved (and trained on).
+    saved = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    byte_corpus = load_stdlib_corpus(max_bytes=300_000)
+    for loaded in (tok, saved):
+        assert np.array_equal(corpus.heldout, tokenize_corpus(byte_corpus, loaded).heldout)
+    text = "caf\u00e9 = 'cafe\u0301'  # \u00fc\n\tif x:\n        return  x<<2\n"
+    assert tok(text)["input_ids"] == saved(text)["input_ids"]
+    with pytest.raises(ValueError, match="tokenizer"):
+        PretrainConfig(tokenizer="words")
