@@ -130,3 +130,50 @@ def test_onpolicy_reduces_heldout_kl_with_response_only_traffic(
     assert 48 * 12 * 8 <= result["full_rows"] <= 64 * 12 * 8
     assert result["payload_bytes"] == result["response_rows"] * 16 * (4 + 2)
     assert result["payload_bytes"] < 0.7 * result["full_sequence_bytes"]
+
+
+def test_onpolicy_union_support_sends_the_students_candidates(
+    pretrained_teacher: ServerProcess,
+    teacher_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """examples/onpolicy.py --support union: the student's top-8 at every response row
+    travel with the request, the teacher's log-probs at them come back, and the reverse
+    KL on the union of both supports lowers held-out KL in both directions."""
+    from examples import onpolicy
+
+    args = [
+        "--teacher", pretrained_teacher.target, "--teacher-dir", str(teacher_dir),
+        "--out", str(tmp_path), "--steps", "12", "--batch-size", "8", "--min-prompt", "16",
+        "--max-prompt", "32", "--response", "32", "--eval-windows", "8", "--eval-len", "128",
+        "--support", "union", "--candidates", "8",
+    ]  # fmt: skip
+    assert onpolicy.main(args) == 0
+    assert "student's top-8" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert saved["config"]["support"] == "union"
+    result = saved["result"]
+    before, after = result["before"], result["after"]
+    assert after["kl_student_teacher"] < 0.9 * before["kl_student_teacher"], (before, after)
+    assert after["kl_teacher_student"] < before["kl_teacher_student"], (before, after)
+    rows = result["response_rows"]
+    assert rows == 12 * 8 * 32
+    # Down: top-16 ids (4 B) and float16 log-probs (2 B), plus 8 float16 candidate log-probs.
+    assert result["payload_bytes"] == rows * (16 * (4 + 2) + 8 * 2)
+    # Up: the candidate ids alone are 8 x 4 bytes per response row.
+    assert result["request_bytes"] > rows * 8 * 4
+
+
+def test_student_candidates_go_to_the_rows_that_predict_the_response() -> None:
+    """Step j of ``generate`` predicts column P + j, so its top-C goes to row P - 1 + j."""
+    import torch
+
+    from examples.onpolicy import student_candidates
+
+    steps = tuple(torch.arange(5.0).roll(j).unsqueeze(0).repeat(2, 1) for j in range(3))
+    out = student_candidates(steps, total=7, first_row=3, count=2)
+    assert out.shape == (2, 7, 2)
+    assert (out[:, :3] == -1).all() and (out[:, 6:] == -1).all()
+    assert out[0, 3].tolist() == [4, 3] and out[0, 4].tolist() == [0, 4]
+    assert out[1, 5].tolist() == [1, 0]
