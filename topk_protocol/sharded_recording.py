@@ -121,6 +121,7 @@ def write_part_file(location: str | os.PathLike[str], data: dict[str, Any]) -> N
     fs, path = resolve(join(location, PART_FILE))
     body = (json.dumps({"format": PART_FORMAT, **data}, indent=2, sort_keys=True) + "\n").encode()
     target = path
+    fs.create_dir(os.path.dirname(path), recursive=True)  # a part of no rows has no recording
     if isinstance(fs, pafs.LocalFileSystem):
         target = f"{os.path.dirname(path)}/.{PART_FILE}.{uuid.uuid4().hex[:8]}.tmp"
     with fs.open_output_stream(target) as f:

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(
             f"{stats.positions / max(stats.seconds, 1e-9):.0f} positions/s", refresh=False
         )
-        bar.refresh()
+        bar.update(0)  # redraws at most every mininterval
 
     options: dict[str, Any] = {
         "token": args.token,
