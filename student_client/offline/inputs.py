@@ -127,6 +127,14 @@ def _chunk(
     return Chunk(tokens, names)
 
 
+def _chunks(
+    batch: pa.RecordBatch, column: str, teachers: str | None, where: str, rows: int
+) -> Iterator[Chunk]:
+    """:func:`_chunk` of ``rows``-row slices of ``batch`` (zero-copy slices)."""
+    for offset in range(0, batch.num_rows, rows):
+        yield _chunk(batch.slice(offset, rows), column, teachers, where)
+
+
 class InputSource:
     """One corpus, cut into units (see the module's table). Subclasses set
     ``num_units`` and ``unit_name`` and implement :meth:`read_unit`."""
@@ -200,18 +208,19 @@ class _ArrowFile(InputSource):
     unit_name = "record batch"
 
     def __init__(self, location: str, reader: pa.ipc.RecordBatchFileReader, source: Any,
-                 column: str | None, teachers: str | None) -> None:  # fmt: skip
+                 column: str | None, teachers: str | None, batch_rows: int) -> None:  # fmt: skip
         self.location = location
         self._source = source
         self._reader = reader
         self._column = _pick_column(reader.schema.names, column, location)
         _check_teacher_column(reader.schema.names, teachers, location)
-        self._teachers = teachers
+        self._teachers, self._batch_rows = teachers, batch_rows
         self.num_units = reader.num_record_batches
 
     def read_unit(self, unit: int) -> Iterator[Chunk]:
         batch = self._reader.get_batch(unit)
-        yield _chunk(batch, self._column, self._teachers, f"{self.location}: record batch {unit}")
+        where = f"{self.location}: record batch {unit}"
+        yield from _chunks(batch, self._column, self._teachers, where, self._batch_rows)
 
     def close(self) -> None:
         self._source.close()
@@ -224,9 +233,9 @@ class _ArrowStream(InputSource):
     unit_name = "record batch"
 
     def __init__(self, location: str, fs: pafs.FileSystem, path: str, column: str | None,
-                 teachers: str | None) -> None:  # fmt: skip
+                 teachers: str | None, batch_rows: int) -> None:  # fmt: skip
         self.location = location
-        self._fs, self._path = fs, path
+        self._fs, self._path, self._batch_rows = fs, path, batch_rows
         with fs.open_input_stream(path) as f:
             try:
                 reader = pa.ipc.open_stream(f)
@@ -257,18 +266,21 @@ class _ArrowStream(InputSource):
                     ) from e
                 if unit in units:
                     where = f"{self.location}: record batch {unit}"
-                    yield unit, _chunk(batch, self._column, self._teachers, where)
+                    for chunk in _chunks(
+                        batch, self._column, self._teachers, where, self._batch_rows
+                    ):
+                        yield unit, chunk
 
 
 def _open_arrow(location: str, fs: pafs.FileSystem, path: str, column: str | None,
-                teachers: str | None) -> InputSource:  # fmt: skip
+                teachers: str | None, batch_rows: int) -> InputSource:  # fmt: skip
     source = fs.open_input_file(path)
     try:
         reader = pa.ipc.open_file(source)
     except READ_ERRORS:
         source.close()
-        return _ArrowStream(location, fs, path, column, teachers)
-    return _ArrowFile(location, reader, source, column, teachers)
+        return _ArrowStream(location, fs, path, column, teachers, batch_rows)
+    return _ArrowFile(location, reader, source, column, teachers, batch_rows)
 
 
 class _Jsonl(InputSource):
@@ -358,7 +370,9 @@ class _SavedDataset(InputSource):
 
     unit_name = "record batch"
 
-    def __init__(self, location: str, column: str | None, teachers: str | None) -> None:
+    def __init__(
+        self, location: str, column: str | None, teachers: str | None, batch_rows: int
+    ) -> None:
         datasets = _import_datasets(location)
         ds = datasets.load_from_disk(location)
         if not isinstance(ds, datasets.Dataset):
@@ -367,7 +381,7 @@ class _SavedDataset(InputSource):
         table = ds.data.table
         self._column = _pick_column(table.column_names, column, location)
         _check_teacher_column(table.column_names, teachers, location)
-        self._teachers = teachers
+        self._teachers, self._batch_rows = teachers, batch_rows
         self._batches = table.to_batches()  # zero-copy views of the mapped files
         self.num_units = len(self._batches)
 
@@ -376,7 +390,9 @@ class _SavedDataset(InputSource):
 
     def read_unit(self, unit: int) -> Iterator[Chunk]:
         where = f"{self.location}: record batch {unit}"
-        yield _chunk(self._batches[unit], self._column, self._teachers, where)
+        yield from _chunks(
+            self._batches[unit], self._column, self._teachers, where, self._batch_rows
+        )
 
 
 class _StreamedDataset(InputSource):
@@ -435,12 +451,12 @@ def open_input(
     if info.type == pafs.FileType.Directory:
         if not isinstance(fs, pafs.LocalFileSystem):
             raise InputError(f"--input {text}: a saved `datasets` directory must be local")
-        return _SavedDataset(path, column, teacher_column)
+        return _SavedDataset(path, column, teacher_column, batch_rows)
     suffix = os.path.splitext(path)[1]
     if suffix == ".parquet":
         return _Parquet(text, fs, path, column, teacher_column, batch_rows)
     if suffix in _ARROW_SUFFIXES:
-        return _open_arrow(text, fs, path, column, teacher_column)
+        return _open_arrow(text, fs, path, column, teacher_column, batch_rows)
     if suffix in _JSONL_SUFFIXES:
         return _Jsonl(text, fs, path, column, teacher_column, batch_rows)
     raise InputError(
