@@ -148,7 +148,7 @@ def seal_cut_shards(part: str) -> list[str]:
                 continue
             if not batches or schema is None:
                 os.remove(path)
-                changed.append(f"removed {path} (no complete batch)")
+                changed.append(f"sealing {path}: removed (no complete batch)")
                 continue
             tmp = f"{path}.sealing"
             codec = _compression(location)
@@ -161,7 +161,7 @@ def seal_cut_shards(part: str) -> list[str]:
                 for batch in batches:
                     w.write_batch(batch)
             os.replace(tmp, path)
-            changed.append(f"sealed {path} ({len(batches)} complete batches kept)")
+            changed.append(f"sealing {path}: kept its {len(batches)} complete batches")
     return changed
 
 
@@ -199,31 +199,36 @@ def _batches(
         names.clear()
         return out
 
-    for unit, chunk in source.read(units):
-        if unit != last_unit and last_unit is not None:
-            stats.units_done += 1
-        last_unit = unit
-        for j, tokens in enumerate(chunk.tokens):
-            stats.rows_read += 1
-            name = chunk.teachers[j] if chunk.teachers is not None else ""
-            if teachers is not None and name not in teachers:
-                raise InputError(
-                    f"{source.location}: {source.unit_name} {unit}: the teacher column names "
-                    f"{name!r}, not among --teacher {sorted(teachers)}"
-                )
-            key = sequence_key(tokens.astype("<i4")) + name.encode()
-            if key in seen:
-                stats.repeats += 1
-                continue
-            seen.add(key)
-            if key in recorded:
-                recorded.discard(key)
-                stats.already += 1
-                continue
-            seqs.append(tokens)
-            names.append(name)
-            if len(seqs) == batch_size:
-                yield flush()
+    try:
+        for unit, chunk in source.read(units):
+            if unit != last_unit and last_unit is not None:
+                stats.units_done += 1
+            last_unit = unit
+            for j, tokens in enumerate(chunk.tokens):
+                stats.rows_read += 1
+                name = chunk.teachers[j] if chunk.teachers is not None else ""
+                if teachers is not None and name not in teachers:
+                    raise InputError(
+                        f"{source.location}: {source.unit_name} {unit}: the teacher column names "
+                        f"{name!r}, not among --teacher {sorted(teachers)}"
+                    )
+                key = sequence_key(tokens.astype("<i4")) + name.encode()
+                if key in seen:
+                    stats.repeats += 1
+                    continue
+                seen.add(key)
+                if key in recorded:
+                    recorded.discard(key)
+                    stats.already += 1
+                    continue
+                seqs.append(tokens)
+                names.append(name)
+                if len(seqs) == batch_size:
+                    yield flush()
+    except (InputError, *READ_ERRORS):
+        if seqs:  # the rows read before the error are scored and recorded
+            yield flush()
+        raise
     if last_unit is not None:
         stats.units_done += 1
     if seqs:
