@@ -21,6 +21,7 @@ import pytest
 from conftest import ROOT, ServerProcess, start_server
 
 from student_client.offline.dataset import PayloadDataset
+from student_client.offline.record_cli import main as record_main
 from topk_protocol.recording import RecordingReader
 
 K = 8
@@ -54,13 +55,27 @@ def _cmd(teacher: ServerProcess, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=full)
+class _Result:
+    """``main(argv)`` run in this process: exit code, stdout, stderr (a SystemExit's
+    message included)."""
+
+    def __init__(self, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+        try:
+            self.returncode = record_main(argv)
+        except SystemExit as e:
+            self.returncode = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        captured = capsys.readouterr()
+        self.stdout, self.stderr = captured.out, captured.err
 
 
-def _verify(out: Path) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "student_client.offline.record_cli", "--verify", str(out)])
+def _in(teacher: ServerProcess, capsys: pytest.CaptureFixture[str], *args: str) -> _Result:
+    return _Result(_cmd(teacher, *args)[3:], capsys)
+
+
+def _verify(out: Path, capsys: pytest.CaptureFixture[str]) -> _Result:
+    return _Result(["--verify", str(out)], capsys)
 
 
 def _rows(path: Path) -> list[tuple[bytes, ...]]:
@@ -79,7 +94,7 @@ def _rows(path: Path) -> list[tuple[bytes, ...]]:
 
 
 def test_four_shards_one_killed_and_rerun_equal_one_recorder(
-    teacher: ServerProcess, corpus: Path, tmp_path: Path
+    teacher: ServerProcess, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sharded"
     # Shard 1, by its Indexed-Job environment, is SIGKILLed mid-recording: the teacher is
@@ -108,7 +123,7 @@ def test_four_shards_one_killed_and_rerun_equal_one_recorder(
     with RecordingReader(part1) as r:
         kept = len(r)
     assert 0 < kept < 120  # some rows recorded, not all
-    assert _verify(out).returncode == 1  # missing parts, an unfinished one
+    assert _verify(out, capsys).returncode == 1  # missing parts, an unfinished one
     procs = [
         subprocess.Popen(
             _cmd(
@@ -133,11 +148,11 @@ def test_four_shards_one_killed_and_rerun_equal_one_recorder(
     results = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
     assert f"{kept} were recorded already" in results[1][0]
-    single = _run(_cmd(teacher, "--input", str(corpus), "--output", str(tmp_path / "one")))
+    single = _in(teacher, capsys, "--input", str(corpus), "--output", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr
     assert "1 repeated an earlier row" in single.stdout
 
-    verdict = _verify(out)
+    verdict = _verify(out, capsys)
     assert verdict.returncode == 0, verdict.stderr
     assert "4 part(s), 480 rows" in verdict.stdout  # the repeat is once in each of 2 parts
     assert "1 sequences repeated across parts" in verdict.stdout
@@ -159,19 +174,39 @@ def test_four_shards_one_killed_and_rerun_equal_one_recorder(
 
 
 def test_a_cut_shard_file_is_sealed_on_rerun(
-    teacher: ServerProcess, corpus: Path, tmp_path: Path
+    teacher: ServerProcess, corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A writer killed mid-batch leaves a cut file: the re-run keeps its complete
     batches (rewritten so plain readers read it) and records the rest."""
     out = tmp_path / "rec"
-    first = _run(_cmd(teacher, "--input", str(corpus), "--output", str(out), "--num-shards",
-                      "3", "--shard-index", "2"))  # fmt: skip
+    first = _in(
+        teacher,
+        capsys,
+        "--input",
+        str(corpus),
+        "--output",
+        str(out),
+        "--num-shards",
+        "3",
+        "--shard-index",
+        "2",
+    )
     assert first.returncode == 0, first.stderr
     (shard,) = glob.glob(str(out / "part-00002-of-00003" / "*.arrow"))
     data = Path(shard).read_bytes()
     Path(shard).write_bytes(data[: len(data) * 2 // 3])  # cut inside a batch
-    again = _run(_cmd(teacher, "--input", str(corpus), "--output", str(out), "--num-shards",
-                      "3", "--shard-index", "2"))  # fmt: skip
+    again = _in(
+        teacher,
+        capsys,
+        "--input",
+        str(corpus),
+        "--output",
+        str(out),
+        "--num-shards",
+        "3",
+        "--shard-index",
+        "2",
+    )
     assert again.returncode == 0, again.stderr
     assert "sealing" in again.stderr
     for f in glob.glob(str(out / "part-00002-of-00003" / "*.arrow")):
@@ -179,35 +214,51 @@ def test_a_cut_shard_file_is_sealed_on_rerun(
     with RecordingReader(out / "part-00002-of-00003") as r:
         assert len({r.key(i) for i in range(len(r))}) == len(r) == 160
         assert not r.skipped
-    fresh = _run(_cmd(teacher, "--input", str(corpus), "--output", str(tmp_path / "fresh"),
-                      "--num-shards", "3", "--shard-index", "2"))  # fmt: skip
+    fresh = _in(
+        teacher,
+        capsys,
+        "--input",
+        str(corpus),
+        "--output",
+        str(tmp_path / "fresh"),
+        "--num-shards",
+        "3",
+        "--shard-index",
+        "2",
+    )
     assert fresh.returncode == 0, fresh.stderr
     part = "part-00002-of-00003"
     assert _rows(out / part) == _rows(tmp_path / "fresh" / part)
 
 
 def test_bad_input_is_refused_by_name_and_nothing_recorded_is_lost(
-    teacher: ServerProcess, corpus: Path, tmp_path: Path
+    teacher: ServerProcess,
+    corpus: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "rec"
-    base = _cmd(teacher, "--input", str(corpus), "--output", str(out))
-    res = _run([*base, "--shard-index", "4", "--num-shards", "4"])
+    base = _cmd(teacher, "--input", str(corpus), "--output", str(out))[3:]
+    res = _Result([*base, "--shard-index", "4", "--num-shards", "4"], capsys)
     assert res.returncode != 0
     assert "--shard-index 4 is out of range for --num-shards 4" in res.stderr
-    res = _run([*base, "--num-shards", "4"], env={"JOB_COMPLETION_INDEX": "7"})
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "7")
+    res = _Result([*base, "--num-shards", "4"], capsys)
+    monkeypatch.delenv("JOB_COMPLETION_INDEX")
     assert "$JOB_COMPLETION_INDEX 7 is out of range for --num-shards 4" in res.stderr
     assert not out.exists()
 
-    assert _run([*base, "--shard-index", "0", "--num-shards", "2"]).returncode == 0
+    assert _Result([*base, "--shard-index", "0", "--num-shards", "2"], capsys).returncode == 0
     before = _rows(out)
-    res = _run([*base, "--shard-index", "1", "--num-shards", "3"])
+    res = _Result([*base, "--shard-index", "1", "--num-shards", "3"], capsys)
     assert res.returncode != 0
     assert "part-00000-of-00002 was written with --num-shards 2; this run has --num-shards 3" in (
         res.stderr
     )
     # A part of another count copied in: --verify names it.
     (out / "part-00001-of-00003").mkdir()
-    res = _verify(out)
+    res = _verify(out, capsys)
     assert res.returncode == 1
     assert "part-00001-of-00003: written with another shard count (3; the other parts have 2)" in (
         res.stderr
@@ -227,24 +278,24 @@ def test_bad_input_is_refused_by_name_and_nothing_recorded_is_lost(
     )
     bad.write_bytes(bytes(data))
     rec2 = tmp_path / "rec2"
-    res = _run(_cmd(teacher, "--input", str(bad), "--output", str(rec2)))
+    res = _in(teacher, capsys, "--input", str(bad), "--output", str(rec2))
     assert res.returncode != 0
     assert f"{bad}: row group 3 is unreadable" in res.stderr
     assert "the rows before it are recorded" in res.stderr
     with RecordingReader(rec2) as r:
         assert len(r) == 60
     pq.write_table(pa.table({"input_ids": SEQS[:100]}), bad, row_group_size=20)
-    res = _run(_cmd(teacher, "--input", str(bad), "--output", str(rec2)))
+    res = _in(teacher, capsys, "--input", str(bad), "--output", str(rec2))
     assert res.returncode == 0, res.stderr
     assert "scored 40 sequences" in res.stdout and "60 were recorded already" in res.stdout
 
     # A damaged recording part: --verify names the shard file and the row.
     (shard,) = glob.glob(str(out / "part-00000-of-00002" / "*.arrow"))
-    assert _run([*base, "--shard-index", "1", "--num-shards", "2"]).returncode == 0
-    assert _verify(out).returncode == 0
+    assert _Result([*base, "--shard-index", "1", "--num-shards", "2"], capsys).returncode == 0
+    assert _verify(out, capsys).returncode == 0
     data = bytearray(Path(shard).read_bytes())
     data[-200] ^= 0x40
     Path(shard).write_bytes(bytes(data))
-    res = _verify(out)
+    res = _verify(out, capsys)
     assert res.returncode == 1
     assert os.path.basename(shard) in res.stderr
