@@ -299,3 +299,51 @@ def test_bad_input_is_refused_by_name_and_nothing_recorded_is_lost(
     res = _verify(out, capsys)
     assert res.returncode == 1
     assert os.path.basename(shard) in res.stderr
+
+
+#: The recorder's stated memory bound for 8-sequence batches of 512 tokens at K = 16 with
+#: the default --depth and --max-inflight: its peak RSS stays within this of a run that
+#: records one batch (docs/datasets.md, "Recording a large corpus").
+MEMORY_BOUND = 48 << 20
+#: Prints the recorder's peak RSS (``VmHWM``, from /proc) as it exits.
+_PEAK = (
+    "import sys; from student_client.offline.record_cli import main; rc = main(sys.argv[1:]); "
+    "print('peak', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]);"
+    " sys.exit(rc)"
+)
+
+
+def test_a_corpus_ten_times_the_bound_records_within_it(
+    teacher: ServerProcess, tmp_path: Path
+) -> None:
+    """A Parquet corpus of 487 MiB of int32 token ids (192 distinct 512-token rows, the
+    rest repeats of them, so that the teacher scores 98,304 positions while the recorder
+    reads, hashes and skips every row) records with peak RSS within MEMORY_BOUND of a
+    one-batch recording's."""
+    base = np.random.default_rng(5).integers(0, 512, (192, 512), dtype=np.int32)
+    offsets = pa.array(np.arange(0, base.size + 1, 512, dtype=np.int32))
+    table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, pa.array(base.ravel()))})
+    reps = 1300
+    with pq.ParquetWriter(tmp_path / "big.parquet", table.schema) as w:
+        for _ in range(reps):
+            w.write_table(table)
+    pq.write_table(table.slice(0, 8), tmp_path / "tiny.parquet")
+    corpus_bytes = reps * base.nbytes
+    assert corpus_bytes >= 10 * MEMORY_BOUND
+
+    def peak(name: str) -> tuple[int, str]:
+        cmd = [sys.executable, "-c", _PEAK, *_cmd(teacher)[3:], "--top-k", "16"]
+        cmd += ["--input", str(tmp_path / f"{name}.parquet"), "--output", str(tmp_path / name)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return int(res.stdout.split("peak ")[-1].split()[0]) << 10, res.stdout
+
+    one_batch, _ = peak("tiny")
+    big, summary = peak("big")
+    assert "scored 192 sequences (98304 positions" in summary
+    assert f"{reps * 192 - 192} repeated an earlier row" in summary
+    growth = big - one_batch
+    print(f"peak RSS: one batch {one_batch >> 20} MiB, corpus {big >> 20} MiB, growth "
+          f"{growth / 2**20:.1f} MiB for a {corpus_bytes >> 20} MiB corpus")  # fmt: skip
+    assert growth < MEMORY_BOUND
