@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         client = TeacherClient(teachers, **options)
     error: InputError | None = None
+    started = time.time()
     try:
         with client:
             try:
@@ -362,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             "input_rows": stats.rows_read,
             "repeats": stats.repeats,
             "rows": rows,
+            # this run's: what it scored, and when (its first request to its last answer)
+            "scored_positions": stats.positions,
+            "started_unix": started,
+            "finished_unix": started + stats.seconds,
         },
     )
     rate = stats.positions / max(stats.seconds, 1e-9)
