@@ -13,7 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -40,7 +48,7 @@ class _AsyncCore(Protocol[AnswerT]):
     async def score(self, sequences: Any, top_k: Any, **options: Any) -> TeacherPayload: ...
 
     def stream_answers(
-        self, batches: Iterable[Any], top_k: Any, **options: Any
+        self, batches: Iterable[Any] | AsyncIterable[Any], top_k: Any, **options: Any
     ) -> AsyncIterator[AnswerT]: ...
 
     def decode(self, answer: AnswerT, device: torch.device | str) -> TeacherPayload: ...
@@ -88,8 +96,11 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
         return iterate()
 
     def stream_answers(
-        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
-    ) -> Iterator[AnswerT]:
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int | RequestOptions,
+        **options: Any,
+    ) -> Generator[AnswerT, None, None]:
         """The complete answers to ``batches`` in input order, undecoded (:meth:`stream`
         decodes each one): for a caller that needs only that they arrived, such as a
         recorder whose client writes them (``record_to``)."""
@@ -100,7 +111,7 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
         async def step() -> Any:
             return await anext(answers, _DONE)
 
-        def iterate() -> Iterator[AnswerT]:
+        def iterate() -> Generator[AnswerT, None, None]:
             try:
                 while (answer := self._run(step())) is not _DONE:
                     yield answer
