@@ -179,34 +179,13 @@ def test_a_cut_shard_file_is_sealed_on_rerun(
     """A writer killed mid-batch leaves a cut file: the re-run keeps its complete
     batches (rewritten so plain readers read it) and records the rest."""
     out = tmp_path / "rec"
-    first = _in(
-        teacher,
-        capsys,
-        "--input",
-        str(corpus),
-        "--output",
-        str(out),
-        "--num-shards",
-        "3",
-        "--shard-index",
-        "2",
-    )
+    shard_2 = ["--input", str(corpus), "--num-shards", "3", "--shard-index", "2"]
+    first = _in(teacher, capsys, *shard_2, "--output", str(out))
     assert first.returncode == 0, first.stderr
     (shard,) = glob.glob(str(out / "part-00002-of-00003" / "*.arrow"))
     data = Path(shard).read_bytes()
     Path(shard).write_bytes(data[: len(data) * 2 // 3])  # cut inside a batch
-    again = _in(
-        teacher,
-        capsys,
-        "--input",
-        str(corpus),
-        "--output",
-        str(out),
-        "--num-shards",
-        "3",
-        "--shard-index",
-        "2",
-    )
+    again = _in(teacher, capsys, *shard_2, "--output", str(out))
     assert again.returncode == 0, again.stderr
     assert "sealing" in again.stderr
     for f in glob.glob(str(out / "part-00002-of-00003" / "*.arrow")):
@@ -214,18 +193,7 @@ def test_a_cut_shard_file_is_sealed_on_rerun(
     with RecordingReader(out / "part-00002-of-00003") as r:
         assert len({r.key(i) for i in range(len(r))}) == len(r) == 160
         assert not r.skipped
-    fresh = _in(
-        teacher,
-        capsys,
-        "--input",
-        str(corpus),
-        "--output",
-        str(tmp_path / "fresh"),
-        "--num-shards",
-        "3",
-        "--shard-index",
-        "2",
-    )
+    fresh = _in(teacher, capsys, *shard_2, "--output", str(tmp_path / "fresh"))
     assert fresh.returncode == 0, fresh.stderr
     part = "part-00002-of-00003"
     assert _rows(out / part) == _rows(tmp_path / "fresh" / part)
