@@ -146,14 +146,20 @@ def verify(output: str) -> Verdict:
     seen: dict[bytes, str] = {}
     records = []
     for part in parts:
-        rec = read_part_file(part.location)
+        unreadable = False
+        try:
+            rec = read_part_file(part.location)
+        except ValueError as e:  # not JSON, or not a part record
+            verdict.problems.append(f"{join(part.location, PART_FILE)}: unreadable ({e})")
+            rec, unreadable = None, True
         rows = _check_part(part, verdict, seen)
         verdict.rows += rows
         if rec is None:
-            verdict.problems.append(
-                f"{join(part.location, PART_FILE)}: missing (shard {part.index}'s recorder has "
-                "not finished: re-run it)"
-            )
+            if not unreadable:
+                verdict.problems.append(
+                    f"{join(part.location, PART_FILE)}: missing (shard {part.index}'s recorder "
+                    "has not finished: re-run it)"
+                )
             continue
         records.append((part, rec))
         if rec.get("rows") != rows:
