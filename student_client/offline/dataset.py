@@ -123,7 +123,7 @@ class PayloadDataset(Dataset[PayloadItem]):
                     )
                 # A part with no rows (a shard of no input) holds no recording.
                 located: list[tuple[str | None, Path]] = [
-                    (None, Path(p.location)) for p in shards if holds_recording(p.location)
+                    (None, Path(p.location)) for p in shards if _has_rows(p.location)
                 ]
                 if not located:
                     raise NotRecordedError(f"recording {self.path}: no part has rows recorded")
@@ -210,6 +210,14 @@ class PayloadDataset(Dataset[PayloadItem]):
         if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
             arrays = cast_arrays(arrays, self.dtype)
         return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
+
+
+def _has_rows(part: str) -> bool:
+    """Whether a part of a sharded recording holds a recording with rows (a shard of no
+    input rows holds none, or a multi-teacher manifest and no teacher's rows)."""
+    if not holds_recording(part):
+        return False
+    return read_manifest(part) is None or bool(recorded_teachers(part))
 
 
 def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBatch:

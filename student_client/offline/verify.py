@@ -110,6 +110,8 @@ def _check_part(part: Part, verdict: Verdict, seen: dict[bytes, str]) -> int:
     if part.num_shards > 1 and not holds_recording(part.location):
         return 0  # a shard of no input rows: its part.json says 0
     for teacher, location in recording_dirs(part.location):
+        if teacher is not None and not holds_recording(location):
+            continue  # a teacher with no rows in this part
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
