@@ -256,6 +256,15 @@ def test_async_and_multi_teacher_clients_route_candidates(
         other.stop()
 
 
+def _check_replay(live: LoopbackTeacher, out: Path, seqs: list[np.ndarray], cands: Any) -> None:
+    """The recording at ``out`` answers ``seqs`` with ``cands`` as the teacher does."""
+    with TeacherClient(f"127.0.0.1:{live.server.port}") as client:
+        want = client.score(seqs, 8, candidate_ids=cands, dtype="float32")
+    with ReplayClient(out) as replay:
+        got = replay.score(seqs, 8, candidate_ids=cands, dtype="float32")
+    assert _bits(got.candidate_logprobs) == _bits(want.candidate_logprobs)
+
+
 def test_teacher_record_cli_records_candidates(live: LoopbackTeacher, tmp_path: Path) -> None:
     seqs = _seqs(21, [6, 9])
     cands = [_cands(22, 6, 3), _cands(23, 9, 3)]
@@ -272,11 +281,7 @@ def test_teacher_record_cli_records_candidates(live: LoopbackTeacher, tmp_path: 
         "--top-k", "8", "--dtype", "float32", "--candidate-column", "student_top",
     ]  # fmt: skip
     assert record_main(args) == 0
-    with TeacherClient(f"127.0.0.1:{live.server.port}") as client:
-        want = client.score(seqs, 8, candidate_ids=cands, dtype="float32")
-    with ReplayClient(out) as replay:
-        got = replay.score(seqs, 8, candidate_ids=cands, dtype="float32")
-    assert _bits(got.candidate_logprobs) == _bits(want.candidate_logprobs)
+    _check_replay(live, out, seqs, cands)
     assert record_main(args) == 0  # a re-run: everything recorded with these candidates
     with ReplayClient(out) as replay:
         assert len(replay) == 2
@@ -293,11 +298,7 @@ def test_teacher_record_cli_records_candidates(live: LoopbackTeacher, tmp_path: 
         assert record_main(args) == 0
         with ReplayClient(out) as replay:
             assert len(replay) == 4
-    with TeacherClient(f"127.0.0.1:{live.server.port}") as client:
-        want = client.score(seqs, 8, candidate_ids=other, dtype="float32")
-    with ReplayClient(out) as replay:
-        got = replay.score(seqs, 8, candidate_ids=other, dtype="float32")
-    assert _bits(got.candidate_logprobs) == _bits(want.candidate_logprobs)
+    _check_replay(live, out, seqs, other)
 
 
 def test_stream_chunks_count_candidate_bytes_and_reassemble() -> None:
