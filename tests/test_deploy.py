@@ -373,3 +373,89 @@ def test_k8s_http_service_targets_http(
     target = port["targetPort"]
     http_port = container_args(container).http_port
     assert (named_ports(container)[target] if isinstance(target, str) else target) == http_port
+
+
+# -- the recording Job ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def record_job() -> dict[str, Any]:
+    (doc,) = load_yaml_docs(DEPLOY / "k8s" / "record-job.yaml")
+    assert doc["kind"] == "Job" and doc["apiVersion"] == "batch/v1"
+    return doc
+
+
+def recorder_container(job: dict[str, Any]) -> dict[str, Any]:
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def parse_record(argv: list[str]) -> argparse.Namespace:
+    """``teacher-record ARGV`` with the real parser: unknown flags and abbreviations fail."""
+    from student_client.offline import record_cli
+
+    parser = record_cli.build_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    written = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    assert written <= flags, f"not teacher-record flags: {sorted(written - flags)}"
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"teacher-record rejects {argv}: exit {e.code}")
+
+
+def test_record_job_is_indexed_and_its_args_parse(record_job: dict[str, Any]) -> None:
+    spec = record_job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    container = recorder_container(record_job)
+    assert container["command"] == ["teacher-record"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["teacher-record"] == "student_client.offline.record_cli:main"
+    args = parse_record(container["args"])
+    assert args.output.startswith("s3://") and args.input.startswith("s3://")
+    assert args.quiet
+    assert args.shard_index is None and args.num_shards is None, "the Job sets them by env"
+
+
+def test_record_job_env_names_are_the_clis(
+    record_job: dict[str, Any], deployment: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from student_client.offline import record_cli
+
+    spec = record_job["spec"]
+    container = recorder_container(record_job)
+    env = {e["name"]: e for e in container["env"]}
+    # Kubernetes sets the index in every pod of an Indexed Job; the CLI reads that name.
+    assert record_cli.SHARD_INDEX_ENV == "JOB_COMPLETION_INDEX"
+    assert record_cli.SHARD_INDEX_ENV not in env
+    assert int(env[record_cli.NUM_SHARDS_ENV]["value"]) == spec["completions"]
+    assert spec["parallelism"] <= spec["completions"]
+    # The token: the CLI's variable is the server's, from the teacher's own Secret.
+    assert record_cli.TOKEN_ENV == cli.TOKEN_ENV
+    ref = env[record_cli.TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+    teacher_env = {e["name"]: e for e in teacher_container(deployment)["env"]}
+    assert ref == teacher_env[cli.TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+    # Object-store credentials from a Secret, in the variables pyarrow's S3 client reads.
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert "secretKeyRef" in env[name]["valueFrom"] and "value" not in env[name]
+    # In a pod with index 5, the CLI records shard 5 of `completions`, with the token.
+    for name, e in env.items():
+        monkeypatch.setenv(name, e.get("value", f"secret-{name}"))
+    monkeypatch.setenv(record_cli.SHARD_INDEX_ENV, "5")
+    args = record_cli.build_parser().parse_args(container["args"])
+    assert record_cli._shard(args) == (5, spec["completions"])
+    assert args.token == f"secret-{record_cli.TOKEN_ENV}"
+
+
+def test_record_job_targets_the_teacher_service(
+    record_job: dict[str, Any], deployment: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    args = parse_record(recorder_container(record_job)["args"])
+    (target,) = args.teacher
+    assert target.startswith("dns:///"), "every replica, through the headless Service's DNS"
+    host, _, port = target.removeprefix("dns:///").rpartition(":")
+    assert host.split(".")[0] == "teacher" and services["teacher"]["spec"]["clusterIP"] == "None"
+    assert int(port) == container_args(teacher_container(deployment)).port
+    image = recorder_container(record_job)["image"]
+    assert image == teacher_container(deployment)["image"], "the image has teacher-record too"

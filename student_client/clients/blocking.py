@@ -11,8 +11,17 @@ payload, so prefetching goes on between calls to ``next``. A batch iterable give
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -39,7 +48,7 @@ class _AsyncCore(Protocol[AnswerT]):
     async def score(self, sequences: Any, top_k: Any, **options: Any) -> TeacherPayload: ...
 
     def stream_answers(
-        self, batches: Iterable[Any], top_k: Any, **options: Any
+        self, batches: Iterable[Any] | AsyncIterable[Any], top_k: Any, **options: Any
     ) -> AsyncIterator[AnswerT]: ...
 
     def decode(self, answer: AnswerT, device: torch.device | str) -> TeacherPayload: ...
@@ -76,18 +85,36 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
     ) -> Iterator[TeacherPayload]:
         """Payloads of ``batches`` in input order, ``depth`` requests in flight: see the
         asyncio client's ``stream`` (same arguments)."""
+        device = options.pop("device", "cpu")
+        answers = self.stream_answers(batches, top_k, **options)
+
+        def iterate() -> Iterator[TeacherPayload]:
+            with contextlib.closing(answers):  # decoded here while the loop reads on
+                for answer in answers:
+                    yield self._core.decode(answer, device)
+
+        return iterate()
+
+    def stream_answers(
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int | RequestOptions,
+        **options: Any,
+    ) -> Generator[AnswerT, None, None]:
+        """The complete answers to ``batches`` in input order, undecoded (:meth:`stream`
+        decodes each one): for a caller that needs only that they arrived, such as a
+        recorder whose client writes them (``record_to``)."""
         if self._loop.is_closed():
             raise TeacherError("client: already closed")
-        device = options.pop("device", "cpu")
         answers = self._core.stream_answers(batches, top_k, **options)
 
         async def step() -> Any:
             return await anext(answers, _DONE)
 
-        def iterate() -> Iterator[TeacherPayload]:
-            try:  # decoded here, in the caller's thread, while the loop reads on
+        def iterate() -> Generator[AnswerT, None, None]:
+            try:
                 while (answer := self._run(step())) is not _DONE:
-                    yield self._core.decode(answer, device)
+                    yield answer
             finally:
                 if not self._loop.is_closed():
                     self._run(answers.aclose())  # type: ignore[attr-defined]

@@ -48,6 +48,7 @@ from topk_protocol.multi_recording import (
 from topk_protocol.recording import RecordingReader
 from topk_protocol.recording.format import cast_arrays
 from topk_protocol.replay import check_options, recorded_arrays
+from topk_protocol.sharded_recording import holds_recording, list_parts
 from topk_protocol.storage import location
 
 __all__ = ["PayloadBatch", "PayloadDataset", "PayloadItem", "collate_payloads"]
@@ -109,23 +110,45 @@ class PayloadDataset(Dataset[PayloadItem]):
     ) -> None:
         self.path = location(path)
         self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
+        shards = list_parts(self.path)
         names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
-        #: ``(name, dataset)`` of each teacher of a multi-teacher recording, in order.
-        self._parts: list[tuple[str, PayloadDataset]] = []
-        if names is not None:
+        #: ``(teacher name or None, dataset)`` of each part, in order: the teachers of a
+        #: multi-teacher recording, or the shards of a sharded one (each maybe multi-teacher).
+        self._parts: list[tuple[str | None, PayloadDataset]] = []
+        if shards or names is not None:
             from student_client.clients.routing import check_agreement
 
-            if not names:
-                raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")
+            if shards:
+                counts = {p.num_shards for p in shards}
+                if len(counts) > 1:
+                    raise NotRecordedError(
+                        f"recording {self.path}: parts of several shard counts {sorted(counts)}"
+                    )
+                # A part with no rows (a shard of no input) holds no recording.
+                located: list[tuple[str | None, str | Path]] = [
+                    (None, location(p.location)) for p in shards if _has_rows(p.location)
+                ]
+                if not located:
+                    raise NotRecordedError(f"recording {self.path}: no part has rows recorded")
+            else:
+                if not names:
+                    raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")
+                located = [(n, teacher_recording_path(self.path, n)) for n in names]
             self._parts = [
-                (n, PayloadDataset(teacher_recording_path(self.path, n), **self._options))  # type: ignore[arg-type]
-                for n in names
+                (n, PayloadDataset(loc, **self._options))  # type: ignore[arg-type]
+                for n, loc in located
             ]
             check_agreement(
-                {n: TeacherInfo.from_message(d.reader.info) for n, d in self._parts},
-                {n: [str(d.path)] for n, d in self._parts},
+                {str(d.path): TeacherInfo.from_message(d.reader.info) for _, d in self._parts},
+                {str(d.path): [str(d.path)] for _, d in self._parts},
             )
             first = self._parts[0][1]
+            for _, d in self._parts[1:]:
+                if (d.top_k, d.dtype) != (first.top_k, first.dtype):
+                    raise NotRecordedError(
+                        f"recording {d.path}: K {d.top_k} {d.dtype}, but {first.path} has "
+                        f"K {first.top_k} {first.dtype}"
+                    )
             self._reader = first.reader
             self.top_k: int = first.top_k
             self.dtype: str = first.dtype
@@ -162,7 +185,7 @@ class PayloadDataset(Dataset[PayloadItem]):
     @property
     def teachers(self) -> list[str]:
         """The teachers of a multi-teacher recording (else empty)."""
-        return [n for n, _ in self._parts]
+        return [n for n, _ in self._parts if n is not None]
 
     @property
     def vocab_size(self) -> int:
@@ -179,7 +202,8 @@ class PayloadDataset(Dataset[PayloadItem]):
                 raise IndexError(f"row {i} of a recording with {len(self)} rows")
             part = int(np.searchsorted(self._starts, int(i), side="right")) - 1
             name, ds = self._parts[part]
-            return ds[int(i) - int(self._starts[part])]._replace(teacher=name)
+            item = ds[int(i) - int(self._starts[part])]
+            return item if name is None else item._replace(teacher=name)
         tokens, row = self._reader.row(int(i))
         if self.include_sampled and row.sampled_logprobs is None:
             raise NotRecordedError(
@@ -193,6 +217,14 @@ class PayloadDataset(Dataset[PayloadItem]):
         if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
             arrays = cast_arrays(arrays, self.dtype)
         return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
+
+
+def _has_rows(part: str) -> bool:
+    """Whether a part of a sharded recording holds a recording with rows (a shard of no
+    input rows holds none, or a multi-teacher manifest and no teacher's rows)."""
+    if not holds_recording(part):
+        return False
+    return read_manifest(part) is None or bool(recorded_teachers(part))
 
 
 def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBatch:

@@ -3,14 +3,21 @@
     teacher-record --teacher HOST:PORT --input TOKENS --output DIR --top-k 16 [--dtype float16]
 
 ``TOKENS`` is a Parquet file, an Arrow file (IPC file or stream), a JSONL file (one list
-of ints per line, or one object per line with the token column), or a Hugging Face
-``datasets`` dataset saved with ``save_to_disk`` (a directory). The token column is
-``--column`` (default: the first of ``input_ids``, ``token_ids``, ``tokens``).
+of ints per line, or one object per line with the token column), a Hugging Face
+``datasets`` dataset saved with ``save_to_disk`` (a directory), or ``datasets:NAME_OR_DIR``
+(``load_dataset(..., streaming=True)``); a path or a URI (``s3://...``). It is read a few
+rows at a time (:mod:`.inputs`). The token column is ``--column`` (default: the first of
+``input_ids``, ``token_ids``, ``tokens``).
 
 Every position of every sequence is scored (with sampled log-probs) and written to the
 recording directory ``DIR`` (:mod:`topk_protocol.recording`). Re-running the same command
 skips sequences already recorded, so an interrupted run resumes where it stopped (losing
 at most the recorder's last flush interval, 2 s).
+
+Many recorders (a Kubernetes Indexed Job): ``--shard-index I --num-shards N`` (defaults:
+``$JOB_COMPLETION_INDEX`` and ``$TOPK_RECORD_NUM_SHARDS``) records the I-th contiguous
+1/N of the input's units into ``DIR/part-0000I-of-0000N`` (:mod:`topk_protocol.sharded_recording`);
+``teacher-record --verify DIR`` checks the parts before training.
 
 Several teachers (a multi-teacher recording, :mod:`topk_protocol.multi_recording`)::
 
@@ -27,30 +34,51 @@ recorded with those candidates.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from student_client.clients.blocking import TeacherClient
 from student_client.clients.multi import MultiTeacherClient
-from student_client.data.batch import ScoreBatch
-from topk_protocol import DTYPE_NAMES
-from topk_protocol.multi_recording import teacher_recording_path
-from topk_protocol.recording import (
-    COMPRESSIONS,
-    METADATA_FILE,
-    RecordingReader,
+from student_client.offline.inputs import (
+    DATASETS_PREFIX,
+    TOKEN_COLUMNS,
+    InputError,
+    InputSource,
+    open_input,
+    shard_range,
 )
-from topk_protocol.replay import serves_candidates
-from topk_protocol.storage import Location, StorageError, location
+from student_client.offline.recorder import (
+    ShardStats,
+    files_bytes,
+    recorded_keys,
+    recording_dirs,
+    seal_cut_shards,
+    stream_shard,
+)
+from topk_protocol import DTYPE_NAMES
+from topk_protocol.errors import RecordingError
+from topk_protocol.recording import COMPRESSIONS
+from topk_protocol.recording.format import read_metadata
+from topk_protocol.sharded_recording import (
+    delete_part_file,
+    holds_recording,
+    list_parts,
+    part_location,
+    write_part_file,
+)
+from topk_protocol.storage import Location, StorageError
 
 __all__ = [
+    "DEFAULT_MAX_INFLIGHT",
+    "NUM_SHARDS_ENV",
+    "SHARD_INDEX_ENV",
+    "TOKEN_COLUMNS",
+    "TOKEN_ENV",
     "build_parser",
     "main",
     "read_candidate_column",
@@ -58,143 +86,79 @@ __all__ = [
     "read_token_sequences",
 ]
 
-TOKEN_COLUMNS = ("input_ids", "token_ids", "tokens")
+#: The shard index's default: what a Kubernetes Indexed Job sets in each pod.
+SHARD_INDEX_ENV = "JOB_COMPLETION_INDEX"
+#: The shard count's default (set it next to ``completions`` in the Job).
+NUM_SHARDS_ENV = "TOPK_RECORD_NUM_SHARDS"
+#: The teacher's bearer token's default (the variable the server reads too).
+TOKEN_ENV = "TOPK_TEACHER_TOKEN"
+#: Request batches read ahead of the teacher (the recorder's memory bound, with --depth).
+DEFAULT_MAX_INFLIGHT = 4
 
 
-def _pick_column(names: Iterable[str], column: str | None, source: Path) -> str:
-    names = list(names)
-    if column is not None:
-        if column not in names:
-            raise SystemExit(f"teacher-record: --column {column!r} is not in {source} ({names})")
-        return column
-    for name in TOKEN_COLUMNS:
-        if name in names:
-            return name
-    raise SystemExit(
-        f"teacher-record: {source} has no token column ({', '.join(TOKEN_COLUMNS)}); "
-        f"its columns are {names}: pass --column"
-    )
-
-
-def _read_arrow(path: Path) -> pa.Table:
-    with pa.memory_map(str(path)) as src:
+def _read_all(
+    path: str | Path,
+    column: str | None,
+    teacher_column: str | None = None,
+    candidate_column: str | None = None,
+) -> list[Any]:
+    try:
+        source = open_input(
+            path, column, teacher_column=teacher_column, candidate_column=candidate_column
+        )
         try:
-            return pa.ipc.open_file(src).read_all()
-        except pa.ArrowInvalid:
-            src.seek(0)
-            return pa.ipc.open_stream(src).read_all()
+            chunks = [c for _, c in source.read(range(source.num_units))]
+        finally:
+            source.close()
+    except InputError as e:
+        raise SystemExit(f"teacher-record: {e}") from None
+    if teacher_column is not None:
+        return [n for c in chunks for n in c.teachers or []]
+    if candidate_column is not None:
+        return [ids for c in chunks for ids in c.candidates or []]
+    return [t for c in chunks for t in c.tokens]
 
 
 def read_token_sequences(path: str | Path, column: str | None = None) -> list[np.ndarray]:
-    """Token-id sequences of a Parquet / Arrow / JSONL file or a saved ``datasets`` dataset."""
-    return _read(Path(path), column)
+    """Every token-id sequence of an input (see the module's formats), in memory: for
+    small corpora and tests; ``teacher-record`` streams instead (:mod:`.inputs`)."""
+    return _read_all(path, column, None)
 
 
 def read_teacher_column(path: str | Path, column: str) -> list[str]:
     """The teacher name of each sequence: column ``column`` of the same input."""
-    return _read(Path(path), column, teacher_column=True)
+    return _read_all(path, None, teacher_column=column)
 
 
-def read_candidate_column(path: str | Path, column: str) -> list[np.ndarray]:
-    """Each sequence's candidate ids ``[L, C]`` (one list of C ids per token, ``-1``
-    padding): column ``column`` of the same input."""
-    return _read(Path(path), column, nested=True)
+def read_candidate_column(
+    path: str | Path, column: str, token_column: str | None = None
+) -> list[np.ndarray]:
+    """Each sequence's candidate ids ``[L, C]`` int32 (one list of C ids per token,
+    ``-1`` padding): column ``column`` of the same input, in memory (as
+    :func:`read_token_sequences`)."""
+    return _read_all(path, token_column, candidate_column=column)
 
 
-def _read(
-    path: Path, column: str | None, teacher_column: bool = False, nested: bool = False
-) -> Any:
-    """The token column (or, ``teacher_column``, the named column of strings; ``nested``:
-    the named column of lists of id lists) of ``path``."""
-    if path.is_dir():
-        try:
-            import datasets
-        except ImportError:
-            raise SystemExit(
-                f"teacher-record: {path} is a directory: reading a saved dataset needs "
-                "the `datasets` package"
-            ) from None
-        ds = datasets.load_from_disk(str(path))
-        table = ds.data.table if hasattr(ds, "data") else None
-        if table is None:
-            raise SystemExit(f"teacher-record: {path}: expected a Dataset, not a DatasetDict")
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def _progress(total: int | None, desc: str, quiet: bool) -> Any:
+    from tqdm import tqdm
 
-        table = pq.read_table(path)
-    elif path.suffix in (".arrow", ".feather", ".ipc"):
-        table = _read_arrow(path)
-    elif path.suffix in (".jsonl", ".json"):
-        out = []
-        with open(path) as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                item = json.loads(line)
-                if teacher_column:
-                    if not isinstance(item, dict) or not isinstance(item.get(column), str):
-                        raise SystemExit(
-                            f"teacher-record: {path}:{n}: expected an object with a string "
-                            f"{column!r} (--teacher-column)"
-                        )
-                    out.append(item[column])
-                    continue
-                if isinstance(item, dict):
-                    item = item[_pick_column(item.keys(), column, path)]
-                rows = item if nested and isinstance(item, list) else [item]
-                if not all(
-                    isinstance(r, list) and all(isinstance(v, int) for v in r) for r in rows
-                ):
-                    want = "a list of lists of ints" if nested else "a list of ints"
-                    raise SystemExit(f"teacher-record: {path}:{n}: expected {want}")
-                out.append(np.asarray(item, dtype=np.int64))
-        return out
-    else:
-        raise SystemExit(
-            f"teacher-record: --input {path}: use .parquet, .arrow, .jsonl or a dataset directory"
-        )
-    col = table.column(_pick_column(table.column_names, column, path))
-    if teacher_column:
-        return [str(v) for v in col.to_pylist()]
-    return [np.asarray(v, dtype=np.int64) for v in col.to_pylist()]
+    return tqdm(total=total, unit="row", desc=desc, disable=quiet, smoothing=0.1)
 
 
-def _progress(total: int) -> Any:
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
     try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, unit="seq", desc="teacher-record")
-    except ImportError:
-        return _PlainProgress(total)
-
-
-class _PlainProgress:
-    """A progress line every few seconds when tqdm is not installed."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.n, self._last = total, 0, 0.0
-
-    def update(self, n: int) -> None:
-        self.n += n
-        now = time.monotonic()
-        if now - self._last > 5 or self.n == self.total:
-            self._last = now
-            print(f"teacher-record: {self.n}/{self.total} sequences", file=sys.stderr)
-
-    def close(self) -> None:
-        pass
-
-
-def _batches(seqs: list[np.ndarray], size: int) -> Iterator[list[np.ndarray]]:
-    for i in range(0, len(seqs), size):
-        yield seqs[i : i + size]
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"teacher-record: ${name} {value!r} is not an integer") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="teacher-record", description=__doc__.split("\n")[0])
     ap.add_argument(
         "--teacher",
-        required=True,
         action="append",
         help="HOST:PORT (or a comma-separated list); repeat as NAME=TARGET for several "
         "teachers (a multi-teacher recording)",
@@ -204,10 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="teacher_id",
         help="with several teachers: the input column naming each sequence's teacher",
     )
-    ap.add_argument("--input", required=True, type=Path, help="token sequences (see above)")
-    ap.add_argument(
-        "--output", required=True, type=location, help="recording directory or URI (s3://...)"
-    )
+    ap.add_argument("--input", help="token sequences, a path or a URI (see above)")
+    ap.add_argument("--output", help="recording directory, a path or a URI")
     ap.add_argument("--top-k", type=int, default=16, help="K (default 16)")
     ap.add_argument(
         "--dtype",
@@ -221,11 +183,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="also score these candidate ids: a column with one list of C ids (-1 pads) "
         "per token of each sequence; recorded with the payload",
     )
+    ap.add_argument("--split", default="train", help=f"the split of a {DATASETS_PREFIX} input")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per request")
     ap.add_argument("--depth", type=int, default=4, help="requests in flight")
-    ap.add_argument("--token", help="bearer token of the teacher")
+    ap.add_argument(
+        "--max-inflight",
+        type=int,
+        default=DEFAULT_MAX_INFLIGHT,
+        help="request batches read ahead of the teacher (memory: about max-inflight + depth "
+        f"batches; default {DEFAULT_MAX_INFLIGHT})",
+    )
+    ap.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"bearer token of the teacher (default: ${TOKEN_ENV})",
+    )
     ap.add_argument(
         "--compression", default="zstd", choices=[c for c in COMPRESSIONS if c != "auto"]
+    )
+    ap.add_argument(
+        "--shard-index",
+        type=int,
+        help=f"this recorder's shard, 0 <= I < --num-shards (default: ${SHARD_INDEX_ENV}, else 0)",
+    )
+    ap.add_argument(
+        "--num-shards",
+        type=int,
+        help=f"recorders sharing the input (default: ${NUM_SHARDS_ENV}, else 1)",
+    )
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (the summary stays)")
+    ap.add_argument(
+        "--verify",
+        metavar="DIR",
+        help="check a recording (every part: counts, checksums, no gaps, no duplicates, "
+        "one shard count) and exit non-zero naming the first problem's file",
     )
     return ap
 
@@ -248,123 +239,182 @@ def _teachers(values: list[str]) -> str | dict[str, str]:
     return out
 
 
-def _todo(
-    output: str | Path,
-    seqs: list[np.ndarray],
-    top_k: int,
-    dtype: str,
-    cands: list[np.ndarray] | None = None,
-) -> tuple[list[int], int]:
-    """Indices of ``seqs`` not yet recorded in ``output`` (a recording, maybe absent;
-    with ``cands``, with these candidate ids)."""
-    try:  # an unreachable store fails here, before any teacher is asked
-        out = Location.of(output)
-        out.make_dir()
-        recorded = out.child(METADATA_FILE).is_file()
+def _shard(args: argparse.Namespace) -> tuple[int, int]:
+    """``(index, num_shards)`` from the flags, else the environment, checked."""
+    num = args.num_shards if args.num_shards is not None else _env_int(NUM_SHARDS_ENV) or 1
+    index = args.shard_index if args.shard_index is not None else _env_int(SHARD_INDEX_ENV) or 0
+    if num < 1:
+        raise SystemExit(f"teacher-record: --num-shards must be >= 1, got {num}")
+    if not 0 <= index < num:
+        where = "--shard-index" if args.shard_index is not None else f"${SHARD_INDEX_ENV}"
+        raise SystemExit(
+            f"teacher-record: {where} {index} is out of range for --num-shards {num} "
+            f"(0 <= index < {num})"
+        )
+    return index, num
+
+
+def _check_layout(output: str, num_shards: int) -> None:
+    """Refuse an output that another shard count wrote (nothing in it is touched)."""
+    other = [p for p in list_parts(output) if p.num_shards != num_shards]
+    if other:
+        raise SystemExit(
+            f"teacher-record: {other[0].location} was written with --num-shards "
+            f"{other[0].num_shards}; this run has --num-shards {num_shards}: use the same "
+            "count, or another --output"
+        )
+    if num_shards > 1 and holds_recording(output):
+        raise SystemExit(
+            f"teacher-record: {output} holds a recording written with --num-shards 1; this "
+            f"run has --num-shards {num_shards}: use the same count, or another --output"
+        )
+
+
+def _check_format(part: str, top_k: int, dtype: str) -> None:
+    """The part's recordings (when any) must hold the asked K and dtype."""
+    for _, location in recording_dirs(part):
+        try:
+            meta, _ = read_metadata(Location.of(location))
+        except RecordingError:
+            continue
+        if meta["top_k"] != top_k or meta["dtype"] != dtype:
+            raise SystemExit(
+                f"teacher-record: {location} holds K {meta['top_k']} {meta['dtype']}; "
+                f"asked K {top_k} {dtype}"
+            )
+
+
+def _open(args: argparse.Namespace, teachers: str | dict[str, str]) -> InputSource:
+    try:
+        return open_input(
+            args.input,
+            args.column,
+            teacher_column=args.teacher_column if isinstance(teachers, dict) else None,
+            candidate_column=args.candidate_column,
+            batch_rows=args.batch_size,
+            split=args.split,
+        )
+    except InputError as e:
+        raise SystemExit(f"teacher-record: {e}") from None
+    except OSError as e:  # StorageError, or the store's answer: unreachable, refused
+        raise SystemExit(f"teacher-record: --input {args.input}: {e}") from None
+
+
+def _check_output(output: str) -> None:
+    """Create ``output`` (a directory, or a prefix of a store): an unreachable store
+    fails here, before any teacher is asked."""
+    try:
+        Location.of(output).make_dir()
     except StorageError as e:
         raise SystemExit(f"teacher-record: --output {output}: {e}") from None
-    if not recorded:
-        return list(range(len(seqs))), 0
-    with RecordingReader(output) as r:
-        if r.top_k != top_k or r.dtype != dtype:
-            raise SystemExit(
-                f"teacher-record: {output} holds K {r.top_k} {r.dtype}; asked K {top_k} {dtype}"
-            )
-        todo = [
-            i
-            for i, s in enumerate(seqs)
-            if isinstance(
-                r.find(
-                    s.astype("<i4").tobytes(),
-                    0,
-                    len(s),
-                    True,
-                    None if cands is None else serves_candidates(0, len(s), cands[i]),
-                ),
-                str,
-            )
-        ]
-    return todo, len(seqs) - len(todo)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.verify is not None:
+        from student_client.offline.verify import verify_main
+
+        return verify_main(args.verify)
+    missing = [f"--{n}" for n in ("teacher", "input", "output") if not getattr(args, n)]
+    if missing:
+        ap.error(f"the following arguments are required: {', '.join(missing)}")
+    for flag in ("batch_size", "depth", "max_inflight"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(
+                f"teacher-record: --{flag.replace('_', '-')} must be >= 1, got "
+                f"{getattr(args, flag)}"
+            )
     teachers = _teachers(args.teacher)
-    seqs = read_token_sequences(args.input, args.column)
-    cands = None
-    if args.candidate_column:
-        cands = read_candidate_column(args.input, args.candidate_column)
-        bad = [i for i, (s, c) in enumerate(zip(seqs, cands, strict=True)) if len(c) != len(s)]
-        if bad:
-            raise SystemExit(
-                f"teacher-record: {args.input}: --candidate-column {args.candidate_column!r}: "
-                f"row {bad[0]} has {len(cands[bad[0]])} id lists for {len(seqs[bad[0]])} tokens"
-            )
-    names: list[str] | None = None
-    if isinstance(teachers, dict):
-        names = read_teacher_column(args.input, args.teacher_column)
-        unknown = sorted(set(names) - set(teachers))
-        if unknown:
-            raise SystemExit(
-                f"teacher-record: {args.input}: --teacher-column {args.teacher_column!r} "
-                f"names {unknown}, not among --teacher {sorted(teachers)}"
-            )
-        keep, done = [], 0
-        for name in teachers:
-            rows = [i for i, n in enumerate(names) if n == name]
-            todo, already = _todo(
-                teacher_recording_path(args.output, name), [seqs[i] for i in rows],
-                args.top_k, args.dtype, None if cands is None else [cands[i] for i in rows],
-            )  # fmt: skip
-            keep += [rows[i] for i in todo]
-            done += already
-        keep.sort()
-    else:
-        keep, done = _todo(args.output, seqs, args.top_k, args.dtype, cands)
-    seqs = [seqs[i] for i in keep]
-    cands = None if cands is None else [cands[i] for i in keep]
-    route = None if names is None else [names[i] for i in keep]
-    bar = _progress(len(seqs))
-    positions = 0
-    t0 = time.monotonic()
+    index, num = _shard(args)
+    output = str(args.output)
+    _check_output(output)
+    _check_layout(output, num)
+    source = _open(args, teachers)
+    units = shard_range(source.num_units, index, num)
+    part = part_location(output, index, num)
+    for line in seal_cut_shards(part):
+        print(f"teacher-record: {line}", file=sys.stderr)
+    _check_format(part, args.top_k, args.dtype)
+    delete_part_file(part)
+    candidates = args.candidate_column is not None
+    recorded = recorded_keys(part, candidates)
+    bytes_before = files_bytes(part)
+    total = source.rows_in(units)
+    bar = _progress(total, f"shard {index}/{num}" if num > 1 else "teacher-record", args.quiet)
+
+    def progress(stats: ShardStats) -> None:
+        if total is None and stats.units_done:
+            bar.total = round(stats.rows_read / stats.units_done * len(units))
+        bar.n = stats.rows + stats.already + stats.repeats
+        bar.set_postfix_str(
+            f"{stats.positions / max(stats.seconds, 1e-9):.0f} positions/s", refresh=False
+        )
+        bar.update(0)  # redraws at most every mininterval
+
     options: dict[str, Any] = {
         "token": args.token,
-        "record_to": args.output,
+        "record_to": part,
         "record_compression": args.compression,
-        "record_metadata": {"input": str(args.input)},
+        "record_metadata": {"input": str(args.input), "shard": [index, num]},
     }
     client: TeacherClient | MultiTeacherClient
     if isinstance(teachers, dict):
         client = MultiTeacherClient(teachers, **options)
     else:
         client = TeacherClient(teachers, **options)
-    with client:
-        batches: list[Any] = list(_batches(seqs, args.batch_size))
-        if route is not None or cands is not None:
-            size = args.batch_size
-            batches = [
-                ScoreBatch(
-                    b,
-                    teacher=None if route is None else route[i * size : i * size + len(b)],
-                    candidate_ids=None if cands is None else cands[i * size : i * size + len(b)],
+    error: InputError | None = None
+    started = time.time()
+    try:
+        with client:
+            try:
+                stats = stream_shard(
+                    lambda reqs: client.stream_answers(
+                        reqs, args.top_k, depth=args.depth, dtype=args.dtype
+                    ),
+                    source,
+                    units,
+                    batch_size=args.batch_size,
+                    max_inflight=args.max_inflight,
+                    recorded=recorded,
+                    teachers=frozenset(teachers) if isinstance(teachers, dict) else None,
+                    on_progress=progress,
                 )
-                for i, b in enumerate(batches)
-            ]
-        for _batch, payload in zip(
-            batches,
-            client.stream(batches, args.top_k, depth=args.depth, dtype=args.dtype),
-            strict=True,
-        ):
-            positions += payload.num_positions
-            bar.update(payload.batch_size)
-    bar.close()
-    dt = time.monotonic() - t0
+            except InputError as e:
+                error = e
+    finally:
+        bar.close()
+        source.close()
+    if error is not None:
+        raise SystemExit(
+            f"teacher-record: {error}; the rows before it are recorded in {part} (re-run to resume)"
+        )
+    rows = len(recorded_keys(part, candidates))
+    written = files_bytes(part) - bytes_before
+    write_part_file(
+        part,
+        {
+            "shard_index": index,
+            "num_shards": num,
+            "input": str(args.input),
+            "unit": source.unit_name,
+            "units": [units.start, units.stop],
+            "num_units": source.num_units,
+            "input_rows": stats.rows_read,
+            "repeats": stats.repeats,
+            "rows": rows,
+            # this run's: what it scored, and when (its first request to its last answer)
+            "scored_positions": stats.positions,
+            "started_unix": started,
+            "finished_unix": started + stats.seconds,
+        },
+    )
+    rate = stats.positions / max(stats.seconds, 1e-9)
     print(
-        f"teacher-record: scored {len(seqs)} sequences ({positions} positions, "
-        f"{positions / max(dt, 1e-9):.0f} positions/s); {done} were recorded already; "
-        f"-> {args.output}"
+        f"teacher-record: {'shard ' + str(index) + '/' + str(num) + ': ' if num > 1 else ''}"
+        f"scored {stats.rows} sequences ({stats.positions} positions, {written} bytes, "
+        f"{stats.seconds:.1f} s, {rate:.0f} positions/s); {stats.already} were recorded "
+        f"already; {stats.repeats} repeated an earlier row; {rows} rows in {part}"
     )
     return 0
 

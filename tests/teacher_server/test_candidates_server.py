@@ -13,6 +13,8 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from test_pipeline import LoopbackTeacher
@@ -254,6 +256,15 @@ def test_async_and_multi_teacher_clients_route_candidates(
         other.stop()
 
 
+def _check_replay(live: LoopbackTeacher, out: Path, seqs: list[np.ndarray], cands: Any) -> None:
+    """The recording at ``out`` answers ``seqs`` with ``cands`` as the teacher does."""
+    with TeacherClient(f"127.0.0.1:{live.server.port}") as client:
+        want = client.score(seqs, 8, candidate_ids=cands, dtype="float32")
+    with ReplayClient(out) as replay:
+        got = replay.score(seqs, 8, candidate_ids=cands, dtype="float32")
+    assert _bits(got.candidate_logprobs) == _bits(want.candidate_logprobs)
+
+
 def test_teacher_record_cli_records_candidates(live: LoopbackTeacher, tmp_path: Path) -> None:
     seqs = _seqs(21, [6, 9])
     cands = [_cands(22, 6, 3), _cands(23, 9, 3)]
@@ -270,14 +281,24 @@ def test_teacher_record_cli_records_candidates(live: LoopbackTeacher, tmp_path: 
         "--top-k", "8", "--dtype", "float32", "--candidate-column", "student_top",
     ]  # fmt: skip
     assert record_main(args) == 0
-    with TeacherClient(f"127.0.0.1:{live.server.port}") as client:
-        want = client.score(seqs, 8, candidate_ids=cands, dtype="float32")
-    with ReplayClient(out) as replay:
-        got = replay.score(seqs, 8, candidate_ids=cands, dtype="float32")
-    assert _bits(got.candidate_logprobs) == _bits(want.candidate_logprobs)
+    _check_replay(live, out, seqs, cands)
     assert record_main(args) == 0  # a re-run: everything recorded with these candidates
     with ReplayClient(out) as replay:
         assert len(replay) == 2
+    # other candidates for the same tokens (a Parquet input, read a row group at a time)
+    # are not recorded yet: both rows are scored again, then a re-run scores none
+    other = [_cands(24, 6, 2), _cands(25, 9, 4)]
+    pq.write_table(
+        pa.table({"input_ids": [s.tolist() for s in seqs], "top": [c.tolist() for c in other]}),
+        tmp_path / "in.parquet",
+        row_group_size=1,
+    )
+    args[3], args[-1] = str(tmp_path / "in.parquet"), "top"
+    for _ in range(2):
+        assert record_main(args) == 0
+        with ReplayClient(out) as replay:
+            assert len(replay) == 4
+    _check_replay(live, out, seqs, other)
 
 
 def test_stream_chunks_count_candidate_bytes_and_reassemble() -> None:

@@ -38,7 +38,8 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
         read_token_sequences(tmp_path / "t.parquet")
     assert read_token_sequences(tmp_path / "t.parquet", "ids")[2].tolist() == SEQS[2]
     (tmp_path / "bad.jsonl").write_text('[1, 2]\n["x"]\n')
-    with pytest.raises(SystemExit, match=r"bad.jsonl:2: expected a list of ints"):
+    with pytest.raises(SystemExit, match=r"bad.jsonl: the line at byte 7: expected a list of ints"):
         read_token_sequences(tmp_path / "bad.jsonl")
+    (tmp_path / "x.csv").write_text("1,2\n")
     with pytest.raises(SystemExit, match=r"use \.parquet, \.arrow, \.jsonl"):
         read_token_sequences(tmp_path / "x.csv")
