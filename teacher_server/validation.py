@@ -26,6 +26,7 @@ from topk_protocol.checks import (
     check_total_tokens,
 )
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.packing import Packing
 
 __all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
 
@@ -70,6 +71,12 @@ class ParsedRequest:
     request_id: str
     sequences: list[ParsedSequence]
     options: RequestOptions
+    vocab_size: int = 0  # the teacher's: the width of a packed answer's ids
+
+    @property
+    def packing(self) -> Packing | None:
+        """The bit widths of a packed answer (None: the default encoding)."""
+        return self.options.packing(self.vocab_size)
 
     @property
     def num_positions(self) -> int:
@@ -77,7 +84,7 @@ class ParsedRequest:
 
     def response_bytes(self) -> int:
         """Bytes of the payload arrays this request will produce."""
-        return self.num_positions * self.options.bytes_per_row()
+        return self.num_positions * self.options.bytes_per_row(self.vocab_size)
 
 
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
@@ -108,4 +115,4 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
             f"the sequence's {n} positions",
         )
         parsed.append(ParsedSequence(ids, start, end))
-    return ParsedRequest(req.request_id, parsed, options)
+    return ParsedRequest(req.request_id, parsed, options, limits.vocab_size)

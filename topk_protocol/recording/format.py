@@ -50,8 +50,8 @@ from topk_protocol import (
     teacher_temperature,
 )
 from topk_protocol.arrays import ARRAY_FIELDS, ArrayField, SequenceArrays
-from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
 from topk_protocol.errors import RecordingError
+from topk_protocol.floats import cast_like_teacher
 from topk_protocol.integrity import (
     CHECKSUM_COLUMN,
     CHECKSUM_NAME,
@@ -160,17 +160,6 @@ def recording_schema(
         stated.update(fmt or {})
         stated["checksum"] = CHECKSUM_NAME
     return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: json.dumps(stated, sort_keys=True)})
-
-
-def cast_like_teacher(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
-    """float32 -> the teacher's cast to ``dtype`` (the wire codec's: float16 with numpy's
-    round-to-nearest-even; bfloat16 rounded to nearest even, returned widened to float32
-    exactly), which is also what a ``dtype`` recording stores."""
-    if dtype == "float32":
-        return np.asarray(values, dtype=np.float32)
-    if dtype == "float16":
-        return np.asarray(values, dtype=np.float32).astype(np.float16)
-    return _bf16_bits_to_f32(_f32_to_bf16_bits(np.asarray(values, dtype=np.float32)))
 
 
 def row_crc(
