@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from topk_protocol import RequestOptions
 
 __all__ = ["ScoreBatch"]
 
@@ -18,10 +20,17 @@ class ScoreBatch:
     sequence (None: every position); ``attention_mask``: ``[B, T]`` (see
     :meth:`~student_client.clients.aio.AsyncTeacherClient.score`); ``teacher``: the teacher
     of each sequence (a name per sequence, or one name for all) for a multi-teacher client
-    (:mod:`student_client.clients.multi`; a single-teacher client ignores it).
+    (:mod:`student_client.clients.multi`; a single-teacher client ignores it);
+    ``options``: request options for this batch only, over the call's
+    (``RequestOptions.of`` keywords, e.g. ``{"encoding": "packed", "logprob_bits": 8}``).
     """
 
     sequences: Any
     positions: Sequence[tuple[int, int]] | None = None
     attention_mask: Any = None
     teacher: Any = None
+    options: Mapping[str, Any] | None = None
+
+    def request_options(self, call: RequestOptions) -> RequestOptions:
+        """The options this batch is asked with: the call's, with :attr:`options` over them."""
+        return RequestOptions.of(call, **self.options) if self.options else call

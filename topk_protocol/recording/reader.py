@@ -24,16 +24,19 @@ from topk_protocol._closeable import Closeable
 from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
 from topk_protocol.errors import RecordingDamagedError
 from topk_protocol.integrity import CHECKSUM_COLUMN
+from topk_protocol.packing import Packing
 from topk_protocol.recording.format import (
     METADATA_FILE,
     READ_ERRORS,
     check_schema,
     read_metadata,
+    recording_packing,
     row_crc,
     sequence_key,
     shards,
 )
 from topk_protocol.recording.index import NOT_RECORDED, RowIndex
+from topk_protocol.recording.packed import PACKED_COLUMNS, packed_problem, unpack_row
 
 __all__ = ["RecordingReader"]
 
@@ -51,8 +54,18 @@ class _Chunk:
     row is, for the error that names a damaged one.
     """
 
-    def __init__(self, batch: pa.RecordBatch, top_k: int, shard: Path, first_row: int) -> None:
+    def __init__(
+        self,
+        batch: pa.RecordBatch,
+        top_k: int,
+        shard: Path,
+        first_row: int,
+        packing: tuple[str, Packing] | None = None,
+    ) -> None:
         self.shard = shard
+        self.top_k = top_k
+        #: A packed recording's ``(dtype, packing)``: its ids and log-probs are bytes.
+        self.packing = packing
         self.first_row = first_row
         self.num_rows = batch.num_rows
         self.keys: list[bytes] = batch.column("key").to_pylist()
@@ -65,6 +78,11 @@ class _Chunk:
         #: field name -> (row offsets, values ``[rows, K]`` or ``[rows]``, valid or None)
         self.arrays: dict[str, tuple[npt.NDArray[Any], npt.NDArray[Any], Any]] = {}
         for f in ARRAY_FIELDS:
+            if packing is not None and f.name in PACKED_COLUMNS:
+                col = batch.column(PACKED_COLUMNS[f.name])
+                data = np.frombuffer(col.buffers()[2] or b"", np.uint8)
+                self.arrays[f.name] = (col.offsets.to_numpy(), data, None)
+                continue
             if f.name not in names:  # an optional field newer than the shard
                 continue
             col = batch.column(f.name)
@@ -107,7 +125,15 @@ class _Chunk:
         problem = self._problem(r, tokens, values, vocab_size)
         if problem is not None:
             raise RecordingDamagedError(self.shard, self.first_row + r, problem)
-        return tokens, SequenceArrays(**values, position_start=int(self.starts[r]))
+        start = int(self.starts[r])
+        if self.packing is None:
+            return tokens, SequenceArrays(**values, position_start=start)
+        dtype, packing = self.packing
+        arrays = unpack_row(values, start, int(self.ends[r]), self.top_k, dtype, packing)
+        problem = self._ids_problem("ids", arrays.ids, vocab_size)
+        if problem is not None:
+            raise RecordingDamagedError(self.shard, self.first_row + r, problem)
+        return tokens, arrays
 
     def _problem(
         self,
@@ -123,7 +149,11 @@ class _Chunk:
                 f"{len(tokens)} tokens: the shard is damaged"
             )
         lengths = {len(v) for v in values.values() if v is not None}
-        if lengths != {end - start}:
+        if self.packing is not None:
+            packed = packed_problem(values, end - start, self.top_k, *self.packing)
+            if packed is not None:
+                return packed
+        elif lengths != {end - start}:
             return (
                 f"its arrays hold {sorted(lengths)} rows for {end - start} positions: "
                 "the shard is damaged"
@@ -135,14 +165,22 @@ class _Chunk:
                     f"checksum mismatch ({CHECKSUM_COLUMN} {int(self.checksums[r]):#010x}, the "
                     f"row's bytes give {crc:#010x}): the shard is damaged; this row is not served"
                 )
-        for name, arr in (("token_ids", tokens), ("ids", values["ids"])):
-            if arr is None or not arr.size:
-                continue
-            if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
-                return (
-                    f"{name} [{int(arr.min())}, {int(arr.max())}] are outside the vocabulary "
-                    f"[0, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} is damaged"
-                )
+        ids = () if self.packing is not None else (("ids", values["ids"]),)
+        for name, arr in (("token_ids", tokens), *ids):
+            problem = self._ids_problem(name, arr, vocab_size)
+            if problem is not None:
+                return problem
+        return None
+
+    @staticmethod
+    def _ids_problem(name: str, arr: npt.NDArray[Any] | None, vocab_size: int) -> str | None:
+        if arr is None or not arr.size:
+            return None
+        if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+            return (
+                f"{name} [{int(arr.min())}, {int(arr.max())}] are outside the vocabulary "
+                f"[0, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} is damaged"
+            )
         return None
 
 
@@ -175,6 +213,8 @@ class RecordingReader(Closeable):
         self.dtype = str(self.metadata["dtype"])
         self.temperature = float(self.metadata["temperature"])
         self._vocab_size = int(self.metadata["vocab_size"])
+        #: A packed recording's packing (None: the default encoding).
+        self.packing = recording_packing(self.metadata)
         #: The request options the recording was made at (``RequestOptions.recorded``;
         #: an option newer than the recording takes its default).
         self.options: dict[str, Any] = {
@@ -204,7 +244,8 @@ class RecordingReader(Closeable):
             if not check.checksums:
                 self.unverified.append(shard.name)
             for first_row, batch in self._read_batches(shard, stream):
-                chunk = _Chunk(batch, self.top_k, shard, first_row)
+                packed = None if self.packing is None else (self.dtype, self.packing)
+                chunk = _Chunk(batch, self.top_k, shard, first_row, packed)
                 self._chunks.append(chunk)
                 self.index.extend(
                     chunk.keys,
