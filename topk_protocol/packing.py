@@ -12,7 +12,7 @@ reasons for them: ``docs/protocol.md``, "Packed payloads"):
   floor)`` (:func:`grid_step`), rounded to the nearest grid point.
 
 Every value decodes within :func:`error_bound` of the float32 value it was packed from:
-half a grid step, or the ends' dtype rounding where that is larger. Packing is
+half a grid step plus the ends' dtype rounding (0 for float32). Packing is
 idempotent: packing decoded rows again gives the same bytes (what lets a recording hold
 the packed bytes and a replay answer re-pack them identically). No loop per entry:
 :func:`unpack_uint` and :func:`pack_uint` loop over the 8 entries of a group only.
@@ -188,8 +188,11 @@ def quantize_logprobs(
         raise ValueError("logprobs: the packed encoding needs rows sorted descending")
     ends = cast_floats(np.stack([x[..., 0], x[..., -1]], axis=-1), dtype)
     step = grid_step(ends, bits)[..., None]
-    inner = x[..., 1:-1]
-    q = np.rint((ends[..., :1] - inner) / step)
+    hi = ends[..., :1]
+    # The grid point nearest the last value: no code goes past it, so that decoded rows
+    # stay sorted and decoded values re-pack to their own codes (dequantize_logprobs).
+    last = np.rint((hi - ends[..., 1:]) / step)
+    q = np.minimum(np.rint((hi - x[..., 1:-1]) / step), last)
     codes = np.clip(q, 0, (1 << bits) - 1).astype(np.uint32)
     return ends, codes
 
@@ -213,6 +216,7 @@ def dequantize_logprobs(
     inner = dst[..., 1:-1]
     np.multiply(codes, step[..., None], out=inner, casting="unsafe")
     np.subtract(hi[..., None], inner, out=inner)
+    np.maximum(inner, ends[..., 1:], out=inner)  # no value below the row's last
     dst[..., 0] = hi
     dst[..., -1] = ends[..., 1]
     return dst
@@ -222,14 +226,15 @@ def error_bound(
     logprobs: npt.ArrayLike, bits: int, dtype: str = "float16"
 ) -> npt.NDArray[np.float32]:
     """``[..., K]`` float32 rows -> ``[...]`` the most any packed value of the row can
-    differ from it: ``max(step / 2, |hi - cast(hi)|, |lo - cast(lo)|)`` plus 4 float32
-    spacings of the row's largest magnitude for the arithmetic."""
+    differ from it: ``step / 2 + max(|hi - cast(hi)|, |lo - cast(lo)|)`` (the ends'
+    dtype rounding: 0 for float32) plus 8 float32 spacings of the row's largest
+    magnitude for the arithmetic."""
     x = np.asarray(logprobs, dtype=np.float32)
     raw = np.stack([x[..., 0], x[..., -1]], axis=-1)
     ends = cast_floats(raw, dtype)
     cast_error = np.abs(raw - ends).max(axis=-1)
-    slack = 4 * np.spacing(np.abs(x).max(axis=-1))
-    return (np.maximum(grid_step(ends, bits) / 2, cast_error) + slack).astype(np.float32)
+    slack = MIN_STEP_SPACINGS * np.spacing(np.abs(x).max(axis=-1))
+    return (grid_step(ends, bits) / 2 + cast_error + slack).astype(np.float32)
 
 
 def packed_roundtrip(
