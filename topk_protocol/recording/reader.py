@@ -80,8 +80,9 @@ class _Chunk:
         for f in ARRAY_FIELDS:
             if packing is not None and f.name in PACKED_COLUMNS:
                 col = batch.column(PACKED_COLUMNS[f.name])
-                data = np.frombuffer(col.buffers()[2] or b"", np.uint8)
-                self.arrays[f.name] = (col.offsets.to_numpy(), data, None)
+                _, offsets, data = col.buffers()
+                starts = np.frombuffer(offsets, np.int32)[col.offset : col.offset + len(col) + 1]
+                self.arrays[f.name] = (starts, np.frombuffer(data or b"", np.uint8), None)
                 continue
             if f.name not in names:  # an optional field newer than the shard
                 continue
