@@ -107,9 +107,9 @@ def pack_uint(values: npt.ArrayLike, bits: int) -> bytes:
         parts.append(low.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :whole].tobytes())
     if rest:
         groups = -(-v.size // _GROUP)
-        high = np.zeros(groups * _GROUP, np.uint64)
-        high[: v.size] = v >> np.uint32(8 * whole)
-        high = high.reshape(groups, _GROUP)
+        flat = np.zeros(groups * _GROUP, np.uint64)
+        flat[: v.size] = v >> np.uint32(8 * whole)
+        high = flat.reshape(groups, _GROUP)
         word = np.zeros(groups, np.uint64)
         for j in range(_GROUP):  # a loop over the 8 values of a group, not per entry
             word |= high[:, j] << np.uint64(j * rest)

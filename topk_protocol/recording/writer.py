@@ -368,7 +368,8 @@ class RecordingWriter(Closeable):
             ]
             for f in ARRAY_FIELDS:
                 if self.packing is not None and f.name in PACKED_COLUMNS:
-                    columns.append(pa.array([v[f.name].tobytes() for v in stored], pa.binary()))
+                    packed = [np.asarray(v[f.name]).tobytes() for v in stored]
+                    columns.append(pa.array(packed, pa.binary()))
                     continue
                 typ = pa.from_numpy_dtype(storage_dtype(f, self.dtype))
                 width = self.top_k if f.columns else 0
