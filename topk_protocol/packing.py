@@ -117,45 +117,63 @@ def pack_uint(values: npt.ArrayLike, bits: int) -> bytes:
     return b"".join(parts)
 
 
+_WORDS = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def _high_bits(raw: npt.NDArray[np.uint8], rest: int, count: int) -> npt.NDArray[np.uint32]:
+    """The ``rest``-bit parts of ``count`` values, 8 per ``rest`` bytes -> ``[count]``."""
+    groups = -(-count // _GROUP)
+    width = next(w for w in _WORDS if w >= rest)  # the group as one little-endian word
+    if width == rest:
+        word = raw.view(_WORDS[width])
+    else:
+        padded = np.zeros((groups, width), np.uint8)
+        padded[:, :rest] = raw.reshape(groups, rest)
+        word = padded.view(_WORDS[width]).reshape(groups)
+    shifts = np.arange(0, _GROUP * rest, rest, dtype=word.dtype)
+    high = (word[:, None] >> shifts) & word.dtype.type((1 << rest) - 1)
+    return high.reshape(-1)[:count].astype(np.uint32, copy=False)
+
+
 def unpack_uint(
     buf: bytes | memoryview, bits: int, count: int, out: npt.NDArray[Any] | None = None
 ) -> npt.NDArray[Any]:
     """Inverse of :func:`pack_uint`: ``count`` values of ``bits`` bits from ``buf`` into
-    ``out`` (``[count]`` integers, default a new uint32 array). ``ValueError`` naming the
-    byte count when ``buf`` holds another size."""
+    ``out`` (``[count]`` integers, any shape of that size), or returned: a read-only view
+    of ``buf`` for 8, 16 and 32 bits (no copy), else a new uint32 array. ``ValueError``
+    naming the byte count when ``buf`` holds another size."""
     want = uint_bytes(count, bits)
     if len(buf) != want:
         raise ValueError(f"expected {want} bytes for {count} values of {bits} bits, got {len(buf)}")
-    dst = np.empty(count, np.uint32) if out is None else out.reshape(-1)
     raw = np.frombuffer(buf, np.uint8)
     whole, rest = divmod(bits, 8)
     n_low = count * whole
-    if whole == 1:
-        dst[...] = raw[:n_low]
-    elif whole == 2:
-        dst[...] = raw[:n_low].view("<u2")
-    elif whole == 4:
-        dst[...] = raw[:n_low].view("<u4")
-    elif whole == 3:
+    if not rest and whole in _WORDS:
+        values = raw.view(_WORDS[whole])
+        if out is None:
+            return values
+        out.reshape(-1)[...] = values
+        return out
+    # Work in uint32, in ``out`` itself when it is a C-contiguous 32-bit integer array.
+    own = out is not None and out.dtype.itemsize == 4 and out.flags.c_contiguous
+    u = out.reshape(-1).view(np.uint32) if own else np.empty(count, np.uint32)  # type: ignore[union-attr]
+    if whole == 3:
         b = raw[:n_low].reshape(count, 3).astype(np.uint32)
-        dst[...] = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-    else:
-        dst[...] = 0
+        u[...] = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    elif whole:
+        u[...] = raw[:n_low].view(_WORDS[whole])
     if rest:
-        groups = -(-count // _GROUP)
-        padded = np.zeros((groups, 8), np.uint8)
-        padded[:, :rest] = raw[n_low:].reshape(groups, rest)
-        word = padded.view("<u8").reshape(groups)
-        high = np.empty((groups, _GROUP), np.uint32)
-        mask = np.uint64((1 << rest) - 1)
-        for j in range(_GROUP):  # 8 vectorised shifts, one per value of a group
-            high[:, j] = (word >> np.uint64(j * rest)) & mask
-        flat = high.reshape(-1)[:count]
+        high = _high_bits(raw[n_low:], rest, count)
         if whole:
-            dst |= flat << np.uint32(8 * whole)
+            np.left_shift(high, np.uint32(8 * whole), out=high)
+            np.bitwise_or(u, high, out=u)
         else:
-            dst[...] = flat
-    return dst
+            u[...] = high
+    if out is None:
+        return u
+    if not own:
+        out.reshape(-1)[...] = u
+    return out
 
 
 # -- log-probs on a per-row grid ------------------------------------------------------------
