@@ -18,7 +18,7 @@ from topk_protocol import (
     encode_sequence,
     pb,
 )
-from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
+from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS, check_encoding
 from topk_protocol.errors import InvalidRequestError
 from topk_protocol.packing import (
     DEFAULT_LOGPROB_BITS,
@@ -222,3 +222,12 @@ def test_bad_packed_fields_of_a_received_request() -> None:
     req.logprob_bits = 40
     with pytest.raises(InvalidRequestError, match=r"logprob_bits: 40 is outside \[1, 16\]"):
         RequestOptions.from_proto(req)
+
+
+def test_an_encoding_the_teacher_lacks_is_refused_naming_what_it_serves() -> None:
+    check_encoding("packed", ("default", "packed"))
+    with pytest.raises(
+        InvalidRequestError,
+        match="encoding: 'packed' is not served by this teacher; it serves default",
+    ):
+        check_encoding("packed", ("default",))
