@@ -162,3 +162,25 @@ def test_packed_recording_replays_byte_identically(
     items = [ds[index[s.tobytes()]] for s in batch]
     with TeacherClient(vllm_teacher.target) as live:
         assert_bit_equal(live.score(batch, 64, encoding="packed"), collate_payloads(items).payload)
+
+
+def test_teacher_record_packed_builds_a_dataset_of_the_live_answers(
+    vllm_teacher: ServerProcess, tmp_path: Path
+) -> None:
+    from student_client.offline.record_cli import main
+
+    seqs = _sequences(11, [9, 30, 4])
+    (tmp_path / "t.jsonl").write_text("".join(f"{s.tolist()}\n" for s in seqs))
+    out = tmp_path / "rec"
+    args = ["--teacher", vllm_teacher.target, "--input", str(tmp_path / "t.jsonl")]
+    args += ["--output", str(out), "--top-k", "32", "--encoding", "packed"]
+    assert main([*args, "--logprob-bits", "5"]) == 0
+    ds = PayloadDataset(out, include_sampled=True)
+    assert ds.reader.packing is not None and ds.reader.packing.logprob_bits == 5
+    with TeacherClient(vllm_teacher.target) as live:
+        want = live.score(seqs, 32, encoding="packed", logprob_bits=5)
+    assert_bit_equal(want, collate_payloads([ds[i] for i in range(len(ds))]).payload)
+    with pytest.raises(
+        SystemExit, match="holds K 32 float16 packed at 5 bits; asked K 32 float16 packed at 8 bits"
+    ):
+        main(args)  # resuming at other bits is refused
