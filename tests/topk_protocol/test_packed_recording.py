@@ -216,3 +216,12 @@ def test_a_flipped_byte_of_a_packed_row_is_caught(packed: tuple[Path, dict]) -> 
         damaged = r.verify()
     assert len(damaged) == 1 and isinstance(damaged[0], RecordingDamagedError)
     assert "checksum mismatch" in str(damaged[0])
+
+
+def test_resuming_with_another_encoding_is_refused(packed: tuple[Path, dict]) -> None:
+    path, _ = packed
+    with pytest.raises(RecordingError, match="packing: recorded Packing"):
+        RecordingWriter(path, INFO, encoding="default")
+    with pytest.raises(RecordingError, match="packing: recorded Packing"):
+        RecordingWriter(path, INFO, encoding="packed", logprob_bits=BITS + 1)
+    RecordingWriter(path, INFO, encoding="packed", logprob_bits=BITS).close()

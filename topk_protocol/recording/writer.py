@@ -169,10 +169,11 @@ class RecordingWriter(Closeable):
             for name, mine, theirs in (
                 ("top_k", self.top_k, r.top_k),
                 ("dtype", self.dtype, r.dtype),
-                ("packing", self.packing if self._packing_fixed else r.packing, r.packing),
             ):
                 if mine is not None and mine != theirs:
                     problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
+            if self._packing_fixed and self.packing != r.packing:
+                problems.append(f"packing: recorded {r.packing!r}, asked {self.packing!r}")
             if problems:
                 raise RecordingError(self.path, None, "cannot append: " + "; ".join(problems))
             self.top_k, self.dtype, self.options = r.top_k, r.dtype, r.options
