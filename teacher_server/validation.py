@@ -27,6 +27,7 @@ from topk_protocol.checks import (
     check_total_tokens,
 )
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.packing import Packing
 
 __all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
 
@@ -81,6 +82,12 @@ class ParsedRequest:
     request_id: str
     sequences: list[ParsedSequence]
     options: RequestOptions
+    vocab_size: int = 0  # the teacher's: the width of a packed answer's ids
+
+    @property
+    def packing(self) -> Packing | None:
+        """The bit widths of a packed answer (None: the default encoding)."""
+        return self.options.packing(self.vocab_size)
 
     @property
     def num_positions(self) -> int:
@@ -89,7 +96,8 @@ class ParsedRequest:
     def response_bytes(self) -> int:
         """Bytes of the payload arrays this request will produce."""
         return sum(
-            (s.end - s.start) * self.options.bytes_per_row(s.num_candidates) for s in self.sequences
+            (s.end - s.start) * self.options.bytes_per_row(self.vocab_size, s.num_candidates)
+            for s in self.sequences
         )
 
 
@@ -128,4 +136,4 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
             f"sequences[{i}].candidate_ids",
         )
         parsed.append(ParsedSequence(ids, start, end, candidates))
-    return ParsedRequest(req.request_id, parsed, options)
+    return ParsedRequest(req.request_id, parsed, options, limits.vocab_size)

@@ -18,9 +18,13 @@ import numpy.typing as npt
 from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
 
 __all__ = [
+    "MAX_LOGPROB_BITS",
+    "MIN_LOGPROB_BITS",
     "TeacherLimits",
     "check_candidates",
     "check_depth",
+    "check_encoding",
+    "check_logprob_bits",
     "check_range",
     "check_sequence_count",
     "check_sequence_length",
@@ -28,6 +32,12 @@ __all__ = [
     "check_top_k",
     "check_total_tokens",
 ]
+
+
+#: The bits a packed request may ask per log-prob code: 1 bit is two grid points per
+#: row; 16 bits is finer than float16 for every row (docs/protocol.md, "Packed payloads").
+MIN_LOGPROB_BITS = 1
+MAX_LOGPROB_BITS = 16
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,28 @@ def check_top_k(top_k: int, limits: TeacherLimits, field: str = "top_k") -> None
     if not 1 <= top_k <= limits.max_top_k:
         raise InvalidRequestError(
             f"{field}: {top_k} is outside [1, {limits.max_top_k}] (max_top_k)"
+        )
+
+
+def check_logprob_bits(bits: Any, field: str = "logprob_bits") -> int:
+    """A packed request's bits per log-prob code: an int in ``[MIN_LOGPROB_BITS,
+    MAX_LOGPROB_BITS]``; returns it."""
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
+        raise InvalidRequestError(f"{field}: expected an int, got {bits!r}")
+    if not MIN_LOGPROB_BITS <= bits <= MAX_LOGPROB_BITS:
+        raise InvalidRequestError(
+            f"{field}: {bits} is outside [{MIN_LOGPROB_BITS}, {MAX_LOGPROB_BITS}]"
+        )
+    return int(bits)
+
+
+def check_encoding(encoding: str, supported: Any, field: str = "encoding") -> None:
+    """A request's payload encoding is one the teacher (or recording) ``supported``
+    lists."""
+    if encoding not in supported:
+        raise InvalidRequestError(
+            f"{field}: {encoding!r} is not served by this teacher; it serves "
+            f"{', '.join(supported) or 'none'}"
         )
 
 

@@ -24,9 +24,22 @@ import torch
 
 from topk_protocol import checks
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.checks import check_range, check_sequence_count, check_sequence_length
-from topk_protocol.codec import DTYPE_NAMES, dtype_from_name, dtype_name, encode_token_ids, itemsize
+from topk_protocol.checks import (
+    check_logprob_bits,
+    check_range,
+    check_sequence_count,
+    check_sequence_length,
+)
+from topk_protocol.codec import (
+    DTYPE_NAMES,
+    ENCODING_NAMES,
+    dtype_from_name,
+    dtype_name,
+    encode_token_ids,
+    itemsize,
+)
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.packing import DEFAULT_LOGPROB_BITS, Packing, packed_row_bytes
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -82,6 +95,10 @@ class RequestOptions:
             or ``"float32"`` (an enum value is accepted and stored as its name).
         include_sampled: whether the answer carries the log-prob of the token that
             actually follows each position.
+        encoding: ``"default"`` (int32 ids, log-probs in ``dtype``) or ``"packed"`` (ids
+            at ``ceil(log2 V)`` bits, log-probs on a per-row grid; docs/protocol.md).
+        logprob_bits: packed only: bits per log-prob code, in ``[1, 16]``; None (the
+            default) means 8 when packed.
 
     Adding an option means a field of ``ScoreRequest`` in ``teacher.proto``, a field
     here (with its lines in :meth:`to_proto` / :meth:`from_proto`), and the backends that
@@ -95,6 +112,8 @@ class RequestOptions:
     top_k: int
     dtype: str = dtype_name(DEFAULT_DTYPE)
     include_sampled: bool = True
+    encoding: str = "default"
+    logprob_bits: int | None = None
 
     def __post_init__(self) -> None:
         k = self.top_k
@@ -111,6 +130,18 @@ class RequestOptions:
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "dtype", name)
         object.__setattr__(self, "include_sampled", bool(self.include_sampled))
+        if self.encoding not in ENCODING_NAMES:
+            raise InvalidRequestError(
+                f"encoding: {self.encoding!r} is not one of {', '.join(ENCODING_NAMES)}"
+            )
+        if self.encoding == "packed":
+            bits = DEFAULT_LOGPROB_BITS if self.logprob_bits is None else self.logprob_bits
+            object.__setattr__(self, "logprob_bits", check_logprob_bits(bits))
+        elif self.logprob_bits is not None:
+            raise InvalidRequestError(
+                f"logprob_bits: {self.logprob_bits!r} asked with encoding "
+                f"{self.encoding!r}; it applies to encoding 'packed' only"
+            )
 
     @classmethod
     def of(cls, top_k: int | RequestOptions, **options: Any) -> RequestOptions:
@@ -133,10 +164,33 @@ class RequestOptions:
         """The ``LogprobDtype`` enum value of :attr:`dtype`."""
         return DTYPE_NAMES[self.dtype]
 
-    def bytes_per_row(self, num_candidates: int = 0) -> int:
+    @property
+    def wire_encoding(self) -> int:
+        """The ``PayloadEncoding`` enum value of :attr:`encoding`."""
+        return ENCODING_NAMES[self.encoding]
+
+    def packing(self, vocab_size: int) -> Packing | None:
+        """The bit widths of a packed answer from a teacher of ``vocab_size`` tokens; None
+        for the default encoding."""
+        if self.logprob_bits is None:
+            return None
+        return Packing.of(vocab_size, self.logprob_bits)
+
+    def bytes_per_row(self, vocab_size: int = 0, num_candidates: int = 0) -> int:
         """Payload bytes of one position with ``num_candidates`` candidate ids (see
-        :func:`bytes_per_row`)."""
-        return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled, num_candidates)
+        :func:`bytes_per_row`); a packed row's depends on the teacher's ``vocab_size``
+        (0, unknown: counted at 32 bits per id, an upper bound). Candidate log-probs
+        travel unpacked in the wire dtype in either encoding."""
+        if self.logprob_bits is None:
+            return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled, num_candidates)
+        candidates = bytes_per_row(0, self.wire_dtype, False, num_candidates)
+        return candidates + packed_row_bytes(
+            self.top_k,
+            vocab_size or 1 << 32,
+            self.logprob_bits,
+            itemsize(self.wire_dtype),
+            self.include_sampled,
+        )
 
     def recorded(self) -> dict[str, Any]:
         """The values of the :data:`RECORDED` options (what a recording is made at)."""
@@ -154,6 +208,9 @@ class RequestOptions:
         request.dtype = self.wire_dtype  # type: ignore[assignment]
         if not self.include_sampled:
             request.include_sampled_logprobs = False
+        if self.logprob_bits is not None:
+            request.encoding = self.wire_encoding  # type: ignore[assignment]
+            request.logprob_bits = self.logprob_bits
         return request
 
     @classmethod
@@ -172,7 +229,14 @@ class RequestOptions:
             if request.HasField("include_sampled_logprobs")
             else True
         )
-        return cls(int(request.top_k), dtype_name(dtype), sampled)
+        names = {v: k for k, v in ENCODING_NAMES.items()}
+        if int(request.encoding) not in names:
+            raise InvalidRequestError(
+                f"encoding: unknown payload encoding {request.encoding}; supported: "
+                + ", ".join(f"{v} ({k})" for k, v in ENCODING_NAMES.items())
+            )
+        bits = int(request.logprob_bits) if request.HasField("logprob_bits") else None
+        return cls(int(request.top_k), dtype_name(dtype), sampled, names[request.encoding], bits)
 
 
 def _as_1d_array(seq: Any, i: int) -> npt.NDArray[Any]:
@@ -351,11 +415,12 @@ def bytes_per_row(top_k: int, dtype: int, include_sampled: bool, num_candidates:
     return top_k * (4 + size) + (size if include_sampled else 0) + num_candidates * size
 
 
-def response_bytes(req: pb.ScoreRequest) -> int:
-    """Bytes of the payload arrays the answer to ``req`` carries."""
+def response_bytes(req: pb.ScoreRequest, vocab_size: int = 0) -> int:
+    """Bytes of the payload arrays the answer to ``req`` carries (a packed answer's from
+    a teacher of ``vocab_size`` tokens; 0: unknown, an upper bound)."""
     opts = RequestOptions.from_proto(req)
     return sum(
-        (end - start) * opts.bytes_per_row(int(seq.num_candidates))
+        (end - start) * opts.bytes_per_row(vocab_size, int(seq.num_candidates))
         for seq, (start, end) in zip(req.sequences, request_spans(req), strict=True)
     )
 

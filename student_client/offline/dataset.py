@@ -45,6 +45,7 @@ from topk_protocol.multi_recording import (
     recorded_teachers,
     teacher_recording_path,
 )
+from topk_protocol.packing import packed_roundtrip
 from topk_protocol.recording import RecordingReader
 from topk_protocol.recording.format import cast_arrays
 from topk_protocol.replay import check_options, recorded_arrays
@@ -94,6 +95,9 @@ class PayloadDataset(Dataset[PayloadItem]):
         dtype: log-prob dtype to serve, the values the teacher would have sent in it
             (float32 recordings serve every dtype); default: the recorded one.
         include_sampled: also return sampled log-probs (every row must have them).
+        encoding, logprob_bits: serve what a ``"packed"`` answer at ``logprob_bits``
+            decodes to (a packed recording: its own, the default; a float32 one: packed
+            as the teacher packs); default: the recording's encoding.
 
     Picklable (it reopens the directory), so ``DataLoader`` workers of any start method
     work; under ``fork`` they share the parent's decoded buffers.
@@ -106,9 +110,17 @@ class PayloadDataset(Dataset[PayloadItem]):
         top_k: int | None = None,
         dtype: str | None = None,
         include_sampled: bool = False,
+        encoding: str | None = None,
+        logprob_bits: int | None = None,
     ) -> None:
         self.path = location(path)
-        self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
+        self._options = {
+            "top_k": top_k,
+            "dtype": dtype,
+            "include_sampled": include_sampled,
+            "encoding": encoding,
+            "logprob_bits": logprob_bits,
+        }
         names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
         #: ``(name, dataset)`` of each teacher of a multi-teacher recording, in order.
         self._parts: list[tuple[str, PayloadDataset]] = []
@@ -135,8 +147,13 @@ class PayloadDataset(Dataset[PayloadItem]):
         self._reader = RecordingReader(self.path)
         r = self._reader
         try:
+            own = r.packing if encoding is None else None  # a packed recording's own
             opts = RequestOptions(
-                r.top_k if top_k is None else top_k, dtype or r.dtype, include_sampled
+                r.top_k if top_k is None else top_k,
+                dtype or r.dtype,
+                include_sampled,
+                "packed" if own else encoding or "default",
+                own.logprob_bits if own and logprob_bits is None else logprob_bits,
             )
             check_options(r, opts, f"recording {self.path}")
         except BaseException:
@@ -185,13 +202,16 @@ class PayloadDataset(Dataset[PayloadItem]):
             raise NotRecordedError(
                 f"recording {self.path}: row {i}: sampled log-probs are not recorded"
             )
-        arrays = replace(  # the row's candidates as recorded (the row is whole)
+        recorded = arrays = replace(  # the row's candidates as recorded (the row is whole)
             recorded_arrays(row, row.position_start, row.position_end, self._served),
             candidate_ids=row.candidate_ids,
             candidate_logprobs=row.candidate_logprobs,
         )
         if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
             arrays = cast_arrays(arrays, self.dtype)
+        bits = self._served.logprob_bits
+        if bits is not None and self._reader.packing is None:  # float32 values, packed asked
+            arrays = replace(arrays, logprobs=packed_roundtrip(recorded.logprobs, bits, self.dtype))
         return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
 
 

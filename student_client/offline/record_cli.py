@@ -1,6 +1,7 @@
 """``teacher-record``: score a corpus of token sequences with a teacher into a payload dataset.
 
     teacher-record --teacher HOST:PORT --input TOKENS --output DIR --top-k 16 [--dtype float16]
+        [--encoding packed [--logprob-bits 8]]
 
 ``TOKENS`` is a Parquet file, an Arrow file (IPC file or stream), a JSONL file (one list
 of ints per line, or one object per line with the token column), or a Hugging Face
@@ -40,8 +41,11 @@ import pyarrow as pa
 from student_client.clients.blocking import TeacherClient
 from student_client.clients.multi import MultiTeacherClient
 from student_client.data.batch import ScoreBatch
-from topk_protocol import DTYPE_NAMES
+from topk_protocol import DTYPE_NAMES, ENCODING_NAMES, RequestOptions
+from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
+from topk_protocol.errors import InvalidRequestError
 from topk_protocol.multi_recording import teacher_recording_path
+from topk_protocol.packing import DEFAULT_LOGPROB_BITS
 from topk_protocol.recording import (
     COMPRESSIONS,
     METADATA_FILE,
@@ -215,6 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPE_NAMES),
         help="log-prob dtype to record (float32 serves every dtype later; default float16)",
     )
+    ap.add_argument(
+        "--encoding",
+        default="default",
+        choices=sorted(ENCODING_NAMES),
+        help="payload encoding to record: packed stores bit-packed ids and log-probs on a "
+        "per-row grid (docs/protocol.md; default: default)",
+    )
+    ap.add_argument(
+        "--logprob-bits",
+        type=int,
+        help=f"with --encoding packed: bits per log-prob code, {MIN_LOGPROB_BITS}.."
+        f"{MAX_LOGPROB_BITS} (default {DEFAULT_LOGPROB_BITS})",
+    )
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
     ap.add_argument(
         "--candidate-column",
@@ -251,8 +268,7 @@ def _teachers(values: list[str]) -> str | dict[str, str]:
 def _todo(
     output: str | Path,
     seqs: list[np.ndarray],
-    top_k: int,
-    dtype: str,
+    opts: RequestOptions,
     cands: list[np.ndarray] | None = None,
 ) -> tuple[list[int], int]:
     """Indices of ``seqs`` not yet recorded in ``output`` (a recording, maybe absent;
@@ -266,9 +282,12 @@ def _todo(
     if not recorded:
         return list(range(len(seqs))), 0
     with RecordingReader(output) as r:
-        if r.top_k != top_k or r.dtype != dtype:
+        held = (r.top_k, r.dtype, r.packing.logprob_bits if r.packing else None)
+        if held != (opts.top_k, opts.dtype, opts.logprob_bits):
             raise SystemExit(
-                f"teacher-record: {output} holds K {r.top_k} {r.dtype}; asked K {top_k} {dtype}"
+                f"teacher-record: {output} holds K {r.top_k} {r.dtype} "
+                f"{_encoding(held[2])}; asked K {opts.top_k} {opts.dtype} "
+                f"{_encoding(opts.logprob_bits)}"
             )
         todo = [
             i
@@ -287,10 +306,20 @@ def _todo(
     return todo, len(seqs) - len(todo)
 
 
+def _encoding(logprob_bits: int | None) -> str:
+    return "unpacked" if logprob_bits is None else f"packed at {logprob_bits} bits"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
+    try:
+        opts = RequestOptions(
+            args.top_k, args.dtype, encoding=args.encoding, logprob_bits=args.logprob_bits
+        )
+    except InvalidRequestError as e:
+        raise SystemExit(f"teacher-record: {e.message}") from None
     teachers = _teachers(args.teacher)
     seqs = read_token_sequences(args.input, args.column)
     cands = None
@@ -316,13 +345,13 @@ def main(argv: list[str] | None = None) -> int:
             rows = [i for i, n in enumerate(names) if n == name]
             todo, already = _todo(
                 teacher_recording_path(args.output, name), [seqs[i] for i in rows],
-                args.top_k, args.dtype, None if cands is None else [cands[i] for i in rows],
+                opts, None if cands is None else [cands[i] for i in rows],
             )  # fmt: skip
             keep += [rows[i] for i in todo]
             done += already
         keep.sort()
     else:
-        keep, done = _todo(args.output, seqs, args.top_k, args.dtype, cands)
+        keep, done = _todo(args.output, seqs, opts, cands)
     seqs = [seqs[i] for i in keep]
     cands = None if cands is None else [cands[i] for i in keep]
     route = None if names is None else [names[i] for i in keep]
@@ -354,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         for _batch, payload in zip(
             batches,
-            client.stream(batches, args.top_k, depth=args.depth, dtype=args.dtype),
+            client.stream(batches, opts, depth=args.depth),
             strict=True,
         ):
             positions += payload.num_positions

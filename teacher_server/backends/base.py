@@ -14,7 +14,12 @@ import numpy.typing as npt
 
 from teacher_server.flags import add_flags, from_args, temperature_arg
 from teacher_server.validation import ParsedRequest, ParsedSequence
-from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions, SequenceArrays
+from topk_protocol import (
+    DEFAULT_TEACHER_TEMPERATURE,
+    ENCODING_NAMES,
+    RequestOptions,
+    SequenceArrays,
+)
 from topk_protocol._deprecation import deprecated_names
 
 __all__ = [
@@ -125,6 +130,12 @@ class Backend(abc.ABC):
     def check_request(self, parsed: ParsedRequest) -> None:  # noqa: B027 - optional hook
         """Refuse a whole request (raise a typed error of :mod:`topk_protocol.errors`)
         before any sequence is scored. Default: accept."""
+
+    @property
+    def supported_encodings(self) -> tuple[str, ...]:
+        """The payload encodings this backend answers (``GetInfo``): every one, by
+        default (the packed encoding is the answer path's, not the engine's)."""
+        return tuple(ENCODING_NAMES)
 
     @abc.abstractmethod
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:

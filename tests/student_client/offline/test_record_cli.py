@@ -42,3 +42,14 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
         read_token_sequences(tmp_path / "bad.jsonl")
     with pytest.raises(SystemExit, match=r"use \.parquet, \.arrow, \.jsonl"):
         read_token_sequences(tmp_path / "x.csv")
+
+
+def test_bad_packed_options_are_refused_before_anything_is_read(tmp_path: Path) -> None:
+    from student_client.offline.record_cli import main
+
+    args = ["--teacher", "127.0.0.1:1", "--input", str(tmp_path / "absent.parquet")]
+    args += ["--output", str(tmp_path / "out"), "--encoding", "packed", "--logprob-bits", "20"]
+    with pytest.raises(SystemExit, match=r"teacher-record: logprob_bits: 20 is outside \[1, 16\]"):
+        main(args)
+    with pytest.raises(SystemExit, match="logprob_bits: 8 asked with encoding 'default'"):
+        main([*args[:6], "--logprob-bits", "8"])
