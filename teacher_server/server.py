@@ -207,7 +207,10 @@ class TeacherServer:
             info = self._backend.info
             max_len = info.max_sequence_length
             self._limits = dataclasses.replace(
-                self._limits, vocab_size=info.vocab_size, max_sequence_length=max_len
+                self._limits,
+                vocab_size=info.vocab_size,
+                max_sequence_length=max_len,
+                max_samples=info.max_samples,
             )
             if self._config.max_top_k > info.max_top_k:
                 raise ValueError(

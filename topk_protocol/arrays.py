@@ -50,6 +50,12 @@ class SequenceArrays:
         sampled_logprobs: ``[S]`` float32, log p(x[t+1] | x[..t]), NaN at the last
             position of the sequence; None when not computed or not asked for.
         position_start: the absolute position of row 0 (>= 0).
+        sample_counts: sampled payloads only: ``[S, K]`` uint8, how often each column's id
+            was drawn (0: a padding column; a row sums to N); then ``ids`` holds each
+            row's distinct drawn ids (ascending, padding 0) and ``logprobs`` the teacher's
+            log-probs at them (padding 0), and rows are not sorted by log-prob.
+        proposal_log_normalizer: sampled from a tempered proposal only: ``[S]`` float32,
+            ``log Z`` of ``q = p^(1/tau) / Z``.
 
     Arrays are converted to their dtypes when built (no copy when they already have
     them) and their shapes checked here, once: a bad one raises ``ValueError`` naming the
@@ -63,6 +69,12 @@ class SequenceArrays:
         default=None, metadata=_array(np.float32, columns=False, optional=True)
     )
     position_start: int = 0
+    sample_counts: npt.NDArray[np.uint8] | None = field(
+        default=None, metadata=_array(np.uint8, columns=True, optional=True)
+    )
+    proposal_log_normalizer: npt.NDArray[np.float32] | None = field(
+        default=None, metadata=_array(np.float32, columns=False, optional=True)
+    )
 
     def __post_init__(self) -> None:
         try:

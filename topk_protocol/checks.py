@@ -17,10 +17,18 @@ import numpy.typing as npt
 
 from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
 
+#: Largest ``samples`` N of a sampled request: a row's counts travel as uint8.
+MAX_SAMPLES = 255
+#: Largest ``seed`` of a sampled request (a uint64).
+MAX_SEED = (1 << 64) - 1
+
 __all__ = [
+    "MAX_SAMPLES",
+    "MAX_SEED",
     "TeacherLimits",
     "check_depth",
     "check_range",
+    "check_samples",
     "check_sequence_count",
     "check_sequence_length",
     "check_token_ids",
@@ -33,12 +41,14 @@ __all__ = [
 class TeacherLimits:
     """What a teacher accepts: token ids in ``[0, vocab_size)``, K in ``[1, max_top_k]``,
     at most ``max_tokens_per_request`` tokens in one request and ``max_sequence_length``
-    in one sequence (0: no limit of that kind)."""
+    in one sequence (0: no limit of that kind); sampled payloads of at most
+    ``max_samples`` draws (0: none)."""
 
     vocab_size: int
     max_top_k: int
     max_tokens_per_request: int = 0
     max_sequence_length: int = 0
+    max_samples: int = 0
 
     @classmethod
     def of_info(cls, info: Any) -> TeacherLimits:
@@ -49,6 +59,7 @@ class TeacherLimits:
             max_top_k=int(info.max_top_k),
             max_tokens_per_request=int(info.max_tokens_per_request),
             max_sequence_length=int(info.max_sequence_length),
+            max_samples=int(getattr(info, "max_samples", 0)),
         )
 
 
@@ -58,6 +69,20 @@ def check_top_k(top_k: int, limits: TeacherLimits, field: str = "top_k") -> None
     if not 1 <= top_k <= limits.max_top_k:
         raise InvalidRequestError(
             f"{field}: {top_k} is outside [1, {limits.max_top_k}] (max_top_k)"
+        )
+
+
+def check_samples(samples: int, limits: TeacherLimits, field: str = "samples") -> None:
+    """A sampled request's ``samples`` N (0: not sampled) within ``[1, max_samples]``;
+    a teacher that draws none (``max_samples`` 0) refuses every sampled request."""
+    if samples and not 1 <= samples <= limits.max_samples:
+        if limits.max_samples == 0:
+            raise InvalidRequestError(
+                f"{field}: {samples}, but this teacher serves no sampled payloads "
+                "(max_samples 0)"
+            )
+        raise InvalidRequestError(
+            f"{field}: {samples} is outside [1, {limits.max_samples}] (max_samples)"
         )
 
 

@@ -171,6 +171,10 @@ def encode_sequence(
     )
     if arrays.sampled_logprobs is not None:
         msg.sampled_logprobs = _encode_floats(arrays.sampled_logprobs, enum)
+    if arrays.sample_counts is not None:
+        msg.sample_counts = arrays.sample_counts.astype(np.uint8, copy=False).tobytes()
+    if arrays.proposal_log_normalizer is not None:
+        msg.proposal_log_normalizer = _encode_floats(arrays.proposal_log_normalizer, enum)
     return msg
 
 
@@ -197,7 +201,27 @@ def decode_sequence(msg: pb.SequencePayload) -> SequenceArrays:
         if msg.sampled_logprobs
         else (None if s else np.zeros(0, np.float32))
     )
-    return SequenceArrays(ids, lp, sp, int(msg.position_start))
+    counts = None
+    if msg.sample_counts:
+        if len(msg.sample_counts) != s * k:
+            raise ValueError(
+                f"sample_counts: expected {s * k} bytes for [{s}, {k}] uint8, "
+                f"got {len(msg.sample_counts)}"
+            )
+        counts = np.frombuffer(msg.sample_counts, dtype=np.uint8).reshape(s, k)
+    log_z = (
+        _decode_floats(msg.proposal_log_normalizer, enum, (s,), "proposal_log_normalizer")
+        if msg.proposal_log_normalizer
+        else None
+    )
+    return SequenceArrays(
+        ids,
+        lp,
+        sp,
+        int(msg.position_start),
+        sample_counts=counts,
+        proposal_log_normalizer=log_z,
+    )
 
 
 #: Names this module (and ``topk_protocol``) exported before ``SequenceArrays``.

@@ -28,6 +28,7 @@ class TeacherInfo:
     max_sequence_length: int
     engine_dtype: str = ""  # what the engine computes in; empty for replay
     teacher_temperature: float = DEFAULT_TEACHER_TEMPERATURE
+    max_samples: int = 0  # largest sampled-payload N (0: none)
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -46,6 +47,7 @@ class TeacherInfo:
             max_sequence_length=int(msg.max_sequence_length),
             engine_dtype=msg.engine_dtype,
             teacher_temperature=teacher_temperature(msg),
+            max_samples=int(msg.max_samples),
         )
 
     def check_schema(self) -> None:

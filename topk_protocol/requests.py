@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -24,7 +25,13 @@ import torch
 
 from topk_protocol import checks
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.checks import check_range, check_sequence_count, check_sequence_length
+from topk_protocol.checks import (
+    MAX_SAMPLES,
+    MAX_SEED,
+    check_range,
+    check_sequence_count,
+    check_sequence_length,
+)
 from topk_protocol.codec import DTYPE_NAMES, dtype_from_name, dtype_name, encode_token_ids, itemsize
 from topk_protocol.errors import InvalidRequestError
 
@@ -81,6 +88,14 @@ class RequestOptions:
             or ``"float32"`` (an enum value is accepted and stored as its name).
         include_sampled: whether the answer carries the log-prob of the token that
             actually follows each position.
+        samples: N > 0 asks for a sampled payload (``docs/protocol.md``): N draws per
+            position, each row's distinct drawn ids with their counts, ``top_k`` must be
+            N (one column per draw); 0 (the default): the top-k payload.
+        seed: the draws' seed, in ``[0, 2^64)``; required with ``samples``, refused
+            without.
+        proposal_temperature: with ``samples``: draw from ``q ~ p^(1/tau)`` (tau > 1
+            flattens, < 1 sharpens) and carry ``log Z`` of ``q`` per row for the
+            importance weights; 1 (the default) draws from the teacher's ``p``.
 
     Adding an option means a field of ``ScoreRequest`` in ``teacher.proto``, a field
     here (with its lines in :meth:`to_proto` / :meth:`from_proto`), and the backends that
@@ -94,6 +109,9 @@ class RequestOptions:
     top_k: int
     dtype: str = dtype_name(DEFAULT_DTYPE)
     include_sampled: bool = True
+    samples: int = field(default=0, metadata=RECORDED)
+    seed: int | None = field(default=None, metadata=RECORDED)
+    proposal_temperature: float = field(default=1.0, metadata=RECORDED)
 
     def __post_init__(self) -> None:
         k = self.top_k
@@ -110,6 +128,55 @@ class RequestOptions:
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "dtype", name)
         object.__setattr__(self, "include_sampled", bool(self.include_sampled))
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        """The sampled-payload options: N, the seed, the proposal and top_k = N."""
+        n, seed, tau = self.samples, self.seed, self.proposal_temperature
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 0 <= n <= MAX_SAMPLES:
+            raise InvalidRequestError(
+                f"samples: {n!r} is outside [0, {MAX_SAMPLES}] (0: a top-k payload; the "
+                "counts travel as uint8)"
+            )
+        if isinstance(tau, bool) or not isinstance(tau, int | float | np.floating):
+            raise InvalidRequestError(f"proposal_temperature: expected a number, got {tau!r}")
+        if not (math.isfinite(tau) and tau > 0):
+            raise InvalidRequestError(
+                f"proposal_temperature: {tau!r} is not a finite number > 0"
+            )
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= MAX_SEED
+        ):
+            raise InvalidRequestError(f"seed: {seed!r} is outside [0, {MAX_SEED}] (uint64)")
+        if n == 0:
+            if seed is not None or tau != 1.0:
+                name = "seed" if seed is not None else "proposal_temperature"
+                raise InvalidRequestError(
+                    f"{name}: applies to sampled payloads only; set samples (1..{MAX_SAMPLES})"
+                )
+        else:
+            if seed is None:
+                raise InvalidRequestError(
+                    f"seed: required with samples {n} (the draws must be reproducible)"
+                )
+            if self.top_k != n:
+                raise InvalidRequestError(
+                    f"top_k: {self.top_k}, but a sampled payload has one column per draw: "
+                    f"top_k must equal samples ({n})"
+                )
+        object.__setattr__(self, "samples", int(n))
+        object.__setattr__(self, "seed", None if seed is None else int(seed))
+        object.__setattr__(self, "proposal_temperature", float(tau))
+
+    @property
+    def sampled(self) -> bool:
+        """Whether this asks for a sampled payload (``samples > 0``)."""
+        return self.samples > 0
+
+    @property
+    def proposal_normalizer(self) -> bool:
+        """Whether the answer carries ``proposal_log_normalizer`` (a tempered proposal)."""
+        return self.samples > 0 and self.proposal_temperature != 1.0
 
     @classmethod
     def of(cls, top_k: int | RequestOptions, **options: Any) -> RequestOptions:
@@ -134,7 +201,13 @@ class RequestOptions:
 
     def bytes_per_row(self) -> int:
         """Payload bytes of one position (see :func:`bytes_per_row`)."""
-        return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled)
+        return bytes_per_row(
+            self.top_k,
+            self.wire_dtype,
+            self.include_sampled,
+            sampled=self.sampled,
+            proposal_normalizer=self.proposal_normalizer,
+        )
 
     def recorded(self) -> dict[str, Any]:
         """The values of the :data:`RECORDED` options (what a recording is made at)."""
@@ -152,6 +225,12 @@ class RequestOptions:
         request.dtype = self.wire_dtype  # type: ignore[assignment]
         if not self.include_sampled:
             request.include_sampled_logprobs = False
+        if self.sampled:  # a request without sampling stays byte-identical
+            request.samples = self.samples
+            assert self.seed is not None  # _check_sampling
+            request.seed = self.seed
+            if self.proposal_temperature != 1.0:
+                request.proposal_temperature = self.proposal_temperature
         return request
 
     @classmethod
@@ -170,7 +249,18 @@ class RequestOptions:
             if request.HasField("include_sampled_logprobs")
             else True
         )
-        return cls(int(request.top_k), dtype_name(dtype), sampled)
+        return cls(
+            int(request.top_k),
+            dtype_name(dtype),
+            sampled,
+            samples=int(request.samples),
+            seed=int(request.seed) if request.HasField("seed") else None,
+            proposal_temperature=(
+                float(request.proposal_temperature)
+                if request.HasField("proposal_temperature")
+                else 1.0
+            ),
+        )
 
 
 def _as_1d_array(seq: Any, i: int) -> npt.NDArray[Any]:
@@ -291,10 +381,20 @@ def request_spans(req: pb.ScoreRequest) -> list[Span]:
 
 
 # -- sizes ---------------------------------------------------------------------------------
-def bytes_per_row(top_k: int, dtype: int, include_sampled: bool) -> int:
-    """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)."""
+def bytes_per_row(
+    top_k: int,
+    dtype: int,
+    include_sampled: bool,
+    *,
+    sampled: bool = False,
+    proposal_normalizer: bool = False,
+) -> int:
+    """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob);
+    a sampled payload adds K uint8 counts (+ one ``proposal_log_normalizer``)."""
     size = itemsize(dtype)
-    return top_k * (4 + size) + (size if include_sampled else 0)
+    per_column = 4 + size + (1 if sampled else 0)
+    per_row = (size if include_sampled else 0) + (size if proposal_normalizer else 0)
+    return top_k * per_column + per_row
 
 
 def response_bytes(req: pb.ScoreRequest) -> int:

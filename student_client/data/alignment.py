@@ -258,6 +258,12 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
         dtype=payload.dtype,
         request_id=payload.request_id,
         teacher_seconds=payload.teacher_seconds,
+        sample_counts=None if payload.sample_counts is None else place(payload.sample_counts),
+        proposal_log_normalizer=(
+            None
+            if payload.proposal_log_normalizer is None
+            else place(payload.proposal_log_normalizer)
+        ),
     )
 
 

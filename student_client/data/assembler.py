@@ -53,6 +53,8 @@ class ResponseAssembler:
         self.top_k = options.top_k
         self.dtype = options.wire_dtype
         self.include_sampled = options.include_sampled
+        self.sampled = options.sampled
+        self.proposal_normalizer = options.proposal_normalizer
         self.teacher_seconds = 0.0
         self._size = itemsize(self.dtype)
         self.reset()
@@ -111,6 +113,14 @@ class ResponseAssembler:
                 f"{where}: sampled_logprobs has {len(c.sampled_logprobs)} bytes, "
                 f"expected {want_sampled}"
             )
+        for name, want in (
+            ("sample_counts", n * k if self.sampled else 0),
+            ("proposal_log_normalizer", n * self._size if self.proposal_normalizer else 0),
+        ):
+            if len(getattr(c, name)) != want:
+                raise _protocol(
+                    f"{where}: {name} has {len(getattr(c, name))} bytes, expected {want}"
+                )
         self._chunks[i].append(c)
         self._rows[i] += n
 
@@ -134,6 +144,8 @@ class ResponseAssembler:
                     ids=b"".join(c.ids for c in chunks),
                     logprobs=b"".join(c.logprobs for c in chunks),
                     sampled_logprobs=b"".join(c.sampled_logprobs for c in chunks),
+                    sample_counts=b"".join(c.sample_counts for c in chunks),
+                    proposal_log_normalizer=b"".join(c.proposal_log_normalizer for c in chunks),
                 )
             )
         return out
@@ -150,6 +162,8 @@ class ResponseAssembler:
         lps = np.zeros((b, s, k), dtype=np.float32)
         sampled = np.zeros((b, s), dtype=np.float32) if self.include_sampled else None
         mask = np.zeros((b, s), dtype=np.bool_)
+        counts = np.zeros((b, s, k), dtype=np.int64) if self.sampled else None
+        log_z = np.zeros((b, s), dtype=np.float32) if self.proposal_normalizer else None
         for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
             row = 0
             for c in chunks:
@@ -162,6 +176,12 @@ class ResponseAssembler:
                 if sampled is not None:
                     decode_floats_into(
                         sampled[i, rows], c.sampled_logprobs, self.dtype, "sampled_logprobs"
+                    )
+                if counts is not None:
+                    counts[i, rows] = np.frombuffer(c.sample_counts, dtype=np.uint8).reshape(n, k)
+                if log_z is not None:
+                    decode_floats_into(
+                        log_z[i, rows], c.proposal_log_normalizer, self.dtype, "proposal_log_normalizer"
                     )
                 row += n
             mask[i, :row] = True
@@ -177,5 +197,7 @@ class ResponseAssembler:
             dtype=dtype_name(self.dtype),
             request_id=self.request.request_id,
             teacher_seconds=self.teacher_seconds,
+            sample_counts=None if counts is None else torch.from_numpy(counts),
+            proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
         )
         return payload if str(device) == "cpu" else payload.to(device)

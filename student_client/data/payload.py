@@ -43,6 +43,12 @@ class TeacherPayload:
         teacher_seconds: engine time the teacher reported for the request.
         teachers: the name of the teacher that scored each sequence (``B`` names), from
             a multi-teacher client or recording; None from a single teacher.
+        sample_counts: a sampled payload's ``[B, S, K]`` int64 draw counts (0: a padding
+            column; a real row sums to N); ``ids`` then holds the distinct drawn ids and
+            ``logprobs`` the teacher's log-probs at them. None for a top-k payload.
+            ``student_client.losses.sampled_target_weights`` turns them into the target.
+        proposal_log_normalizer: ``[B, S]`` float32 ``log Z`` of a tempered proposal
+            (``proposal_temperature != 1``), else None.
     """
 
     ids: torch.Tensor
@@ -56,6 +62,8 @@ class TeacherPayload:
     request_id: str = ""
     teacher_seconds: float = 0.0
     teachers: tuple[str, ...] | None = None
+    sample_counts: torch.Tensor | None = None
+    proposal_log_normalizer: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -132,8 +132,9 @@ class PayloadDataset(Dataset[PayloadItem]):
         self._reader = RecordingReader(self.path)
         r = self._reader
         try:
+            recorded = {**RequestOptions.recorded_defaults(), **r.options}  # e.g. samples, seed
             opts = RequestOptions(
-                r.top_k if top_k is None else top_k, dtype or r.dtype, include_sampled
+                r.top_k if top_k is None else top_k, dtype or r.dtype, include_sampled, **recorded
             )
             check_options(r, opts, f"recording {self.path}")
         except BaseException:
@@ -206,6 +207,9 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
     lps = np.zeros((b, s, k), dtype=np.float32)
     with_sampled = items[0].arrays.sampled_logprobs is not None
     sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
+    first = items[0].arrays
+    counts = None if first.sample_counts is None else np.zeros((b, s, k), dtype=np.int64)
+    log_z = None if first.proposal_log_normalizer is None else np.zeros((b, s), np.float32)
     mask = np.zeros((b, s), dtype=np.bool_)
     names = [it.teacher for it in items]
     teachers = None if any(n is None for n in names) else tuple(str(n) for n in names)
@@ -218,6 +222,10 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         lps[j, :n] = p.logprobs
         if sampled is not None and p.sampled_logprobs is not None:
             sampled[j, :n] = p.sampled_logprobs
+        if counts is not None and p.sample_counts is not None:
+            counts[j, :n] = p.sample_counts
+        if log_z is not None and p.proposal_log_normalizer is not None:
+            log_z[j, :n] = p.proposal_log_normalizer
         mask[j, :n] = True
     payload = TeacherPayload(
         ids=torch.from_numpy(ids),
@@ -229,6 +237,8 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         top_k=k,
         dtype=items[0].dtype,
         teachers=teachers,
+        sample_counts=None if counts is None else torch.from_numpy(counts),
+        proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
 

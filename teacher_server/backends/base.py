@@ -16,11 +16,13 @@ from teacher_server.flags import add_flags, from_args, temperature_arg
 from teacher_server.validation import ParsedRequest, ParsedSequence
 from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions, SequenceArrays
 from topk_protocol._deprecation import deprecated_names
+from topk_protocol.sampling import sample_rows, sequence_sample_key
 
 __all__ = [
     "Backend",
     "BackendInfo",
     "ModelFlags",
+    "sampled_from_logprobs",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
 ]
@@ -31,7 +33,8 @@ class BackendInfo:
     """What the engine is. ``max_sequence_length`` 0 means no limit of its own; ``dtype``
     is the dtype the engine actually computes in (e.g. ``bfloat16`` for a float32
     checkpoint served with ``--dtype auto`` on CPU), empty when there is no engine;
-    ``temperature`` is the teacher temperature ``T`` of every log-prob it serves."""
+    ``temperature`` is the teacher temperature ``T`` of every log-prob it serves;
+    ``max_samples`` the largest sampled-payload N it draws (0: none)."""
 
     model_name: str
     vocab_size: int
@@ -41,6 +44,7 @@ class BackendInfo:
     name: str = "unknown"
     dtype: str = ""
     temperature: float = DEFAULT_TEACHER_TEMPERATURE
+    max_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,45 @@ def topk_from_logprobs(
     if n > 1:
         sampled[:-1] = logprobs[np.arange(n - 1), token_ids[1:n]]
     return SequenceArrays(ids, lps, sampled)
+
+
+def sampled_from_logprobs(
+    logprobs: Any, token_ids: npt.NDArray[np.int32], start: int, options: RequestOptions
+) -> SequenceArrays:
+    """A sampled payload of positions ``[start, start + S)`` from the dense served
+    log-probs ``logprobs`` ``[S, V]`` (a torch tensor; row ``j`` predicts the token after
+    ``token_ids[start + j]``), drawn as ``options`` asks (:mod:`topk_protocol.sampling`)."""
+    import torch
+
+    rows = logprobs.shape[0]
+    positions = torch.arange(start, start + rows, device=logprobs.device)
+    assert options.seed is not None  # RequestOptions requires it with samples
+    drawn = sample_rows(
+        logprobs,
+        options.samples,
+        options.seed,
+        sequence_sample_key(token_ids),
+        positions,
+        options.proposal_temperature,
+    )
+    sampled = None
+    if options.include_sampled:
+        nxt = positions + 1
+        inside = nxt < len(token_ids)
+        following = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=logprobs.device)
+        index = following[nxt.clamp_max(len(token_ids) - 1)]
+        actual = torch.gather(logprobs.float(), 1, index[:, None])[:, 0]
+        sampled = torch.where(inside, actual, torch.nan).cpu().numpy()
+    return SequenceArrays(
+        drawn.ids.cpu().numpy(),
+        drawn.logprobs.cpu().numpy(),
+        sampled,
+        start,
+        sample_counts=drawn.counts.cpu().numpy().astype(np.uint8),
+        proposal_log_normalizer=(
+            None if drawn.log_normalizer is None else drawn.log_normalizer.cpu().numpy()
+        ),
+    )
 
 
 #: Names this module (and ``teacher_server.backends``) exported before ``SequenceArrays``.

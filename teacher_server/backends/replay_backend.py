@@ -97,6 +97,7 @@ class ReplayBackend(Backend):
             max_sequence_length=int(info.max_sequence_length),
             name="replay",
             temperature=teacher_temperature(info),
+            max_samples=int(self._reader.options.get("samples", 0)),  # a sampled recording's N
         )
 
     @property

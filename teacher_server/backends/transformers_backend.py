@@ -20,12 +20,14 @@ from teacher_server.backends.base import (
     BackendInfo,
     ModelFlags,
     tokenizer_fingerprint,
+    sampled_from_logprobs,
     topk_from_logprobs,
 )
 from teacher_server.backends.cpu_dtype import CpuDtype, cpu_dtype_for
 from teacher_server.config import ServerConfig
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
+from topk_protocol.checks import MAX_SAMPLES
 
 __all__ = ["TransformersBackend"]
 
@@ -114,6 +116,7 @@ class TransformersBackend(Backend):
             name="transformers",
             dtype=str(self._model.dtype).removeprefix("torch."),
             temperature=self._temperature,
+            max_samples=MAX_SAMPLES,
         )
         log.info("transformers model computes in %s (%s)", self.info.dtype, choice.reason)
 
@@ -155,6 +158,8 @@ class TransformersBackend(Backend):
             x = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self._device)
             logits = self._model(input_ids=x[None, : max(end, 1)]).logits[0]
             tempered = torch.log_softmax(logits.float() / self._temperature, dim=-1)
+            if options.sampled:
+                return sampled_from_logprobs(tempered[start:end], token_ids, start, options)
             lp = tempered[start:end].cpu().numpy()
         full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), options.top_k)
         sampled = full.sampled_logprobs

@@ -117,10 +117,11 @@ def can_serve_dtype(recorded: str, wanted: str) -> bool:
 
 
 def storage_dtype(f: ArrayField, dtype: str) -> type[np.generic]:
-    """The numpy dtype a ``dtype`` recording stores field ``f`` in: int32 for ids, and
-    float16 (a float16 recording) or float32 for log-probs."""
+    """The numpy dtype a ``dtype`` recording stores field ``f`` in: an integer field in its
+    own dtype (int32 ids, uint8 sample counts), and float16 (a float16 recording) or
+    float32 for log-probs."""
     if np.issubdtype(f.dtype, np.integer):
-        return np.int32
+        return f.dtype
     return np.float16 if dtype == "float16" else np.float32
 
 
