@@ -8,7 +8,9 @@ last hidden states and the lm_head weight without forming the logits, and
 (`local_vocab_shard` for the logits path); `causal_lm_topk_kl_loss`, the fused loss of a
 whole Hugging Face causal LM, plain or FSDP2-sharded. `LossOptions` holds
 every option (the divergence among them: `get_divergence`, `DIVERGENCES`).
-`topk_kl_reference` is the dense slow path (forward KL). `onpolicy.py`: the per-token
+`topk_kl_reference` is the dense slow path (forward KL). `sampled_kl_loss` /
+`fused_sampled_kl_loss` (`sampled.py`): the unbiased loss on a sampled payload, with
+`sampled_target_weights`. `onpolicy.py`: the per-token
 on-policy signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
 """
 
@@ -29,6 +31,11 @@ from student_client.losses.onpolicy import (
 )
 from student_client.losses.options import LossOptions
 from student_client.losses.reference import topk_kl_reference
+from student_client.losses.sampled import (
+    fused_sampled_kl_loss,
+    sampled_kl_loss,
+    sampled_target_weights,
+)
 from student_client.losses.sharded_head import lm_head_topk_kl_loss, local_vocab_shard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
@@ -57,6 +64,7 @@ __all__ = [
     "auto_chunk_rows",
     "causal_lm_hidden_and_head",
     "causal_lm_topk_kl_loss",
+    "fused_sampled_kl_loss",
     "fused_topk_kl_loss",
     "get_divergence",
     "kl_estimators",
@@ -64,6 +72,8 @@ __all__ = [
     "local_vocab_shard",
     "policy_gradient_loss",
     "reverse_kl_advantage",
+    "sampled_kl_loss",
+    "sampled_target_weights",
     "sampled_token_logprobs",
     "topk_kl_loss",
     "topk_kl_reference",

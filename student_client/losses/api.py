@@ -3,7 +3,7 @@ around the chunked and the fused kernels."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -103,23 +103,47 @@ def topk_kl_loss(
     positions_shape = logits.shape[:-1]
     check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, logits.device)
 
-    local_vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, local_vocab)
     ids, logprobs, counted, present = _teacher_rows(
         teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, logits
     )
+    return chunked_loss(logits, TeacherRows(ids, logprobs, counted, present), opts, shard)
+
+
+class TeacherRows(NamedTuple):
+    """Prepared teacher columns of the flat positions: `ids` `[N, K']`, `logprobs`
+    `[N, K']` (the target's log-weights), `counted` bool `[N]`, `present` bool `[N, K']`
+    or None (all), and `offset` `[N]` or None: a constant (no gradient) added to each
+    position's loss value."""
+
+    ids: Tensor
+    logprobs: Tensor
+    counted: Tensor
+    present: Tensor | None
+    offset: Tensor | None = None
+
+
+def chunked_loss(
+    logits: Tensor, teacher: TeacherRows, opts: LossOptions, shard: VocabShard
+) -> tuple[Tensor, TopKKLStats]:
+    """The chunked kernel, clamping, reduction and statistics of validated inputs
+    (`logits` `[..., V_local]`); shared by `topk_kl_loss` and the sampled loss."""
+    positions_shape = logits.shape[:-1]
+    local_vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, local_vocab)
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
     settings = _chunked_settings(opts, shard, chunk_rows)
-    rows = chunked_topk_kl_rows(flat_logits, ids, logprobs, settings, present)
+    rows = chunked_topk_kl_rows(flat_logits, teacher.ids, teacher.logprobs, settings, teacher.present)
 
     per_position = rows.loss
     clamped = torch.zeros_like(per_position, dtype=torch.bool)
     if opts.clamp_min is not None:
         clamped = per_position.detach() < opts.clamp_min
         per_position = per_position.clamp_min(opts.clamp_min)
+    if teacher.offset is not None:
+        per_position = per_position + teacher.offset.to(per_position.dtype)
 
-    loss = reduce_positions(per_position, counted, opts.reduction, positions_shape)
-    stats = summarize(rows, per_position.detach(), clamped, counted, overlap=opts.overlap)
+    loss = reduce_positions(per_position, teacher.counted, opts.reduction, positions_shape)
+    stats = summarize(rows, per_position.detach(), clamped, teacher.counted, overlap=opts.overlap)
     return loss, stats
 
 
@@ -189,11 +213,28 @@ def fused_topk_kl_loss(
     positions_shape = hidden.shape[:-1]
     check_sampled(opts.mode, sampled_ids, sampled_logprobs, positions_shape, hidden.device)
 
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     ids, logprobs, counted, present = _teacher_rows(
         teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, hidden
     )
-    teacher = localized_columns(ids, logprobs, present, shard, statistics_dtype(hidden.device))
+    return fused_loss(hidden, weight, bias, TeacherRows(ids, logprobs, counted, present), opts, shard)
+
+
+def fused_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    rows_in: TeacherRows,
+    opts: LossOptions,
+    shard: VocabShard,
+) -> tuple[Tensor, TopKKLStats]:
+    """The fused kernel, reduction and statistics of validated inputs (`hidden`
+    `[..., H]`); shared by `fused_topk_kl_loss` and the sampled loss."""
+    positions_shape = hidden.shape[:-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    counted = rows_in.counted
+    teacher = localized_columns(
+        rows_in.ids, rows_in.logprobs, rows_in.present, shard, statistics_dtype(hidden.device)
+    )
     chunks = fused_chunks(
         flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
     )
@@ -214,9 +255,13 @@ def fused_topk_kl_loss(
     outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
     loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
     rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
-    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
     if opts.reduction == "none":
         loss = loss.reshape(positions_shape)
+    if rows_in.offset is not None:
+        offset = rows_in.offset.to(per_position.dtype)
+        per_position = per_position + offset
+        loss = loss + reduce_positions(offset, counted, opts.reduction, positions_shape)
+    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
     return loss, stats
 
 
