@@ -35,7 +35,6 @@ from torch import Tensor
 
 __all__ = [
     "SampledRows",
-    "chi_square_p_value",
     "draw_uniforms",
     "sample_rows",
     "sequence_sample_key",
@@ -182,21 +181,3 @@ def _distinct_counts(drawn: Tensor) -> tuple[Tensor, Tensor]:
     counts = torch.zeros_like(ordered).scatter_add_(1, slot, torch.ones_like(ordered))
     ids = torch.zeros_like(ordered).scatter_(1, slot, ordered)
     return ids, counts
-
-
-def chi_square_p_value(counts: Tensor, probs: Tensor, min_expected: float = 5.0) -> float:
-    """Pearson's chi-square goodness-of-fit p-value of ``counts`` ``[C]`` (draws of each
-    category) against ``probs`` ``[C]``; categories with an expected count below
-    ``min_expected`` are pooled into one (the usual validity rule). Uses
-    ``torch.special.gammaincc`` for the chi-square survival function."""
-    counts = counts.to(torch.float64)
-    total = counts.sum()
-    expected = probs.to(torch.float64) * total / probs.sum()
-    small = expected < min_expected
-    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    statistic = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))

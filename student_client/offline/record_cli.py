@@ -35,7 +35,8 @@ import pyarrow as pa
 from student_client.clients.blocking import TeacherClient
 from student_client.clients.multi import MultiTeacherClient
 from student_client.data.batch import ScoreBatch
-from topk_protocol import DTYPE_NAMES
+from topk_protocol import DTYPE_NAMES, RequestOptions
+from topk_protocol.errors import InvalidRequestError
 from topk_protocol.multi_recording import teacher_recording_path
 from topk_protocol.recording import (
     COMPRESSIONS,
@@ -187,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPE_NAMES),
         help="log-prob dtype to record (float32 serves every dtype later; default float16)",
     )
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="record a sampled payload: N draws per position (K = N; needs --seed)",
+    )
+    ap.add_argument("--seed", type=int, help="seed of the draws (with --samples)")
+    ap.add_argument(
+        "--proposal-temperature",
+        type=float,
+        default=1.0,
+        help="with --samples: draw from p^(1/T) with importance weights (default 1: from p)",
+    )
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per request")
     ap.add_argument("--depth", type=int, default=4, help="requests in flight")
@@ -237,6 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size < 1:
         raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
     teachers = _teachers(args.teacher)
+    sampling: dict[str, Any] = {}
+    if args.samples or args.seed is not None or args.proposal_temperature != 1.0:
+        args.top_k = args.samples  # a sampled payload has one column per draw
+        sampling = {
+            "samples": args.samples,
+            "seed": args.seed,
+            "proposal_temperature": args.proposal_temperature,
+        }
+    try:
+        RequestOptions.of(args.top_k, dtype=args.dtype, **sampling)
+    except InvalidRequestError as e:
+        raise SystemExit(f"teacher-record: {e}") from None
     seqs = read_token_sequences(args.input, args.column)
     names: list[str] | None = None
     if isinstance(teachers, dict):
@@ -284,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         for _batch, payload in zip(
             batches,
-            client.stream(batches, args.top_k, depth=args.depth, dtype=args.dtype),
+            client.stream(batches, args.top_k, depth=args.depth, dtype=args.dtype, **sampling),
             strict=True,
         ):
             positions += payload.num_positions
