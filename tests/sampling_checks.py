@@ -27,9 +27,7 @@ def equal_mass_chi_square(
     rows = probs.shape[0]
     mass = torch.zeros(rows, bins, dtype=torch.float64).scatter_add_(1, group, probs)
     drawn = torch.gather(group, 1, ids.long())
-    observed = torch.zeros(rows, bins, dtype=torch.float64).scatter_add_(
-        1, drawn, counts.double()
-    )
+    observed = torch.zeros(rows, bins, dtype=torch.float64).scatter_add_(1, drawn, counts.double())
     expected = mass * counts.double().sum(-1, keepdim=True)
     used = expected > 0
     statistic = float(((observed - expected) ** 2 / expected.clamp_min(1e-300))[used].sum())

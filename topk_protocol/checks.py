@@ -78,8 +78,7 @@ def check_samples(samples: int, limits: TeacherLimits, field: str = "samples") -
     if samples and not 1 <= samples <= limits.max_samples:
         if limits.max_samples == 0:
             raise InvalidRequestError(
-                f"{field}: {samples}, but this teacher serves no sampled payloads "
-                "(max_samples 0)"
+                f"{field}: {samples}, but this teacher serves no sampled payloads (max_samples 0)"
             )
         raise InvalidRequestError(
             f"{field}: {samples} is outside [1, {limits.max_samples}] (max_samples)"

@@ -12,9 +12,9 @@ its answers with them. Rules in ``docs/protocol.md``.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-import math
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
@@ -141,11 +141,11 @@ class RequestOptions:
         if isinstance(tau, bool) or not isinstance(tau, int | float | np.floating):
             raise InvalidRequestError(f"proposal_temperature: expected a number, got {tau!r}")
         if not (math.isfinite(tau) and tau > 0):
-            raise InvalidRequestError(
-                f"proposal_temperature: {tau!r} is not a finite number > 0"
-            )
+            raise InvalidRequestError(f"proposal_temperature: {tau!r} is not a finite number > 0")
         if seed is not None and (
-            isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed <= MAX_SEED
+            isinstance(seed, bool)
+            or not isinstance(seed, int | np.integer)
+            or not 0 <= seed <= MAX_SEED
         ):
             raise InvalidRequestError(f"seed: {seed!r} is outside [0, {MAX_SEED}] (uint64)")
         if n == 0:

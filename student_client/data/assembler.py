@@ -181,7 +181,10 @@ class ResponseAssembler:
                     counts[i, rows] = np.frombuffer(c.sample_counts, dtype=np.uint8).reshape(n, k)
                 if log_z is not None:
                     decode_floats_into(
-                        log_z[i, rows], c.proposal_log_normalizer, self.dtype, "proposal_log_normalizer"
+                        log_z[i, rows],
+                        c.proposal_log_normalizer,
+                        self.dtype,
+                        "proposal_log_normalizer",
                     )
                 row += n
             mask[i, :row] = True

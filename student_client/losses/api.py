@@ -132,7 +132,9 @@ def chunked_loss(
     flat_logits = logits.reshape(-1, local_vocab)
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
     settings = _chunked_settings(opts, shard, chunk_rows)
-    rows = chunked_topk_kl_rows(flat_logits, teacher.ids, teacher.logprobs, settings, teacher.present)
+    rows = chunked_topk_kl_rows(
+        flat_logits, teacher.ids, teacher.logprobs, settings, teacher.present
+    )
 
     per_position = rows.loss
     clamped = torch.zeros_like(per_position, dtype=torch.bool)
@@ -216,7 +218,9 @@ def fused_topk_kl_loss(
     ids, logprobs, counted, present = _teacher_rows(
         teacher_ids, teacher_logprobs, mask, sampled_ids, sampled_logprobs, opts, shard, hidden
     )
-    return fused_loss(hidden, weight, bias, TeacherRows(ids, logprobs, counted, present), opts, shard)
+    return fused_loss(
+        hidden, weight, bias, TeacherRows(ids, logprobs, counted, present), opts, shard
+    )
 
 
 def fused_loss(

@@ -128,7 +128,9 @@ def _sampled_rows(
         check_mask_values(mask)
         check_sample_values(ids[counted], weights[counted], shard.global_vocab)
     drawn = weights > 0
-    log_weights = torch.where(drawn, weights.clamp_min(torch.finfo(weights.dtype).tiny).log(), -math.inf)
+    log_weights = torch.where(
+        drawn, weights.clamp_min(torch.finfo(weights.dtype).tiny).log(), -math.inf
+    )
     present = drawn & counted.unsqueeze(-1)
     # padding columns hold anything: distinct stand-ins, never gathered (absent)
     stand_in = torch.arange(top_k, device=ids.device, dtype=ids.dtype)

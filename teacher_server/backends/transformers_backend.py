@@ -19,8 +19,8 @@ from teacher_server.backends.base import (
     Backend,
     BackendInfo,
     ModelFlags,
-    tokenizer_fingerprint,
     sampled_from_logprobs,
+    tokenizer_fingerprint,
     topk_from_logprobs,
 )
 from teacher_server.backends.cpu_dtype import CpuDtype, cpu_dtype_for

@@ -42,7 +42,7 @@ def test_draws_depend_only_on_seed_sequence_and_position() -> None:
 
 def test_uniforms_cover_the_unit_interval_evenly() -> None:
     u = draw_uniforms(2**64 - 1, 2**63 + 5, torch.arange(2000), 200).flatten()
-    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     counts = torch.histc(u.float(), bins=100, min=0.0, max=1.0)
     expected = u.numel() / 100
     statistic = float(((counts - expected) ** 2 / expected).sum())
@@ -61,7 +61,10 @@ def test_counts_fit_the_distribution_they_are_drawn_from(tau: float) -> None:
         assert wrong < ALPHA
         assert rows.log_normalizer is not None
         torch.testing.assert_close(
-            rows.log_normalizer.double(), torch.logsumexp(lp.double() / tau, -1), rtol=1e-6, atol=1e-6
+            rows.log_normalizer.double(),
+            torch.logsumexp(lp.double() / tau, -1),
+            rtol=1e-6,
+            atol=1e-6,
         )
 
 
@@ -69,12 +72,18 @@ def test_request_options_rules_name_field_and_limit() -> None:
     ok = RequestOptions(16, samples=16, seed=3)
     assert ok.sampled and not ok.proposal_normalizer
     cases = [
-        ({"samples": MAX_SAMPLES + 1, "seed": 1}, rf"samples: {MAX_SAMPLES + 1} is outside \[0, {MAX_SAMPLES}\]"),
+        (
+            {"samples": MAX_SAMPLES + 1, "seed": 1},
+            rf"samples: {MAX_SAMPLES + 1} is outside \[0, {MAX_SAMPLES}\]",
+        ),
         ({"samples": -1, "seed": 1}, r"samples: -1 is outside"),
         ({"samples": 16}, r"seed: required with samples 16"),
         ({"seed": 4}, r"seed: applies to sampled payloads only"),
         ({"samples": 16, "seed": 2**64}, r"seed: .* is outside \[0, 18446744073709551615\]"),
-        ({"samples": 16, "seed": 1, "proposal_temperature": 0.0}, r"proposal_temperature: 0.0 is not"),
+        (
+            {"samples": 16, "seed": 1, "proposal_temperature": 0.0},
+            r"proposal_temperature: 0.0 is not",
+        ),
         ({"samples": 16, "seed": 1, "proposal_temperature": float("nan")}, r"proposal_temperature"),
         ({"proposal_temperature": 2.0}, r"proposal_temperature: applies to sampled payloads only"),
     ]
@@ -87,9 +96,14 @@ def test_request_options_rules_name_field_and_limit() -> None:
 
 def test_teacher_limits_on_samples() -> None:
     check_samples(0, TeacherLimits(512, 64))  # not sampled: no limit applies
-    with pytest.raises(InvalidRequestError, match=r"samples: 16, but this teacher serves no sampled payloads \(max_samples 0\)"):
+    with pytest.raises(
+        InvalidRequestError,
+        match=r"samples: 16, but this teacher serves no sampled payloads \(max_samples 0\)",
+    ):
         check_samples(16, TeacherLimits(512, 64))
-    with pytest.raises(InvalidRequestError, match=r"samples: 100 is outside \[1, 50\] \(max_samples\)"):
+    with pytest.raises(
+        InvalidRequestError, match=r"samples: 100 is outside \[1, 50\] \(max_samples\)"
+    ):
         check_samples(100, TeacherLimits(512, 64, max_samples=50))
 
 
@@ -119,9 +133,14 @@ def test_codec_carries_counts_and_normalizer() -> None:
     )
     msg = encode_sequence(arrays, dtype="float32")
     opts = RequestOptions(24, "float32", samples=24, seed=1, proposal_temperature=1.5)
-    assert len(msg.ids) + len(msg.logprobs) + len(msg.sampled_logprobs) + len(
-        msg.sample_counts
-    ) + len(msg.proposal_log_normalizer) == 5 * opts.bytes_per_row()
+    assert (
+        len(msg.ids)
+        + len(msg.logprobs)
+        + len(msg.sampled_logprobs)
+        + len(msg.sample_counts)
+        + len(msg.proposal_log_normalizer)
+        == 5 * opts.bytes_per_row()
+    )
     assert opts.bytes_per_row() == 24 * (4 + 4 + 1) + 4 + 4
     back = decode_sequence(pb.SequencePayload.FromString(msg.SerializeToString()))
     assert back.sample_counts is not None and back.proposal_log_normalizer is not None

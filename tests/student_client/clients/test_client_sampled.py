@@ -32,7 +32,9 @@ ALPHA = 1e-3
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def teacher(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("teacher") / "server.log"
     server = start_server(
         ["--backend", "transformers", "--model", str(tiny_model_dir), "--chunk-kb", "1"], log
@@ -61,7 +63,9 @@ def test_draws_fit_the_dense_teacher_distribution(reference_backend: Transformer
         assert got.sample_counts is not None
         ids, counts = torch.from_numpy(got.ids).long(), torch.from_numpy(got.sample_counts).long()
         drawn = counts > 0
-        np.testing.assert_array_equal(got.logprobs[drawn.numpy()], torch.gather(full, 1, ids)[drawn].numpy())
+        np.testing.assert_array_equal(
+            got.logprobs[drawn.numpy()], torch.gather(full, 1, ids)[drawn].numpy()
+        )
         statistic, dof = equal_mass_chi_square(ids, counts, full)
         stats, dofs = stats + statistic, dofs + dof
         # power: the same draws against the next position's distribution do not fit
@@ -103,11 +107,19 @@ def test_same_seed_same_answer_live_recorded_and_replayed(
         assert torch.equal(replayed.ids, first.ids)
         assert torch.equal(replayed.sample_counts, first.sample_counts)
         assert torch.equal(replayed.logprobs, first.logprobs)
-        with pytest.raises(NotRecordedError, match=r"samples: the recording was made at 64, the request asks for 0"):
+        with pytest.raises(
+            NotRecordedError, match=r"samples: the recording was made at 64, the request asks for 0"
+        ):
             replay.score(seqs, 8, dtype="float32")
-        with pytest.raises(NotRecordedError, match=r"seed: the recording was made at 1234, the request asks for 1235"):
+        with pytest.raises(
+            NotRecordedError,
+            match=r"seed: the recording was made at 1234, the request asks for 1235",
+        ):
             replay.score(seqs, N, dtype="float32", samples=N, seed=SEED + 1)
-        with pytest.raises(NotRecordedError, match=r"samples: the recording was made at 64, the request asks for 32"):
+        with pytest.raises(
+            NotRecordedError,
+            match=r"samples: the recording was made at 64, the request asks for 32",
+        ):
             replay.score(seqs, 32, dtype="float32", samples=32, seed=SEED)
     dataset = PayloadDataset(tmp_path / "rec")
     batch = collate_payloads([dataset[i] for i in range(len(dataset))])
@@ -115,10 +127,14 @@ def test_same_seed_same_answer_live_recorded_and_replayed(
     assert int(batch.payload.sample_counts.sum()) == N * sum(len(s) for s in seqs)
 
 
-def test_bad_sampled_requests_are_refused_and_the_server_keeps_serving(teacher: ServerProcess) -> None:
+def test_bad_sampled_requests_are_refused_and_the_server_keeps_serving(
+    teacher: ServerProcess,
+) -> None:
     seqs = _sequences()
     with TeacherClient(teacher.target) as client:
-        with pytest.raises(InvalidRequestError, match=rf"samples: 300 is outside \[0, {MAX_SAMPLES}\]"):
+        with pytest.raises(
+            InvalidRequestError, match=rf"samples: 300 is outside \[0, {MAX_SAMPLES}\]"
+        ):
             client.score(seqs, 300, samples=300, seed=1)
         with pytest.raises(InvalidRequestError, match=r"seed: required with samples 16"):
             client.score(seqs, 16, samples=16)
@@ -127,7 +143,10 @@ def test_bad_sampled_requests_are_refused_and_the_server_keeps_serving(teacher: 
     stub = pb_grpc.TeacherStub(channel)
     good = build_request(seqs, 16, samples=16, seed=1)
     for change, message in (
-        ({"samples": 300, "top_k": 300}, rf"samples: 300 is outside \[1, {MAX_SAMPLES}\] \(max_samples\)"),
+        (
+            {"samples": 300, "top_k": 300},
+            rf"samples: 300 is outside \[1, {MAX_SAMPLES}\] \(max_samples\)",
+        ),
         ({"samples": 16, "top_k": 8}, r"top_k: 8, .* top_k must equal samples \(16\)"),
     ):
         bad = pb.ScoreRequest()

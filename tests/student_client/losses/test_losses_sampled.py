@@ -41,7 +41,9 @@ VOCAB = 123
 
 def _teacher(seed: int = 0, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.log_softmax(torch.randn(*SHAPE, VOCAB, generator=g, dtype=torch.float64) * scale, -1)
+    return torch.log_softmax(
+        torch.randn(*SHAPE, VOCAB, generator=g, dtype=torch.float64) * scale, -1
+    )
 
 
 def _draw(teacher: torch.Tensor, n: int, seed: int, tau: float = 1.0):
@@ -93,7 +95,10 @@ def test_fused_path_matches_the_logits_path() -> None:
     weight = (torch.randn(VOCAB, 17, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True)
     loss, _ = fused_sampled_kl_loss(hidden, weight, ids, weights, teacher_logprobs=lp, chunk_size=7)
     loss.backward()
-    h2, w2 = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    h2, w2 = (
+        hidden.detach().clone().requires_grad_(True),
+        weight.detach().clone().requires_grad_(True),
+    )
     want, _ = sampled_kl_loss(h2 @ w2.T, ids, weights, teacher_logprobs=lp)
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
@@ -227,7 +232,7 @@ def test_refusals_name_the_option() -> None:
     logits = torch.randn(*SHAPE, VOCAB)
     with pytest.raises(ValueError, match="divergence: the sampled loss supports 'forward' only"):
         sampled_kl_loss(logits, ids, weights, divergence="reverse")
-    with pytest.raises(ValueError, match="divergence: .* got 'jsd'"):
+    with pytest.raises(ValueError, match=r"divergence: .* got 'jsd'"):
         sampled_kl_loss(logits, ids, weights, divergence="jsd")
     with pytest.raises(ValueError, match="mode: 'tail_actual'"):
         sampled_kl_loss(logits, ids, weights, mode="tail_actual")
