@@ -6,6 +6,7 @@ answers only the sampled requests it was made at."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from student_client.clients.blocking import TeacherClient
 from student_client.errors import InvalidRequestError, NotRecordedError
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
+from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, build_request, pb
@@ -121,6 +123,18 @@ def test_same_seed_same_answer_live_recorded_and_replayed(
             match=r"samples: the recording was made at 64, the request asks for 32",
         ):
             replay.score(seqs, 32, dtype="float32", samples=32, seed=SEED)
+    backend = ReplayBackend(tmp_path / "rec")  # the server's replay backend: the same rules
+    asyncio.run(backend.start())
+    try:
+        assert backend.info.max_samples == N
+        seq = ParsedSequence(seqs[0].astype(np.int32), 0, 40)
+        served = asyncio.run(backend.score(seq, RequestOptions(N, "float32", **sampling)))
+        assert served.sample_counts is not None
+        np.testing.assert_array_equal(served.sample_counts, first.sample_counts[0].numpy())
+        with pytest.raises(NotRecordedError, match=r"samples: the recording was made at 64"):
+            asyncio.run(backend.score(seq, RequestOptions(8, "float32")))
+    finally:
+        asyncio.run(backend.close())
     dataset = PayloadDataset(tmp_path / "rec")
     batch = collate_payloads([dataset[i] for i in range(len(dataset))])
     assert batch.payload.sample_counts is not None
