@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     teachers = _teachers(args.teacher)
     sampling: dict[str, Any] = {}
     if args.samples or args.seed is not None or args.proposal_temperature != 1.0:
-        args.top_k = args.samples  # a sampled payload has one column per draw
+        if args.samples:
+            args.top_k = args.samples  # a sampled payload has one column per draw
         sampling = {
             "samples": args.samples,
             "seed": args.seed,
