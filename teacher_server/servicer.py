@@ -55,6 +55,7 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
         max_tokens_per_request=limits.max_tokens_per_request,
         max_message_bytes=limits.max_message_bytes,
         max_sequence_length=limits.max_sequence_length,
+        max_samples=limits.max_samples,
         engine_dtype=info.dtype,
         teacher_temperature=info.temperature,
         max_candidates=limits.max_candidates,

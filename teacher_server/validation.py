@@ -21,6 +21,7 @@ from topk_protocol.checks import (
     TeacherLimits,
     check_candidates,
     check_range,
+    check_samples,
     check_sequence_count,
     check_token_ids,
     check_top_k,
@@ -104,7 +105,10 @@ class ParsedRequest:
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
     """Validate ``req`` against ``limits``; raise the typed error of the first problem."""
     check_sequence_count(len(req.sequences))
-    check_top_k(int(req.top_k), limits)
+    if req.samples:  # a sampled payload has top_k = samples columns, held to max_samples
+        check_samples(int(req.samples), limits)
+    else:
+        check_top_k(int(req.top_k), limits)
     options = RequestOptions.from_proto(req)
     total = 0
     for i, seq in enumerate(req.sequences):
@@ -134,6 +138,7 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
             end - start,
             limits,
             f"sequences[{i}].candidate_ids",
+            int(req.samples),
         )
         parsed.append(ParsedSequence(ids, start, end, candidates))
     return ParsedRequest(req.request_id, parsed, options, limits.vocab_size)

@@ -181,6 +181,10 @@ def encode_sequence(
     if arrays.candidate_logprobs is not None:
         msg.num_candidates = arrays.num_candidates
         msg.candidate_logprobs = _encode_floats(arrays.candidate_logprobs, enum)
+    if arrays.sample_counts is not None:
+        msg.sample_counts = arrays.sample_counts.astype(np.uint8, copy=False).tobytes()
+    if arrays.proposal_log_normalizer is not None:
+        msg.proposal_log_normalizer = _encode_floats(arrays.proposal_log_normalizer, enum)
     return msg
 
 
@@ -262,11 +266,41 @@ def decode_sequence(
         if msg.sampled_logprobs
         else (None if s else np.zeros(0, np.float32))
     )
+    counts = None
+    if msg.sample_counts:
+        if len(msg.sample_counts) != s * k:
+            raise ValueError(
+                f"sample_counts: expected {s * k} bytes for [{s}, {k}] uint8, "
+                f"got {len(msg.sample_counts)}"
+            )
+        counts = np.frombuffer(msg.sample_counts, dtype=np.uint8).reshape(s, k)
+    log_z = (
+        _decode_floats(msg.proposal_log_normalizer, enum, (s,), "proposal_log_normalizer")
+        if msg.proposal_log_normalizer
+        else None
+    )
+    cand, clp = _decode_candidates(msg, candidate_ids, s, enum)
+    return SequenceArrays(
+        ids,
+        lp,
+        sp,
+        int(msg.position_start),
+        cand,
+        clp,
+        sample_counts=counts,
+        proposal_log_normalizer=log_z,
+    )
+
+
+def _decode_candidates(
+    msg: pb.SequencePayload, candidate_ids: npt.ArrayLike | None, s: int, enum: int
+) -> tuple[npt.NDArray[np.int32] | None, npt.NDArray[np.float32] | None]:
+    """The ``[S, C]`` candidate ids and their decoded log-probs (None, None without)."""
     c = int(msg.num_candidates)
     if not c:
         if len(msg.candidate_logprobs):
             raise ValueError("candidate_logprobs: bytes present with num_candidates 0")
-        return SequenceArrays(ids, lp, sp, int(msg.position_start))
+        return None, None
     if candidate_ids is None:
         raise ValueError(
             "candidate_ids: the payload has candidate log-probs; pass the request's "
@@ -275,8 +309,7 @@ def decode_sequence(
     cand = np.asarray(candidate_ids, dtype=np.int32)
     if cand.shape != (s, c):
         raise ValueError(f"candidate_ids: expected [{s}, {c}], got {list(cand.shape)}")
-    clp = _decode_floats(msg.candidate_logprobs, enum, (s, c), "candidate_logprobs")
-    return SequenceArrays(ids, lp, sp, int(msg.position_start), cand, clp)
+    return cand, _decode_floats(msg.candidate_logprobs, enum, (s, c), "candidate_logprobs")
 
 
 #: Names this module (and ``topk_protocol``) exported before ``SequenceArrays``.

@@ -32,6 +32,7 @@ class TeacherInfo:
     max_candidates: int = 0
     #: Payload encodings the teacher answers (an older teacher announces none: default).
     supported_encodings: tuple[str, ...] = ("default",)
+    max_samples: int = 0  # largest sampled-payload N (0: none)
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -54,6 +55,7 @@ class TeacherInfo:
             teacher_temperature=teacher_temperature(msg),
             max_candidates=int(msg.max_candidates),
             supported_encodings=encodings or ("default",),
+            max_samples=int(msg.max_samples),
         )
 
     def check_schema(self) -> None:

@@ -61,6 +61,8 @@ class ResponseAssembler:
         self.dtype = options.wire_dtype
         self.include_sampled = options.include_sampled
         self.options = options
+        self.sampled = options.sampled
+        self.proposal_normalizer = options.proposal_normalizer
         self.teacher_seconds = 0.0
         self._size = itemsize(self.dtype)
         #: Each sequence's candidate ids ``[S_i, C_i]`` as requested (None: none).
@@ -134,6 +136,14 @@ class ResponseAssembler:
                 f"{where}: {c.num_candidates} candidates in {len(c.candidate_logprobs)} "
                 f"bytes, requested [{n}, {want_c}]"
             )
+        for name, want in (
+            ("sample_counts", n * k if self.sampled else 0),
+            ("proposal_log_normalizer", n * self._size if self.proposal_normalizer else 0),
+        ):
+            if len(getattr(c, name)) != want:
+                raise _protocol(
+                    f"{where}: {name} has {len(getattr(c, name))} bytes, expected {want}"
+                )
         self._chunks[i].append(c)
         self._rows[i] += n
 
@@ -191,6 +201,8 @@ class ResponseAssembler:
                     sampled_logprobs=b"".join(c.sampled_logprobs for c in chunks),
                     candidate_logprobs=b"".join(c.candidate_logprobs for c in chunks),
                     num_candidates=self.request.sequences[i].num_candidates,
+                    sample_counts=b"".join(c.sample_counts for c in chunks),
+                    proposal_log_normalizer=b"".join(c.proposal_log_normalizer for c in chunks),
                 )
             )
         return out
@@ -236,6 +248,8 @@ class ResponseAssembler:
         if any(c is not None for c in self.candidates):
             cand_ids = np.full((b, s, c_max), -1, dtype=np.int64)
             cand_lps = np.full((b, s, c_max), np.nan, dtype=np.float32)
+        counts = np.zeros((b, s, k), dtype=np.int64) if self.sampled else None
+        log_z = np.zeros((b, s), dtype=np.float32) if self.proposal_normalizer else None
         for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
             row = 0
             for c in chunks:
@@ -261,6 +275,15 @@ class ResponseAssembler:
                         self.dtype,
                         "candidate_logprobs",
                     )
+                if counts is not None:
+                    counts[i, rows] = np.frombuffer(c.sample_counts, dtype=np.uint8).reshape(n, k)
+                if log_z is not None:
+                    decode_floats_into(
+                        log_z[i, rows],
+                        c.proposal_log_normalizer,
+                        self.dtype,
+                        "proposal_log_normalizer",
+                    )
                 row += n
             mask[i, :row] = True
             if cand_ids is not None and (cand := self.candidates[i]) is not None:
@@ -279,5 +302,7 @@ class ResponseAssembler:
             teacher_seconds=self.teacher_seconds,
             candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
             candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
+            sample_counts=None if counts is None else torch.from_numpy(counts),
+            proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
         )
         return payload if str(device) == "cpu" else payload.to(device)

@@ -148,12 +148,14 @@ class PayloadDataset(Dataset[PayloadItem]):
         r = self._reader
         try:
             own = r.packing if encoding is None else None  # a packed recording's own
+            recorded = {**RequestOptions.recorded_defaults(), **r.options}  # e.g. samples, seed
             opts = RequestOptions(
                 r.top_k if top_k is None else top_k,
                 dtype or r.dtype,
                 include_sampled,
                 "packed" if own else encoding or "default",
                 own.logprob_bits if own and logprob_bits is None else logprob_bits,
+                **recorded,
             )
             check_options(r, opts, f"recording {self.path}")
         except BaseException:
@@ -234,6 +236,9 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
     lps = np.zeros((b, s, k), dtype=np.float32)
     with_sampled = items[0].arrays.sampled_logprobs is not None
     sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
+    first = items[0].arrays
+    counts = None if first.sample_counts is None else np.zeros((b, s, k), dtype=np.int64)
+    log_z = None if first.proposal_log_normalizer is None else np.zeros((b, s), np.float32)
     mask = np.zeros((b, s), dtype=np.bool_)
     c_max = max(it.arrays.num_candidates for it in items)
     with_cands = any(it.arrays.candidate_ids is not None for it in items)
@@ -254,6 +259,10 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
             c = p.num_candidates
             cand_ids[j, :n, :c] = p.candidate_ids
             cand_lps[j, :n, :c] = p.candidate_logprobs
+        if counts is not None and p.sample_counts is not None:
+            counts[j, :n] = p.sample_counts
+        if log_z is not None and p.proposal_log_normalizer is not None:
+            log_z[j, :n] = p.proposal_log_normalizer
         mask[j, :n] = True
     payload = TeacherPayload(
         ids=torch.from_numpy(ids),
@@ -267,6 +276,8 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         teachers=teachers,
         candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
         candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
+        sample_counts=None if counts is None else torch.from_numpy(counts),
+        proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
 

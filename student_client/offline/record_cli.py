@@ -232,6 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --encoding packed: bits per log-prob code, {MIN_LOGPROB_BITS}.."
         f"{MAX_LOGPROB_BITS} (default {DEFAULT_LOGPROB_BITS})",
     )
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="record a sampled payload: N draws per position (K = N; needs --seed)",
+    )
+    ap.add_argument("--seed", type=int, help="seed of the draws (with --samples)")
+    ap.add_argument(
+        "--proposal-temperature",
+        type=float,
+        default=1.0,
+        help="with --samples: draw from p^(1/T) with importance weights (default 1: from p)",
+    )
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
     ap.add_argument(
         "--candidate-column",
@@ -314,13 +327,26 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise SystemExit(f"teacher-record: --batch-size must be >= 1, got {args.batch_size}")
+    teachers = _teachers(args.teacher)
+    sampling: dict[str, Any] = {}
+    if args.samples or args.seed is not None or args.proposal_temperature != 1.0:
+        if args.samples:
+            args.top_k = args.samples  # a sampled payload has one column per draw
+        sampling = {
+            "samples": args.samples,
+            "seed": args.seed,
+            "proposal_temperature": args.proposal_temperature,
+        }
     try:
         opts = RequestOptions(
-            args.top_k, args.dtype, encoding=args.encoding, logprob_bits=args.logprob_bits
+            args.top_k,
+            args.dtype,
+            encoding=args.encoding,
+            logprob_bits=args.logprob_bits,
+            **sampling,
         )
     except InvalidRequestError as e:
         raise SystemExit(f"teacher-record: {e.message}") from None
-    teachers = _teachers(args.teacher)
     seqs = read_token_sequences(args.input, args.column)
     cands = None
     if args.candidate_column:

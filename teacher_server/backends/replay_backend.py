@@ -100,6 +100,7 @@ class ReplayBackend(Backend):
             temperature=teacher_temperature(info),
             # Any C: what the recording does not hold is NOT_FOUND, never made up.
             max_candidates=int(info.vocab_size),
+            max_samples=int(self._reader.options.get("samples", 0)),  # a sampled recording's N
         )
 
     @property

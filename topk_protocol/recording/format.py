@@ -149,10 +149,11 @@ def packing_metadata(packing: Packing | None) -> dict[str, Any]:
 
 
 def storage_dtype(f: ArrayField, dtype: str) -> type[np.generic]:
-    """The numpy dtype a ``dtype`` recording stores field ``f`` in: int32 for ids, and
-    float16 (a float16 recording) or float32 for log-probs."""
+    """The numpy dtype a ``dtype`` recording stores field ``f`` in: an integer field in its
+    own dtype (int32 ids, uint8 sample counts), and float16 (a float16 recording) or
+    float32 for log-probs."""
     if np.issubdtype(f.dtype, np.integer):
-        return np.int32
+        return f.dtype
     return np.float16 if dtype == "float16" else np.float32
 
 
