@@ -207,6 +207,7 @@ class ReplayClient(Closeable):
                 end - start,
                 limits,
                 f"sequences[{i}].candidate_ids",
+                int(request.samples),
             )
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
