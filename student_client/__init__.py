@@ -32,7 +32,10 @@ if TYPE_CHECKING:
         TopKKLLoss,
         causal_lm_hidden_and_head,
         causal_lm_topk_kl_loss,
+        fused_sampled_kl_loss,
         fused_topk_kl_loss,
+        sampled_kl_loss,
+        sampled_target_weights,
         topk_kl_loss,
     )
     from student_client.offline.dataset import PayloadDataset
@@ -59,7 +62,10 @@ _EXPORTS = {
     "TopKKLLoss": "student_client.losses",
     "causal_lm_hidden_and_head": "student_client.losses",
     "causal_lm_topk_kl_loss": "student_client.losses",
+    "fused_sampled_kl_loss": "student_client.losses",
     "fused_topk_kl_loss": "student_client.losses",
+    "sampled_kl_loss": "student_client.losses",
+    "sampled_target_weights": "student_client.losses",
     "topk_kl_loss": "student_client.losses",
 }
 
@@ -80,7 +86,10 @@ __all__ = [
     "__version__",
     "causal_lm_hidden_and_head",
     "causal_lm_topk_kl_loss",
+    "fused_sampled_kl_loss",
     "fused_topk_kl_loss",
+    "sampled_kl_loss",
+    "sampled_target_weights",
     "topk_kl_loss",
 ]
 

@@ -34,13 +34,21 @@ class Outgoing:
 
 
 def encode_scored(
-    scored: SequenceArrays, options: RequestOptions, *, sequence_index: int
+    scored: SequenceArrays,
+    options: RequestOptions,
+    *,
+    sequence_index: int,
+    vocab_size: int = 0,
 ) -> pb.SequencePayload:
     """Encode one scored sequence (or a chunk of its rows) as a payload, in ``options``'
-    dtype, with the sampled log-probs only when ``options`` asks for them."""
+    dtype and encoding (a packed one needs the teacher's ``vocab_size``: its ids'
+    width), with the sampled log-probs only when ``options`` asks for them."""
     if not options.include_sampled and scored.sampled_logprobs is not None:
         scored = replace(scored, sampled_logprobs=None)
-    return encode_sequence(scored, dtype=options.wire_dtype, sequence_index=sequence_index)
+    packing = options.packing(vocab_size) if options.logprob_bits is not None else None
+    return encode_sequence(
+        scored, dtype=options.wire_dtype, sequence_index=sequence_index, packing=packing
+    )
 
 
 def encode_response(
@@ -50,7 +58,8 @@ def encode_response(
     return pb.ScoreResponse(
         request_id=parsed.request_id,
         sequences=[
-            encode_scored(s, parsed.options, sequence_index=i) for i, s in enumerate(scored)
+            encode_scored(s, parsed.options, sequence_index=i, vocab_size=parsed.vocab_size)
+            for i, s in enumerate(scored)
         ],
         final=True,
         teacher_seconds=teacher_seconds,
@@ -64,23 +73,30 @@ def iter_stream_responses(
     *,
     chunk_bytes: int,
     teacher_seconds: float = 0.0,
+    vocab_size: int = 0,
 ) -> Iterator[pb.ScoreResponse]:
     """Pack all sequences' rows, in order, into messages of at most ``chunk_bytes`` of
     payload arrays (at least one row each; a row's bytes count its candidates).
     Sequences with no rows still get an empty piece, so the client sees every sequence.
-    The last message has ``final`` set."""
+    The last message has ``final`` set. ``vocab_size``: the teacher's (a packed answer's
+    id width)."""
     msg = pb.ScoreResponse(request_id=request_id)
     room = chunk_bytes
     for index, seq in enumerate(scored):
         n = len(seq.ids)
-        per_row = options.bytes_per_row(seq.num_candidates)
+        per_row = options.bytes_per_row(vocab_size, seq.num_candidates)
         done = 0
         while True:
             fit = 1 if room == chunk_bytes else 0  # a message holds at least one row
             take = min(n - done, max(room // per_row, fit))
             if take > 0 or n == 0:
                 msg.sequences.append(
-                    encode_scored(seq.rows(done, done + take), options, sequence_index=index)
+                    encode_scored(
+                        seq.rows(done, done + take),
+                        options,
+                        sequence_index=index,
+                        vocab_size=vocab_size,
+                    )
                 )
             done += take
             room -= take * per_row
@@ -112,5 +128,6 @@ def encode_stream(
             parsed.options,
             chunk_bytes=chunk_bytes,
             teacher_seconds=teacher_seconds,
+            vocab_size=parsed.vocab_size,
         )
     ]

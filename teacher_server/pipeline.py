@@ -40,6 +40,7 @@ from teacher_server.metrics import TeacherMetrics
 from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import Limits, ParsedRequest, ParsedSequence, parse_request
 from topk_protocol import SequenceArrays, pb
+from topk_protocol.checks import check_encoding
 from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
 from topk_protocol.status import status_of
 
@@ -226,6 +227,7 @@ class RequestPipeline:
     async def _score(self, parsed: ParsedRequest) -> list[SequenceArrays]:
         """Score every sequence concurrently (the engine batches them)."""
         self._backend.check_request(parsed)
+        check_encoding(parsed.options.encoding, self._backend.supported_encodings)
         options = parsed.options
         k = options.top_k
 

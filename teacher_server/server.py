@@ -212,6 +212,7 @@ class TeacherServer:
                 max_sequence_length=max_len,
                 # The server's limit, where the backend scores candidates at all.
                 max_candidates=min(self._limits.max_candidates, info.max_candidates),
+                max_samples=info.max_samples,
             )
             if self._config.max_top_k > info.max_top_k:
                 raise ValueError(

@@ -25,7 +25,15 @@ from teacher_server.backpressure import (
 from teacher_server.pipeline import Answered, Refused, RequestPipeline
 from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import Limits, ParsedRequest
-from topk_protocol import DTYPE_NAMES, SCHEMA_VERSION, SequenceArrays, fits_one_message, pb, pb_grpc
+from topk_protocol import (
+    DTYPE_NAMES,
+    ENCODING_NAMES,
+    SCHEMA_VERSION,
+    SequenceArrays,
+    fits_one_message,
+    pb,
+    pb_grpc,
+)
 from topk_protocol.errors import ResourceExhaustedError
 from topk_protocol.status import REASON_KEY
 
@@ -42,10 +50,12 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
         tokenizer_fingerprint=info.tokenizer_fingerprint,
         schema_version=SCHEMA_VERSION,
         supported_dtypes=list(DTYPE_NAMES.values()),  # type: ignore[arg-type]
+        supported_encodings=[ENCODING_NAMES[e] for e in backend.supported_encodings],  # type: ignore[misc]
         backend=info.name,
         max_tokens_per_request=limits.max_tokens_per_request,
         max_message_bytes=limits.max_message_bytes,
         max_sequence_length=limits.max_sequence_length,
+        max_samples=limits.max_samples,
         engine_dtype=info.dtype,
         teacher_temperature=info.temperature,
         max_candidates=limits.max_candidates,

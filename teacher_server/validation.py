@@ -21,12 +21,14 @@ from topk_protocol.checks import (
     TeacherLimits,
     check_candidates,
     check_range,
+    check_samples,
     check_sequence_count,
     check_token_ids,
     check_top_k,
     check_total_tokens,
 )
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.packing import Packing
 
 __all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
 
@@ -81,6 +83,12 @@ class ParsedRequest:
     request_id: str
     sequences: list[ParsedSequence]
     options: RequestOptions
+    vocab_size: int = 0  # the teacher's: the width of a packed answer's ids
+
+    @property
+    def packing(self) -> Packing | None:
+        """The bit widths of a packed answer (None: the default encoding)."""
+        return self.options.packing(self.vocab_size)
 
     @property
     def num_positions(self) -> int:
@@ -89,14 +97,18 @@ class ParsedRequest:
     def response_bytes(self) -> int:
         """Bytes of the payload arrays this request will produce."""
         return sum(
-            (s.end - s.start) * self.options.bytes_per_row(s.num_candidates) for s in self.sequences
+            (s.end - s.start) * self.options.bytes_per_row(self.vocab_size, s.num_candidates)
+            for s in self.sequences
         )
 
 
 def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
     """Validate ``req`` against ``limits``; raise the typed error of the first problem."""
     check_sequence_count(len(req.sequences))
-    check_top_k(int(req.top_k), limits)
+    if req.samples:  # a sampled payload has top_k = samples columns, held to max_samples
+        check_samples(int(req.samples), limits)
+    else:
+        check_top_k(int(req.top_k), limits)
     options = RequestOptions.from_proto(req)
     total = 0
     for i, seq in enumerate(req.sequences):
@@ -126,6 +138,7 @@ def parse_request(req: pb.ScoreRequest, limits: Limits) -> ParsedRequest:
             end - start,
             limits,
             f"sequences[{i}].candidate_ids",
+            int(req.samples),
         )
         parsed.append(ParsedSequence(ids, start, end, candidates))
-    return ParsedRequest(req.request_id, parsed, options)
+    return ParsedRequest(req.request_id, parsed, options, limits.vocab_size)

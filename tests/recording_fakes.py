@@ -53,6 +53,7 @@ def live_payload(
         scored,
         RequestOptions.from_proto(req),
         chunk_bytes=300,
+        vocab_size=int(INFO.vocab_size),
     ):
         asm.add(msg)
     return asm.payload()

@@ -14,8 +14,10 @@ from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
 from topk_protocol.arrays import SequenceArrays
 from topk_protocol.codec import (
     DTYPE_NAMES,
+    ENCODING_NAMES,
     SCHEMA_VERSION,
     decode_floats_into,
+    decode_packed_into,
     decode_sequence,
     decode_token_ids,
     dtype_from_name,
@@ -52,6 +54,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_MB",
     "DEFAULT_TEACHER_TEMPERATURE",
     "DTYPE_NAMES",
+    "ENCODING_NAMES",
     "FRAMING_BYTES",
     "RECORDED",
     "SCHEMA_VERSION",
@@ -63,6 +66,7 @@ __all__ = [
     "bytes_per_row",
     "check_temperature",
     "decode_floats_into",
+    "decode_packed_into",
     "decode_sequence",
     "decode_token_ids",
     "dtype_from_name",

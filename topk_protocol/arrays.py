@@ -74,6 +74,12 @@ class SequenceArrays:
         candidate_logprobs: ``[S, C]`` float32, the teacher's log-prob at each candidate
             id (same log-softmax as ``logprobs``), NaN where the id is ``-1``; present
             exactly when ``candidate_ids`` is.
+        sample_counts: sampled payloads only: ``[S, K]`` uint8, how often each column's id
+            was drawn (0: a padding column; a row sums to N); then ``ids`` holds each
+            row's distinct drawn ids (ascending, padding 0) and ``logprobs`` the teacher's
+            log-probs at them (padding 0), and rows are not sorted by log-prob.
+        proposal_log_normalizer: sampled from a tempered proposal only: ``[S]`` float32,
+            ``log Z`` of ``q = p^(1/tau) / Z``.
 
     Arrays are converted to their dtypes when built (no copy when they already have
     them) and their shapes checked here, once: a bad one raises ``ValueError`` naming the
@@ -92,6 +98,12 @@ class SequenceArrays:
     )
     candidate_logprobs: npt.NDArray[np.float32] | None = field(
         default=None, metadata=_array(np.float32, columns=False, optional=True, candidates=True)
+    )
+    sample_counts: npt.NDArray[np.uint8] | None = field(
+        default=None, metadata=_array(np.uint8, columns=True, optional=True)
+    )
+    proposal_log_normalizer: npt.NDArray[np.float32] | None = field(
+        default=None, metadata=_array(np.float32, columns=False, optional=True)
     )
 
     def __post_init__(self) -> None:

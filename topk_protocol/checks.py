@@ -17,11 +17,24 @@ import numpy.typing as npt
 
 from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
 
+#: Largest ``samples`` N of a sampled request: a row's counts travel as uint8.
+MAX_SAMPLES = 255
+#: Largest ``seed`` of a sampled request (a uint64).
+MAX_SEED = (1 << 64) - 1
+
 __all__ = [
+    "MAX_LOGPROB_BITS",
+    "MAX_SAMPLES",
+    "MAX_SEED",
+    "MIN_LOGPROB_BITS",
     "TeacherLimits",
     "check_candidates",
+    "check_candidates_unsampled",
     "check_depth",
+    "check_encoding",
+    "check_logprob_bits",
     "check_range",
+    "check_samples",
     "check_sequence_count",
     "check_sequence_length",
     "check_token_ids",
@@ -30,18 +43,26 @@ __all__ = [
 ]
 
 
+#: The bits a packed request may ask per log-prob code: 1 bit is two grid points per
+#: row; 16 bits is finer than float16 for every row (docs/protocol.md, "Packed payloads").
+MIN_LOGPROB_BITS = 1
+MAX_LOGPROB_BITS = 16
+
+
 @dataclass(frozen=True)
 class TeacherLimits:
     """What a teacher accepts: token ids in ``[0, vocab_size)``, K in ``[1, max_top_k]``,
     at most ``max_tokens_per_request`` tokens in one request and ``max_sequence_length``
-    in one sequence (0: no limit of that kind), and at most ``max_candidates`` candidate
-    ids per position (0: it scores no candidates)."""
+    in one sequence (0: no limit of that kind), at most ``max_candidates`` candidate
+    ids per position (0: it scores no candidates) and sampled payloads of at most
+    ``max_samples`` draws (0: none)."""
 
     vocab_size: int
     max_top_k: int
     max_tokens_per_request: int = 0
     max_sequence_length: int = 0
     max_candidates: int = 0
+    max_samples: int = 0
 
     @classmethod
     def of_info(cls, info: Any) -> TeacherLimits:
@@ -53,6 +74,7 @@ class TeacherLimits:
             max_tokens_per_request=int(info.max_tokens_per_request),
             max_sequence_length=int(info.max_sequence_length),
             max_candidates=int(getattr(info, "max_candidates", 0)),
+            max_samples=int(getattr(info, "max_samples", 0)),
         )
 
 
@@ -62,6 +84,41 @@ def check_top_k(top_k: int, limits: TeacherLimits, field: str = "top_k") -> None
     if not 1 <= top_k <= limits.max_top_k:
         raise InvalidRequestError(
             f"{field}: {top_k} is outside [1, {limits.max_top_k}] (max_top_k)"
+        )
+
+
+def check_logprob_bits(bits: Any, field: str = "logprob_bits") -> int:
+    """A packed request's bits per log-prob code: an int in ``[MIN_LOGPROB_BITS,
+    MAX_LOGPROB_BITS]``; returns it."""
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
+        raise InvalidRequestError(f"{field}: expected an int, got {bits!r}")
+    if not MIN_LOGPROB_BITS <= bits <= MAX_LOGPROB_BITS:
+        raise InvalidRequestError(
+            f"{field}: {bits} is outside [{MIN_LOGPROB_BITS}, {MAX_LOGPROB_BITS}]"
+        )
+    return int(bits)
+
+
+def check_encoding(encoding: str, supported: Any, field: str = "encoding") -> None:
+    """A request's payload encoding is one the teacher (or recording) ``supported``
+    lists."""
+    if encoding not in supported:
+        raise InvalidRequestError(
+            f"{field}: {encoding!r} is not served by this teacher; it serves "
+            f"{', '.join(supported) or 'none'}"
+        )
+
+
+def check_samples(samples: int, limits: TeacherLimits, field: str = "samples") -> None:
+    """A sampled request's ``samples`` N (0: not sampled) within ``[1, max_samples]``;
+    a teacher that draws none (``max_samples`` 0) refuses every sampled request."""
+    if samples and not 1 <= samples <= limits.max_samples:
+        if limits.max_samples == 0:
+            raise InvalidRequestError(
+                f"{field}: {samples}, but this teacher serves no sampled payloads (max_samples 0)"
+            )
+        raise InvalidRequestError(
+            f"{field}: {samples} is outside [1, {limits.max_samples}] (max_samples)"
         )
 
 
@@ -115,16 +172,33 @@ def check_range(start: int, end: int, limit: int, field: str, inside: str) -> No
         )
 
 
+def check_candidates_unsampled(samples: int, field: str) -> None:
+    """Candidate ids come with top-k payloads only: a sampled request (``samples`` > 0)
+    naming them is refused (``field`` names the sequence's ``candidate_ids``)."""
+    if samples:
+        raise InvalidRequestError(
+            f"{field}: candidate ids are not scored in a sampled payload (samples {samples}); "
+            "ask them in a top-k request"
+        )
+
+
 def check_candidates(
-    raw: bytes, num_candidates: int, rows: int, limits: TeacherLimits, field: str
+    raw: bytes,
+    num_candidates: int,
+    rows: int,
+    limits: TeacherLimits,
+    field: str,
+    samples: int = 0,
 ) -> npt.NDArray[np.int32] | None:
     """One sequence's candidate ids: ``raw`` int32 little-endian bytes of ``[rows, C]``
     (``rows``: its requested positions, ``C = num_candidates``), ``1 <= C <=
-    max_candidates``, every id in ``[-1, vocab_size)`` (``-1`` pads a row). Returns the
-    ``[rows, C]`` view of ``raw``, or None when it names no candidates (empty, C 0);
-    ``field`` names the sequence's ``candidate_ids``."""
+    max_candidates``, every id in ``[-1, vocab_size)`` (``-1`` pads a row), in a request
+    of ``samples`` 0 (:func:`check_candidates_unsampled`). Returns the ``[rows, C]`` view
+    of ``raw``, or None when it names no candidates (empty, C 0); ``field`` names the
+    sequence's ``candidate_ids``."""
     if not raw and not num_candidates:
         return None
+    check_candidates_unsampled(samples, field)
     c, limit = int(num_candidates), limits.max_candidates
     if c < 1:
         raise InvalidRequestError(

@@ -15,11 +15,23 @@ import numpy.typing as npt
 from topk_protocol._deprecation import deprecated_names
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.arrays import SequenceArrays
+from topk_protocol.floats import f32_to_bf16_bits
+from topk_protocol.packing import (
+    ENDS_PER_ROW,
+    Packing,
+    dequantize_logprobs,
+    pack_uint,
+    quantize_logprobs,
+    uint_bytes,
+    unpack_uint,
+)
 
 __all__ = [
     "DTYPE_NAMES",
+    "ENCODING_NAMES",
     "SCHEMA_VERSION",
     "decode_floats_into",
+    "decode_packed_into",
     "decode_sequence",
     "decode_token_ids",
     "dtype_from_name",
@@ -38,6 +50,11 @@ DTYPE_NAMES: dict[str, int] = {
     "bfloat16": pb.LOGPROB_DTYPE_BFLOAT16,
 }
 _ENUM_TO_NAME: dict[int, str] = {v: k for k, v in DTYPE_NAMES.items()}
+#: Payload encodings by name (``PayloadEncoding``; docs/protocol.md, "Packed payloads").
+ENCODING_NAMES: dict[str, int] = {
+    "default": pb.PAYLOAD_ENCODING_DEFAULT,
+    "packed": pb.PAYLOAD_ENCODING_PACKED,
+}
 _ITEMSIZE: dict[int, int] = {
     pb.LOGPROB_DTYPE_FLOAT32: 4,
     pb.LOGPROB_DTYPE_FLOAT16: 2,
@@ -49,7 +66,6 @@ _LE_I32 = np.dtype("<i4")
 _LE_F32 = np.dtype("<f4")
 _LE_F16 = np.dtype("<f2")
 _LE_U16 = np.dtype("<u2")
-_LE_U32 = np.dtype("<u4")
 
 
 def dtype_from_name(name: str | int) -> int:
@@ -76,29 +92,13 @@ def itemsize(dtype: int) -> int:
     return _ITEMSIZE[dtype_from_name(dtype)]
 
 
-def _f32_to_bf16_bits(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
-    """float32 -> bfloat16 bit patterns, round-to-nearest-even, NaN kept quiet NaN."""
-    u = np.ascontiguousarray(x, dtype=_LE_F32).view(_LE_U32)
-    rounding = ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    out = ((u + rounding) >> np.uint32(16)).astype(_LE_U16)
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = np.uint16(0x7FC0)
-    return out
-
-
-def _bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
-    """bfloat16 bit patterns -> float32 (exact)."""
-    return (bits.astype(_LE_U32) << np.uint32(16)).view(_LE_F32)
-
-
 def _encode_floats(x: npt.ArrayLike, dtype: int) -> bytes:
     arr = np.asarray(x, dtype=np.float32)
     if dtype == pb.LOGPROB_DTYPE_FLOAT32:
         return arr.astype(_LE_F32, copy=False).tobytes()
     if dtype == pb.LOGPROB_DTYPE_FLOAT16:
         return arr.astype(_LE_F16).tobytes()
-    return _f32_to_bf16_bits(arr).tobytes()
+    return f32_to_bf16_bits(arr).tobytes()
 
 
 def decode_floats_into(dst: npt.NDArray[np.float32], buf: bytes, dtype: int, field: str) -> None:
@@ -154,11 +154,14 @@ def encode_sequence(
     *,
     dtype: int | str = "float16",
     sequence_index: int = 0,
+    packing: Packing | None = None,
 ) -> pb.SequencePayload:
     """Pack one sequence's payload (``arrays``: ``[S, K]`` ids and log-probs, ``[S]``
     sampled log-probs and ``[S, C]`` candidate log-probs when present) in the wire
-    ``dtype`` (name or enum); ``sequence_index``: the sequence's index in its request.
-    The candidate ids are the request's and do not travel back."""
+    ``dtype`` (name or enum); ``sequence_index``: the sequence's index in its request;
+    ``packing``: the packed encoding's bit widths (None: the default encoding). The
+    candidate ids are the request's and do not travel back; their log-probs travel
+    unpacked in ``dtype`` in either encoding."""
     s, k = arrays.ids.shape
     enum = dtype_from_name(dtype)
     msg = pb.SequencePayload(
@@ -167,20 +170,71 @@ def encode_sequence(
         num_positions=s,
         top_k=k,
         dtype=enum,  # type: ignore[arg-type]
-        ids=arrays.ids.astype(_LE_I32, copy=False).tobytes(),
-        logprobs=_encode_floats(arrays.logprobs, enum),
     )
+    if packing is None:
+        msg.ids = arrays.ids.astype(_LE_I32, copy=False).tobytes()
+        msg.logprobs = _encode_floats(arrays.logprobs, enum)
+    else:
+        _encode_packed(msg, arrays, packing)
     if arrays.sampled_logprobs is not None:
         msg.sampled_logprobs = _encode_floats(arrays.sampled_logprobs, enum)
     if arrays.candidate_logprobs is not None:
         msg.num_candidates = arrays.num_candidates
         msg.candidate_logprobs = _encode_floats(arrays.candidate_logprobs, enum)
+    if arrays.sample_counts is not None:
+        msg.sample_counts = arrays.sample_counts.astype(np.uint8, copy=False).tobytes()
+    if arrays.proposal_log_normalizer is not None:
+        msg.proposal_log_normalizer = _encode_floats(arrays.proposal_log_normalizer, enum)
     return msg
+
+
+def _encode_packed(msg: pb.SequencePayload, arrays: SequenceArrays, packing: Packing) -> None:
+    """The packed fields of ``msg`` (whose dtype is set) from ``arrays``' ids and log-probs."""
+    ids = arrays.ids
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >> packing.id_bits):
+        raise ValueError(f"ids: outside [0, 2**{packing.id_bits}) (id_bits {packing.id_bits})")
+    bits = packing.logprob_bits
+    ends, codes = quantize_logprobs(arrays.logprobs, bits, dtype_name(int(msg.dtype)))
+    msg.encoding = pb.PAYLOAD_ENCODING_PACKED
+    msg.id_bits = packing.id_bits
+    msg.logprob_bits = bits
+    msg.packed_ids = pack_uint(ids, packing.id_bits)
+    msg.packed_logprobs = _encode_floats(ends, int(msg.dtype)) + pack_uint(codes, bits)
+
+
+def decode_packed_into(
+    ids: npt.NDArray[np.integer], logprobs: npt.NDArray[np.float32], msg: pb.SequencePayload
+) -> None:
+    """Decode a packed payload's ``[S, K]`` ids and log-probs into ``ids`` (any integer
+    dtype) and ``logprobs`` (float32), C-contiguous, with vectorised bit operations.
+    ``ValueError`` naming the field when a byte length does not fit the shape."""
+    s, k = int(msg.num_positions), int(msg.top_k)
+    if not 1 <= int(msg.id_bits) <= 32 or not 1 <= int(msg.logprob_bits) <= 32:
+        raise ValueError(f"id_bits/logprob_bits: {msg.id_bits}/{msg.logprob_bits} not in [1, 32]")
+    try:
+        unpack_uint(msg.packed_ids, int(msg.id_bits), s * k, out=ids)
+    except ValueError as e:
+        raise ValueError(f"packed_ids: {e}") from None
+    enum = dtype_from_name(int(msg.dtype))
+    n_ends = s * ENDS_PER_ROW * _ITEMSIZE[enum]
+    ends = np.empty((s, ENDS_PER_ROW), np.float32)
+    buf = memoryview(msg.packed_logprobs)
+    want = n_ends + uint_bytes(s * max(k - 2, 0), int(msg.logprob_bits))
+    if len(buf) != want:
+        raise ValueError(
+            f"packed_logprobs: expected {want} bytes for [{s}, {k}] at "
+            f"{msg.logprob_bits} bits, got {len(buf)}"
+        )
+    decode_floats_into(ends, bytes(buf[:n_ends]), enum, "packed_logprobs")
+    codes = unpack_uint(buf[n_ends:], int(msg.logprob_bits), s * max(k - 2, 0))
+    dequantize_logprobs(ends, codes.reshape(s, max(k - 2, 0)), int(msg.logprob_bits), logprobs)
 
 
 def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:
     s, k = int(msg.num_positions), int(msg.top_k)
     enum = dtype_from_name(int(msg.dtype))
+    if msg.encoding == pb.PAYLOAD_ENCODING_PACKED:
+        return s, k, enum
     if len(msg.ids) != s * k * 4:
         raise ValueError(
             f"ids: expected {s * k * 4} bytes for [{s}, {k}] int32, got {len(msg.ids)}"
@@ -193,24 +247,60 @@ def decode_sequence(
 ) -> SequenceArrays:
     """``SequencePayload`` -> numpy arrays (float32 log-probs whatever the wire dtype).
 
-    ``ids`` is a read-only view of the message's bytes. A message with no rows decodes
+    ``ids`` is a read-only view of the message's bytes (a packed message's are decoded
+    into new arrays: :func:`decode_packed_into`). A message with no rows decodes
     with empty sampled log-probs (an empty range sends none either way).
     ``candidate_ids``: the ``[S, C]`` ids the request named for these rows (the payload
     carries only their log-probs), required when the message has candidate log-probs
     (``ValueError`` naming the field otherwise)."""
     s, k, enum = _check_shape(msg)
-    ids = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(s, k)
-    lp = _decode_floats(msg.logprobs, enum, (s, k), "logprobs")
+    if msg.encoding == pb.PAYLOAD_ENCODING_PACKED:
+        ids = np.empty((s, k), np.int32)
+        lp = np.empty((s, k), np.float32)
+        decode_packed_into(ids, lp, msg)
+    else:
+        ids = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(s, k)
+        lp = _decode_floats(msg.logprobs, enum, (s, k), "logprobs")
     sp = (
         _decode_floats(msg.sampled_logprobs, enum, (s,), "sampled_logprobs")
         if msg.sampled_logprobs
         else (None if s else np.zeros(0, np.float32))
     )
+    counts = None
+    if msg.sample_counts:
+        if len(msg.sample_counts) != s * k:
+            raise ValueError(
+                f"sample_counts: expected {s * k} bytes for [{s}, {k}] uint8, "
+                f"got {len(msg.sample_counts)}"
+            )
+        counts = np.frombuffer(msg.sample_counts, dtype=np.uint8).reshape(s, k)
+    log_z = (
+        _decode_floats(msg.proposal_log_normalizer, enum, (s,), "proposal_log_normalizer")
+        if msg.proposal_log_normalizer
+        else None
+    )
+    cand, clp = _decode_candidates(msg, candidate_ids, s, enum)
+    return SequenceArrays(
+        ids,
+        lp,
+        sp,
+        int(msg.position_start),
+        cand,
+        clp,
+        sample_counts=counts,
+        proposal_log_normalizer=log_z,
+    )
+
+
+def _decode_candidates(
+    msg: pb.SequencePayload, candidate_ids: npt.ArrayLike | None, s: int, enum: int
+) -> tuple[npt.NDArray[np.int32] | None, npt.NDArray[np.float32] | None]:
+    """The ``[S, C]`` candidate ids and their decoded log-probs (None, None without)."""
     c = int(msg.num_candidates)
     if not c:
         if len(msg.candidate_logprobs):
             raise ValueError("candidate_logprobs: bytes present with num_candidates 0")
-        return SequenceArrays(ids, lp, sp, int(msg.position_start))
+        return None, None
     if candidate_ids is None:
         raise ValueError(
             "candidate_ids: the payload has candidate log-probs; pass the request's "
@@ -219,8 +309,7 @@ def decode_sequence(
     cand = np.asarray(candidate_ids, dtype=np.int32)
     if cand.shape != (s, c):
         raise ValueError(f"candidate_ids: expected [{s}, {c}], got {list(cand.shape)}")
-    clp = _decode_floats(msg.candidate_logprobs, enum, (s, c), "candidate_logprobs")
-    return SequenceArrays(ids, lp, sp, int(msg.position_start), cand, clp)
+    return cand, _decode_floats(msg.candidate_logprobs, enum, (s, c), "candidate_logprobs")
 
 
 #: Names this module (and ``topk_protocol``) exported before ``SequenceArrays``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.codec import DTYPE_NAMES, SCHEMA_VERSION, dtype_name
+from topk_protocol.codec import DTYPE_NAMES, ENCODING_NAMES, SCHEMA_VERSION, dtype_name
 from topk_protocol.errors import TeacherError, TeacherMismatchError, VocabMismatchError
 from topk_protocol.temperature import DEFAULT_TEACHER_TEMPERATURE, teacher_temperature
 
@@ -30,11 +30,16 @@ class TeacherInfo:
     teacher_temperature: float = DEFAULT_TEACHER_TEMPERATURE
     #: Largest C of candidate ids per position it scores (0: none; an older teacher).
     max_candidates: int = 0
+    #: Payload encodings the teacher answers (an older teacher announces none: default).
+    supported_encodings: tuple[str, ...] = ("default",)
+    max_samples: int = 0  # largest sampled-payload N (0: none)
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
         known = set(DTYPE_NAMES.values())  # a newer teacher may list dtypes we do not know
         names = tuple(dtype_name(int(d)) for d in msg.supported_dtypes if int(d) in known)
+        by_value = {v: k for k, v in ENCODING_NAMES.items()}
+        encodings = tuple(by_value[int(e)] for e in msg.supported_encodings if int(e) in by_value)
         return cls(
             model_name=msg.model_name,
             vocab_size=int(msg.vocab_size),
@@ -49,6 +54,8 @@ class TeacherInfo:
             engine_dtype=msg.engine_dtype,
             teacher_temperature=teacher_temperature(msg),
             max_candidates=int(msg.max_candidates),
+            supported_encodings=encodings or ("default",),
+            max_samples=int(msg.max_samples),
         )
 
     def check_schema(self) -> None:

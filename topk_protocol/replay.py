@@ -36,6 +36,7 @@ __all__ = [
     "find_rows",
     "recorded_arrays",
     "serves_candidates",
+    "serves_encodings",
 ]
 
 __getattr__ = deprecated_names(
@@ -54,9 +55,45 @@ def describe_sequence(index: int, token_ids: bytes | npt.ArrayLike, max_tokens: 
     return f"sequences[{index}] ({len(ids)} tokens starting [{first}{more}])"
 
 
+def serves_encodings(reader: RecordingReader) -> tuple[str, ...]:
+    """The payload encodings a recording answers: a packed one only ``"packed"`` (at its
+    bits, dtype and K); a float32 one both (the teacher packs its float32 values); a
+    float16 or bfloat16 one only ``"default"``."""
+    if reader.packing is not None:
+        return ("packed",)
+    return ("default", "packed") if reader.dtype == "float32" else ("default",)
+
+
+def _check_packing(reader: RecordingReader, options: RequestOptions, where: str) -> None:
+    """The encoding rules of :func:`serves_encodings`, naming the field that differs."""
+    if options.encoding not in serves_encodings(reader):
+        held = "packed" if reader.packing is not None else f"{reader.dtype}"
+        raise NotRecordedError(
+            f"{where}: encoding: the recording holds {held} payloads, which do not give "
+            f"{options.encoding!r} ones exactly (packed answers come from a packed "
+            "recording of the same bits, dtype and K, or from a float32 recording)"
+        )
+    packing = reader.packing
+    if packing is None:
+        return
+    for name, recorded, asked in (
+        ("logprob_bits", packing.logprob_bits, options.logprob_bits),
+        ("dtype", reader.dtype, options.dtype),
+        ("top_k", reader.top_k, options.top_k),
+    ):
+        if recorded != asked:
+            raise NotRecordedError(
+                f"{where}: {name}: the packed recording holds {recorded!r}, the request asks "
+                f"for {asked!r}; a packed recording answers its own {name} only (another "
+                "one moves the row's grid)"
+            )
+
+
 def check_options(reader: RecordingReader, options: RequestOptions, where: str) -> None:
     """Raise :class:`NotRecordedError` (message starting with ``where``) unless the
-    recording holds enough K and a dtype that gives ``options.dtype`` exactly."""
+    recording holds enough K, a dtype that gives ``options.dtype`` exactly and an
+    encoding that gives ``options.encoding`` exactly (:func:`serves_encodings`)."""
+    _check_packing(reader, options, where)
     if options.top_k > reader.top_k:
         raise NotRecordedError(
             f"{where}: top_k: {options.top_k} is more than the recorded K {reader.top_k}"

@@ -12,9 +12,10 @@ its answers with them. Rules in ``docs/protocol.md``.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -24,9 +25,25 @@ import torch
 
 from topk_protocol import checks
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.checks import check_range, check_sequence_count, check_sequence_length
-from topk_protocol.codec import DTYPE_NAMES, dtype_from_name, dtype_name, encode_token_ids, itemsize
+from topk_protocol.checks import (
+    MAX_SAMPLES,
+    MAX_SEED,
+    check_candidates_unsampled,
+    check_logprob_bits,
+    check_range,
+    check_sequence_count,
+    check_sequence_length,
+)
+from topk_protocol.codec import (
+    DTYPE_NAMES,
+    ENCODING_NAMES,
+    dtype_from_name,
+    dtype_name,
+    encode_token_ids,
+    itemsize,
+)
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.packing import DEFAULT_LOGPROB_BITS, Packing, packed_row_bytes
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -82,6 +99,18 @@ class RequestOptions:
             or ``"float32"`` (an enum value is accepted and stored as its name).
         include_sampled: whether the answer carries the log-prob of the token that
             actually follows each position.
+        encoding: ``"default"`` (int32 ids, log-probs in ``dtype``) or ``"packed"`` (ids
+            at ``ceil(log2 V)`` bits, log-probs on a per-row grid; docs/protocol.md).
+        logprob_bits: packed only: bits per log-prob code, in ``[1, 16]``; None (the
+            default) means 8 when packed.
+        samples: N > 0 asks for a sampled payload (``docs/protocol.md``): N draws per
+            position, each row's distinct drawn ids with their counts, ``top_k`` must be
+            N (one column per draw); 0 (the default): the top-k payload.
+        seed: the draws' seed, in ``[0, 2^64)``; required with ``samples``, refused
+            without.
+        proposal_temperature: with ``samples``: draw from ``q ~ p^(1/tau)`` (tau > 1
+            flattens, < 1 sharpens) and carry ``log Z`` of ``q`` per row for the
+            importance weights; 1 (the default) draws from the teacher's ``p``.
 
     Adding an option means a field of ``ScoreRequest`` in ``teacher.proto``, a field
     here (with its lines in :meth:`to_proto` / :meth:`from_proto`), and the backends that
@@ -95,6 +124,11 @@ class RequestOptions:
     top_k: int
     dtype: str = dtype_name(DEFAULT_DTYPE)
     include_sampled: bool = True
+    encoding: str = "default"
+    logprob_bits: int | None = None
+    samples: int = field(default=0, metadata=RECORDED)
+    seed: int | None = field(default=None, metadata=RECORDED)
+    proposal_temperature: float = field(default=1.0, metadata=RECORDED)
 
     def __post_init__(self) -> None:
         k = self.top_k
@@ -111,6 +145,73 @@ class RequestOptions:
         object.__setattr__(self, "top_k", int(k))
         object.__setattr__(self, "dtype", name)
         object.__setattr__(self, "include_sampled", bool(self.include_sampled))
+        if self.encoding not in ENCODING_NAMES:
+            raise InvalidRequestError(
+                f"encoding: {self.encoding!r} is not one of {', '.join(ENCODING_NAMES)}"
+            )
+        if self.encoding == "packed":
+            bits = DEFAULT_LOGPROB_BITS if self.logprob_bits is None else self.logprob_bits
+            object.__setattr__(self, "logprob_bits", check_logprob_bits(bits))
+        elif self.logprob_bits is not None:
+            raise InvalidRequestError(
+                f"logprob_bits: {self.logprob_bits!r} asked with encoding "
+                f"{self.encoding!r}; it applies to encoding 'packed' only"
+            )
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        """The sampled-payload options: N, the seed, the proposal and top_k = N."""
+        n, seed, tau = self.samples, self.seed, self.proposal_temperature
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 0 <= n <= MAX_SAMPLES:
+            raise InvalidRequestError(
+                f"samples: {n!r} is outside [0, {MAX_SAMPLES}] (0: a top-k payload; the "
+                "counts travel as uint8)"
+            )
+        if isinstance(tau, bool) or not isinstance(tau, int | float | np.floating):
+            raise InvalidRequestError(f"proposal_temperature: expected a number, got {tau!r}")
+        if not (math.isfinite(tau) and tau > 0):
+            raise InvalidRequestError(f"proposal_temperature: {tau!r} is not a finite number > 0")
+        if seed is not None and (
+            isinstance(seed, bool)
+            or not isinstance(seed, int | np.integer)
+            or not 0 <= seed <= MAX_SEED
+        ):
+            raise InvalidRequestError(f"seed: {seed!r} is outside [0, {MAX_SEED}] (uint64)")
+        if n == 0:
+            if seed is not None or tau != 1.0:
+                name = "seed" if seed is not None else "proposal_temperature"
+                raise InvalidRequestError(
+                    f"{name}: applies to sampled payloads only; set samples (1..{MAX_SAMPLES})"
+                )
+        else:
+            if seed is None:
+                raise InvalidRequestError(
+                    f"seed: required with samples {n} (the draws must be reproducible)"
+                )
+            if self.top_k != n:
+                raise InvalidRequestError(
+                    f"top_k: {self.top_k}, but a sampled payload has one column per draw: "
+                    f"top_k must equal samples ({n})"
+                )
+            if self.encoding != "default":
+                raise InvalidRequestError(
+                    f"encoding: {self.encoding!r} does not carry sampled payloads (the packed "
+                    "grid needs rows sorted by log-prob; sampled rows are sorted by id); ask "
+                    "samples with encoding 'default'"
+                )
+        object.__setattr__(self, "samples", int(n))
+        object.__setattr__(self, "seed", None if seed is None else int(seed))
+        object.__setattr__(self, "proposal_temperature", float(tau))
+
+    @property
+    def sampled(self) -> bool:
+        """Whether this asks for a sampled payload (``samples > 0``)."""
+        return self.samples > 0
+
+    @property
+    def proposal_normalizer(self) -> bool:
+        """Whether the answer carries ``proposal_log_normalizer`` (a tempered proposal)."""
+        return self.samples > 0 and self.proposal_temperature != 1.0
 
     @classmethod
     def of(cls, top_k: int | RequestOptions, **options: Any) -> RequestOptions:
@@ -133,10 +234,41 @@ class RequestOptions:
         """The ``LogprobDtype`` enum value of :attr:`dtype`."""
         return DTYPE_NAMES[self.dtype]
 
-    def bytes_per_row(self, num_candidates: int = 0) -> int:
+    @property
+    def wire_encoding(self) -> int:
+        """The ``PayloadEncoding`` enum value of :attr:`encoding`."""
+        return ENCODING_NAMES[self.encoding]
+
+    def packing(self, vocab_size: int) -> Packing | None:
+        """The bit widths of a packed answer from a teacher of ``vocab_size`` tokens; None
+        for the default encoding."""
+        if self.logprob_bits is None:
+            return None
+        return Packing.of(vocab_size, self.logprob_bits)
+
+    def bytes_per_row(self, vocab_size: int = 0, num_candidates: int = 0) -> int:
         """Payload bytes of one position with ``num_candidates`` candidate ids (see
-        :func:`bytes_per_row`)."""
-        return bytes_per_row(self.top_k, self.wire_dtype, self.include_sampled, num_candidates)
+        :func:`bytes_per_row`); a packed row's depends on the teacher's ``vocab_size``
+        (0, unknown: counted at 32 bits per id, an upper bound). Candidate log-probs
+        travel unpacked in the wire dtype in either encoding (a packed request is never
+        sampled)."""
+        if self.logprob_bits is None:
+            return bytes_per_row(
+                self.top_k,
+                self.wire_dtype,
+                self.include_sampled,
+                num_candidates,
+                sampled=self.sampled,
+                proposal_normalizer=self.proposal_normalizer,
+            )
+        candidates = bytes_per_row(0, self.wire_dtype, False, num_candidates)
+        return candidates + packed_row_bytes(
+            self.top_k,
+            vocab_size or 1 << 32,
+            self.logprob_bits,
+            itemsize(self.wire_dtype),
+            self.include_sampled,
+        )
 
     def recorded(self) -> dict[str, Any]:
         """The values of the :data:`RECORDED` options (what a recording is made at)."""
@@ -154,6 +286,15 @@ class RequestOptions:
         request.dtype = self.wire_dtype  # type: ignore[assignment]
         if not self.include_sampled:
             request.include_sampled_logprobs = False
+        if self.logprob_bits is not None:
+            request.encoding = self.wire_encoding  # type: ignore[assignment]
+            request.logprob_bits = self.logprob_bits
+        if self.sampled:  # a request without sampling stays byte-identical
+            request.samples = self.samples
+            assert self.seed is not None  # _check_sampling
+            request.seed = self.seed
+            if self.proposal_temperature != 1.0:
+                request.proposal_temperature = self.proposal_temperature
         return request
 
     @classmethod
@@ -172,7 +313,27 @@ class RequestOptions:
             if request.HasField("include_sampled_logprobs")
             else True
         )
-        return cls(int(request.top_k), dtype_name(dtype), sampled)
+        names = {v: k for k, v in ENCODING_NAMES.items()}
+        if int(request.encoding) not in names:
+            raise InvalidRequestError(
+                f"encoding: unknown payload encoding {request.encoding}; supported: "
+                + ", ".join(f"{v} ({k})" for k, v in ENCODING_NAMES.items())
+            )
+        bits = int(request.logprob_bits) if request.HasField("logprob_bits") else None
+        return cls(
+            int(request.top_k),
+            dtype_name(dtype),
+            sampled,
+            names[request.encoding],
+            bits,
+            samples=int(request.samples),
+            seed=int(request.seed) if request.HasField("seed") else None,
+            proposal_temperature=(
+                float(request.proposal_temperature)
+                if request.HasField("proposal_temperature")
+                else 1.0
+            ),
+        )
 
 
 def _as_1d_array(seq: Any, i: int) -> npt.NDArray[Any]:
@@ -325,6 +486,7 @@ def build_request(
             start, end = sequence_span(seq)
             raw, c = encode_candidates(cands[i], end - start, f"candidate_ids[{i}]")
             if c:
+                check_candidates_unsampled(opts.samples, f"candidate_ids[{i}]")
                 seq.candidate_ids, seq.num_candidates = raw, c
     return req
 
@@ -344,18 +506,30 @@ def request_spans(req: pb.ScoreRequest) -> list[Span]:
 
 
 # -- sizes ---------------------------------------------------------------------------------
-def bytes_per_row(top_k: int, dtype: int, include_sampled: bool, num_candidates: int = 0) -> int:
+def bytes_per_row(
+    top_k: int,
+    dtype: int,
+    include_sampled: bool,
+    num_candidates: int = 0,
+    *,
+    sampled: bool = False,
+    proposal_normalizer: bool = False,
+) -> int:
     """Payload bytes of one position: K ids (int32) + K log-probs (+ the sampled log-prob)
-    (+ ``num_candidates`` candidate log-probs; their ids are the request's)."""
+    (+ ``num_candidates`` candidate log-probs; their ids are the request's); a sampled
+    payload adds K uint8 counts (+ one ``proposal_log_normalizer``)."""
     size = itemsize(dtype)
-    return top_k * (4 + size) + (size if include_sampled else 0) + num_candidates * size
+    per_column = 4 + size + (1 if sampled else 0)
+    per_row = (size if include_sampled else 0) + (size if proposal_normalizer else 0)
+    return top_k * per_column + per_row + num_candidates * size
 
 
-def response_bytes(req: pb.ScoreRequest) -> int:
-    """Bytes of the payload arrays the answer to ``req`` carries."""
+def response_bytes(req: pb.ScoreRequest, vocab_size: int = 0) -> int:
+    """Bytes of the payload arrays the answer to ``req`` carries (a packed answer's from
+    a teacher of ``vocab_size`` tokens; 0: unknown, an upper bound)."""
     opts = RequestOptions.from_proto(req)
     return sum(
-        (end - start) * opts.bytes_per_row(int(seq.num_candidates))
+        (end - start) * opts.bytes_per_row(vocab_size, int(seq.num_candidates))
         for seq, (start, end) in zip(req.sequences, request_spans(req), strict=True)
     )
 

@@ -463,7 +463,7 @@ class AsyncTeacherClient(AsyncCloseable):
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
         request, layout = build_aligned_request(
             item.sequences,
-            options,
+            item.request_options(options),
             attention_mask=item.attention_mask,
             positions=item.positions,
             request_id=next(self._ids),
@@ -542,7 +542,9 @@ class AsyncTeacherClient(AsyncCloseable):
 
         info = await self._call(self._fetch_info, next(self._rr) % len(self.targets))
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
-        if not fits_one_message(response_bytes(request), len(request.sequences), limit):
+        if not fits_one_message(
+            response_bytes(request, info.vocab_size), len(request.sequences), limit
+        ):
             gen = self._run_stream(_as_async([(request, layout)]), 0, timeout)
             try:
                 return self.decode(await anext(gen), device)

@@ -205,7 +205,7 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         calls = {
             r.teacher: self._clients[r.teacher].score(
                 r.batch.sequences,
-                options,
+                item.request_options(options),
                 positions=r.batch.positions,
                 attention_mask=r.batch.attention_mask,
                 timeout_s=timeout_s,

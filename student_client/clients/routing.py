@@ -182,6 +182,8 @@ def merge_payloads(
     ids = torch.zeros((b, s, k), dtype=first.ids.dtype)
     lps = torch.zeros((b, s, k), dtype=first.logprobs.dtype)
     sampled = torch.zeros((b, s), dtype=torch.float32) if with_sampled else None
+    counts = None if first.sample_counts is None else torch.zeros((b, s, k), dtype=torch.int64)
+    log_z = None if first.proposal_log_normalizer is None else torch.zeros((b, s))
     mask = torch.zeros((b, s), dtype=torch.bool)
     starts = torch.zeros(b, dtype=torch.int64)
     lengths = torch.zeros(b, dtype=torch.int64)
@@ -195,6 +197,10 @@ def merge_payloads(
         lps[idx, :n] = p.logprobs
         if sampled is not None and p.sampled_logprobs is not None:
             sampled[idx, :n] = p.sampled_logprobs
+        if counts is not None and p.sample_counts is not None:
+            counts[idx, :n] = p.sample_counts
+        if log_z is not None and p.proposal_log_normalizer is not None:
+            log_z[idx, :n] = p.proposal_log_normalizer
         mask[idx, :n] = p.mask
         if cand_ids is not None and cand_lps is not None and p.candidate_ids is not None:
             assert p.candidate_logprobs is not None  # present together (TeacherPayload)
@@ -217,6 +223,8 @@ def merge_payloads(
         teachers=tuple(teachers),
         candidate_ids=cand_ids,
         candidate_logprobs=cand_lps,
+        sample_counts=counts,
+        proposal_log_normalizer=log_z,
     )
 
 

@@ -12,20 +12,27 @@ Padding of ragged batches: rows past a sequence's end have ``ids`` 0, ``logprobs
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     RequestOptions,
+    SequenceArrays,
     decode_floats_into,
+    decode_packed_into,
+    decode_sequence,
     dtype_from_name,
     dtype_name,
+    encode_sequence,
     itemsize,
     pb,
     request_spans,
 )
 from topk_protocol.errors import TeacherError
+from topk_protocol.packing import Packing, packed_payload_bytes
 from topk_protocol.status import error_from_code
 
 __all__ = ["ResponseAssembler"]
@@ -53,6 +60,9 @@ class ResponseAssembler:
         self.top_k = options.top_k
         self.dtype = options.wire_dtype
         self.include_sampled = options.include_sampled
+        self.options = options
+        self.sampled = options.sampled
+        self.proposal_normalizer = options.proposal_normalizer
         self.teacher_seconds = 0.0
         self._size = itemsize(self.dtype)
         #: Each sequence's candidate ids ``[S_i, C_i]`` as requested (None: none).
@@ -109,11 +119,8 @@ class ResponseAssembler:
             )
         if self._rows[i] + n > self.spans[i][1] - self.spans[i][0]:
             raise _protocol(f"{where}: more rows than the positions requested")
-        if len(c.ids) != n * k * 4 or len(c.logprobs) != n * k * self._size:
-            raise _protocol(
-                f"{where}: ids/logprobs byte lengths {len(c.ids)}/{len(c.logprobs)} do not "
-                f"fit [{n}, {k}]"
-            )
+        if n:
+            self._check_arrays(c, where)
         want_sampled = n * self._size if self.include_sampled else 0
         if len(c.sampled_logprobs) != want_sampled:
             raise _protocol(
@@ -129,8 +136,45 @@ class ResponseAssembler:
                 f"{where}: {c.num_candidates} candidates in {len(c.candidate_logprobs)} "
                 f"bytes, requested [{n}, {want_c}]"
             )
+        for name, want in (
+            ("sample_counts", n * k if self.sampled else 0),
+            ("proposal_log_normalizer", n * self._size if self.proposal_normalizer else 0),
+        ):
+            if len(getattr(c, name)) != want:
+                raise _protocol(
+                    f"{where}: {name} has {len(getattr(c, name))} bytes, expected {want}"
+                )
         self._chunks[i].append(c)
         self._rows[i] += n
+
+    def _check_arrays(self, c: pb.SequencePayload, where: str) -> None:
+        """The chunk's arrays have the encoding asked and the byte lengths of its rows."""
+        n, k = int(c.num_positions), self.top_k
+        if int(c.encoding) != self.options.wire_encoding:
+            raise _protocol(f"{where}: encoding {c.encoding}, requested {self.options.encoding}")
+        if self.options.logprob_bits is None:
+            if len(c.ids) != n * k * 4 or len(c.logprobs) != n * k * self._size:
+                raise _protocol(
+                    f"{where}: ids/logprobs byte lengths {len(c.ids)}/{len(c.logprobs)} do "
+                    f"not fit [{n}, {k}]"
+                )
+            return
+        if int(c.logprob_bits) != self.options.logprob_bits:
+            raise _protocol(
+                f"{where}: logprob_bits {c.logprob_bits}, requested {self.options.logprob_bits}"
+            )
+        if not 1 <= int(c.id_bits) <= 32:
+            raise _protocol(f"{where}: id_bits {c.id_bits} is outside [1, 32]")
+        want = packed_payload_bytes(
+            n, k, 1 << int(c.id_bits), int(c.logprob_bits), self._size, include_sampled=False
+        )
+        got = len(c.packed_ids) + len(c.packed_logprobs)
+        if got != want or c.ids or c.logprobs:
+            raise _protocol(
+                f"{where}: packed byte lengths {len(c.packed_ids)} + "
+                f"{len(c.packed_logprobs)} do not fit [{n}, {k}] at id_bits {c.id_bits}, "
+                f"logprob_bits {c.logprob_bits}"
+            )
 
     def merged_response(self) -> pb.ScoreResponse:
         """The complete answer as one message: one ``SequencePayload`` per sequence."""
@@ -142,6 +186,9 @@ class ResponseAssembler:
             teacher_seconds=self.teacher_seconds,
         )
         for i, chunks in enumerate(self._chunks):
+            if self.options.logprob_bits is not None:
+                out.sequences.append(self._merged_packed(i, chunks))
+                continue
             out.sequences.append(
                 pb.SequencePayload(
                     sequence_index=i,
@@ -154,9 +201,35 @@ class ResponseAssembler:
                     sampled_logprobs=b"".join(c.sampled_logprobs for c in chunks),
                     candidate_logprobs=b"".join(c.candidate_logprobs for c in chunks),
                     num_candidates=self.request.sequences[i].num_candidates,
+                    sample_counts=b"".join(c.sample_counts for c in chunks),
+                    proposal_log_normalizer=b"".join(c.proposal_log_normalizer for c in chunks),
                 )
             )
         return out
+
+    def _merged_packed(self, i: int, chunks: list[pb.SequencePayload]) -> pb.SequencePayload:
+        """A packed sequence's chunks as one payload: decoded, joined and packed again,
+        which gives the bytes of a one-message answer (packing decoded rows is
+        idempotent, :mod:`topk_protocol.packing`). Candidate log-probs travel unpacked:
+        their bytes are joined as they came, as in a default answer."""
+        cand, rows, row = self.candidates[i], [], 0
+        for c in chunks:
+            n = int(c.num_positions)
+            if n:
+                rows.append(decode_sequence(c, None if cand is None else cand[row : row + n]))
+                row += n
+        joined = (
+            SequenceArrays.concat(rows)
+            if rows
+            else SequenceArrays.empty(self.top_k, self.spans[i][0])
+        )
+        joined = replace(joined, candidate_ids=None, candidate_logprobs=None)
+        first = chunks[0] if chunks else pb.SequencePayload(id_bits=1)
+        packing = Packing(int(first.id_bits), int(self.options.logprob_bits or 0))
+        msg = encode_sequence(joined, dtype=self.dtype, sequence_index=i, packing=packing)
+        msg.candidate_logprobs = b"".join(c.candidate_logprobs for c in chunks)
+        msg.num_candidates = self.request.sequences[i].num_candidates
+        return msg
 
     def payload(self, device: torch.device | str = "cpu") -> TeacherPayload:
         """Decode into padded ``[B, S, K]`` tensors on ``device`` (raises :attr:`error`)."""
@@ -175,6 +248,8 @@ class ResponseAssembler:
         if any(c is not None for c in self.candidates):
             cand_ids = np.full((b, s, c_max), -1, dtype=np.int64)
             cand_lps = np.full((b, s, c_max), np.nan, dtype=np.float32)
+        counts = np.zeros((b, s, k), dtype=np.int64) if self.sampled else None
+        log_z = np.zeros((b, s), dtype=np.float32) if self.proposal_normalizer else None
         for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
             row = 0
             for c in chunks:
@@ -182,8 +257,11 @@ class ResponseAssembler:
                 if n == 0:
                     continue
                 rows = slice(row, row + n)
-                ids[i, rows] = np.frombuffer(c.ids, dtype=_LE_I32).reshape(n, k)
-                decode_floats_into(lps[i, rows], c.logprobs, self.dtype, "logprobs")
+                if c.encoding == pb.PAYLOAD_ENCODING_PACKED:
+                    decode_packed_into(ids[i, rows], lps[i, rows], c)
+                else:
+                    ids[i, rows] = np.frombuffer(c.ids, dtype=_LE_I32).reshape(n, k)
+                    decode_floats_into(lps[i, rows], c.logprobs, self.dtype, "logprobs")
                 if sampled is not None:
                     decode_floats_into(
                         sampled[i, rows], c.sampled_logprobs, self.dtype, "sampled_logprobs"
@@ -196,6 +274,15 @@ class ResponseAssembler:
                         c.candidate_logprobs,
                         self.dtype,
                         "candidate_logprobs",
+                    )
+                if counts is not None:
+                    counts[i, rows] = np.frombuffer(c.sample_counts, dtype=np.uint8).reshape(n, k)
+                if log_z is not None:
+                    decode_floats_into(
+                        log_z[i, rows],
+                        c.proposal_log_normalizer,
+                        self.dtype,
+                        "proposal_log_normalizer",
                     )
                 row += n
             mask[i, :row] = True
@@ -215,5 +302,7 @@ class ResponseAssembler:
             teacher_seconds=self.teacher_seconds,
             candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
             candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
+            sample_counts=None if counts is None else torch.from_numpy(counts),
+            proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
         )
         return payload if str(device) == "cpu" else payload.to(device)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from topk_protocol import RequestOptions
 
 __all__ = ["ScoreBatch"]
 
@@ -23,7 +25,9 @@ class ScoreBatch:
     ``[B, S, C]`` laid out like the payload the call returns (row ``j`` of sequence ``b``
     is position ``positions[b][0] + j``; with an attention mask, column ``t`` of the
     padded batch), ``-1`` padding; or one ``[S_b, C]`` per sequence without a mask
-    (see :meth:`~student_client.clients.aio.AsyncTeacherClient.score`).
+    (see :meth:`~student_client.clients.aio.AsyncTeacherClient.score`);
+    ``options``: request options for this batch only, over the call's
+    (``RequestOptions.of`` keywords, e.g. ``{"encoding": "packed", "logprob_bits": 8}``).
     """
 
     sequences: Any
@@ -31,3 +35,8 @@ class ScoreBatch:
     attention_mask: Any = None
     teacher: Any = None
     candidate_ids: Any = None
+    options: Mapping[str, Any] | None = None
+
+    def request_options(self, call: RequestOptions) -> RequestOptions:
+        """The options this batch is asked with: the call's, with :attr:`options` over them."""
+        return RequestOptions.of(call, **self.options) if self.options else call

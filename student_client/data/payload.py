@@ -54,6 +54,12 @@ class TeacherPayload:
             candidate id, from the same distribution as ``logprobs`` (row ``t`` is
             ``log p(. | x[0..t])`` at the teacher temperature), NaN where the id is
             ``-1``; None when ``candidate_ids`` is.
+        sample_counts: a sampled payload's ``[B, S, K]`` int64 draw counts (0: a padding
+            column; a real row sums to N); ``ids`` then holds the distinct drawn ids and
+            ``logprobs`` the teacher's log-probs at them. None for a top-k payload.
+            ``student_client.losses.sampled_target_weights`` turns them into the target.
+        proposal_log_normalizer: ``[B, S]`` float32 ``log Z`` of a tempered proposal
+            (``proposal_temperature != 1``), else None.
     """
 
     ids: torch.Tensor
@@ -69,6 +75,8 @@ class TeacherPayload:
     teachers: tuple[str, ...] | None = None
     candidate_ids: torch.Tensor | None = None
     candidate_logprobs: torch.Tensor | None = None
+    sample_counts: torch.Tensor | None = None
+    proposal_log_normalizer: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

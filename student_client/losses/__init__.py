@@ -10,8 +10,9 @@ whole Hugging Face causal LM, plain or FSDP2-sharded. `LossOptions` holds
 every option (the divergence among them: `get_divergence`, `DIVERGENCES`; the support:
 `SUPPORTS`, the teacher's top-k, the student's candidates or their union).
 `topk_kl_reference` is the dense slow path (any divergence, mode and support).
-`onpolicy.py`: the per-token on-policy signal on sampled tokens (k1 / k2 / k3, the
-stop-gradient advantage).
+`sampled_kl_loss` / `fused_sampled_kl_loss` (`sampled.py`): the unbiased loss on a
+sampled payload, with `sampled_target_weights`. `onpolicy.py`: the per-token on-policy
+signal on sampled tokens (k1 / k2 / k3, the stop-gradient advantage).
 """
 
 from student_client.losses.api import fused_topk_kl_loss, topk_kl_loss
@@ -31,6 +32,11 @@ from student_client.losses.onpolicy import (
 )
 from student_client.losses.options import LossOptions
 from student_client.losses.reference import topk_kl_reference
+from student_client.losses.sampled import (
+    fused_sampled_kl_loss,
+    sampled_kl_loss,
+    sampled_target_weights,
+)
 from student_client.losses.sharded_head import lm_head_topk_kl_loss, local_vocab_shard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import (
@@ -63,6 +69,7 @@ __all__ = [
     "auto_chunk_rows",
     "causal_lm_hidden_and_head",
     "causal_lm_topk_kl_loss",
+    "fused_sampled_kl_loss",
     "fused_topk_kl_loss",
     "get_divergence",
     "kl_estimators",
@@ -70,6 +77,8 @@ __all__ = [
     "local_vocab_shard",
     "policy_gradient_loss",
     "reverse_kl_advantage",
+    "sampled_kl_loss",
+    "sampled_target_weights",
     "sampled_token_logprobs",
     "topk_kl_loss",
     "topk_kl_reference",

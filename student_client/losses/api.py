@@ -3,7 +3,7 @@ around the chunked and the fused kernels."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from student_client.losses.masking import prepare_teacher_rows, reduce_positions
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import auto_chunk_rows, fused_chunks
-from student_client.losses.support import SupportColumns, support_columns
+from student_client.losses.support import support_columns
 from student_client.losses.types import LossMode, RowTerms, TopKKLStats
 from student_client.losses.validation import (
     check_candidates,
@@ -115,8 +115,7 @@ def topk_kl_loss(
         raise ValueError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
     shard = VocabShard.from_group(opts.process_group, logits.shape[-1] if logits.dim() else 0)
     check_tensors(logits, teacher_ids, teacher_logprobs, mask, global_vocab=shard.global_vocab)
-    positions_shape = logits.shape[:-1]
-    columns, counted = _loss_columns(
+    rows = _loss_columns(
         logits,
         (teacher_ids, teacher_logprobs),
         mask,
@@ -125,12 +124,36 @@ def topk_kl_loss(
         opts,
         shard,
     )
+    return chunked_loss(logits, rows, opts, shard)
+
+
+class TeacherRows(NamedTuple):
+    """Prepared columns of the flat positions: `ids` `[N, M]` global ids, `logprobs`
+    `[N, M]` (the target's log-weights), `counted` bool `[N]`, `present` bool `[N, M]` or
+    None (all), `offset` `[N]` or None: a constant (no gradient) added to each position's
+    loss value, and `teacher_columns`: how many leading columns are the teacher's top-k
+    (the overlap statistic's; None: all of them)."""
+
+    ids: Tensor
+    logprobs: Tensor
+    counted: Tensor
+    present: Tensor | None
+    offset: Tensor | None = None
+    teacher_columns: int | None = None
+
+
+def chunked_loss(
+    logits: Tensor, teacher: TeacherRows, opts: LossOptions, shard: VocabShard
+) -> tuple[Tensor, TopKKLStats]:
+    """The chunked kernel, clamping, reduction and statistics of validated inputs
+    (`logits` `[..., V_local]`); shared by `topk_kl_loss` and the sampled loss."""
+    positions_shape = logits.shape[:-1]
     local_vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, local_vocab)
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
-    settings = _chunked_settings(opts, shard, chunk_rows, columns)
+    settings = _chunked_settings(opts, shard, chunk_rows, teacher.teacher_columns)
     rows = chunked_topk_kl_rows(
-        flat_logits, columns.ids, columns.logprobs, settings, columns.present
+        flat_logits, teacher.ids, teacher.logprobs, settings, teacher.present
     )
 
     per_position = rows.loss
@@ -138,9 +161,11 @@ def topk_kl_loss(
     if opts.clamp_min is not None:
         clamped = per_position.detach() < opts.clamp_min
         per_position = per_position.clamp_min(opts.clamp_min)
+    if teacher.offset is not None:
+        per_position = per_position + teacher.offset.to(per_position.dtype)
 
-    loss = reduce_positions(per_position, counted, opts.reduction, positions_shape)
-    stats = summarize(rows, per_position.detach(), clamped, counted, overlap=opts.overlap)
+    loss = reduce_positions(per_position, teacher.counted, opts.reduction, positions_shape)
+    stats = summarize(rows, per_position.detach(), clamped, teacher.counted, overlap=opts.overlap)
     return loss, stats
 
 
@@ -209,8 +234,7 @@ def fused_topk_kl_loss(
         student_name="hidden",
         last_dim="H",
     )
-    positions_shape = hidden.shape[:-1]
-    columns, counted = _loss_columns(
+    rows = _loss_columns(
         hidden,
         (teacher_ids, teacher_logprobs),
         mask,
@@ -219,16 +243,31 @@ def fused_topk_kl_loss(
         opts,
         shard,
     )
+    return fused_loss(hidden, weight, bias, rows, opts, shard)
+
+
+def fused_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    rows_in: TeacherRows,
+    opts: LossOptions,
+    shard: VocabShard,
+) -> tuple[Tensor, TopKKLStats]:
+    """The fused kernel, reduction and statistics of validated inputs (`hidden`
+    `[..., H]`); shared by `fused_topk_kl_loss` and the sampled loss."""
+    positions_shape = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    counted = rows_in.counted
     teacher = localized_columns(
-        columns.ids, columns.logprobs, columns.present, shard, statistics_dtype(hidden.device)
+        rows_in.ids, rows_in.logprobs, rows_in.present, shard, statistics_dtype(hidden.device)
     )
     chunks = fused_chunks(
         flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
     )
     grad_enabled = torch.is_grad_enabled()
     settings = FusedSettings(
-        loss=_chunked_settings(opts, shard, chunks.work_rows, columns),
+        loss=_chunked_settings(opts, shard, chunks.work_rows, rows_in.teacher_columns),
         chunk_rows=chunks.block_rows,
         clamp_min=opts.clamp_min,
         reduction=opts.reduction,
@@ -243,9 +282,13 @@ def fused_topk_kl_loss(
     outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
     loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
     rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
-    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
     if opts.reduction == "none":
         loss = loss.reshape(positions_shape)
+    if rows_in.offset is not None:
+        offset = rows_in.offset.to(per_position.dtype)
+        per_position = per_position + offset
+        loss = loss + reduce_positions(offset, counted, opts.reduction, positions_shape)
+    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
     return loss, stats
 
 
@@ -261,7 +304,7 @@ def _loss_columns(
     candidates: _Pair,
     opts: LossOptions,
     shard: VocabShard,
-) -> tuple[SupportColumns, Tensor]:
+) -> TeacherRows:
     """Check the actual-token and candidate arguments against `student` (`[..., V_local]`
     logits or `[..., H]` hidden states); the loss's columns `[N, M]` (`support.py`) and
     the counted positions `[N]`."""
@@ -289,7 +332,13 @@ def _loss_columns(
         global_vocab=shard.global_vocab,
         validate=opts.validate,
     )
-    return columns, counted
+    return TeacherRows(
+        columns.ids,
+        columns.logprobs,
+        counted,
+        columns.present,
+        teacher_columns=columns.teacher_columns,
+    )
 
 
 def _given(pair: _Pair) -> tuple[Tensor, Tensor] | None:
@@ -299,10 +348,10 @@ def _given(pair: _Pair) -> tuple[Tensor, Tensor] | None:
 
 
 def _chunked_settings(
-    opts: LossOptions, shard: VocabShard, chunk_rows: int, columns: SupportColumns
+    opts: LossOptions, shard: VocabShard, chunk_rows: int, teacher_columns: int | None
 ) -> ChunkedSettings:
-    """The loss math's settings for `opts` on `columns` with `chunk_rows` rows per fp32
-    block."""
+    """The loss math's settings for `opts` with `chunk_rows` rows per fp32 block, the
+    first `teacher_columns` columns the teacher's top-k (None: all)."""
     return ChunkedSettings(
         tail_mode=opts.mode != "truncated",
         temperature=float(opts.temperature),
@@ -312,5 +361,5 @@ def _chunked_settings(
         overlap=opts.overlap,
         divergence=opts.resolved_divergence,
         actual_token=opts.mode == "tail_actual",
-        teacher_columns=columns.teacher_columns,
+        teacher_columns=teacher_columns,
     )

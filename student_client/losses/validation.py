@@ -20,6 +20,7 @@ __all__ = [
     "check_local_tensor",
     "check_mask_values",
     "check_options",
+    "check_sample_values",
     "check_sampled",
     "check_sampled_values",
     "check_teacher_values",
@@ -96,17 +97,20 @@ def check_tensors(
     global_vocab: int,
     student_name: str = "logits",
     last_dim: str = "V_local",
+    ids_name: str = "teacher_ids",
+    values_name: str = "teacher_logprobs",
 ) -> None:
     """Check types, dtypes, devices and shapes (no value checks: nothing syncs).
 
     Expected: `logits` `[..., V_local]` (for the fused loss: `hidden` `[..., H]`, named by
     `student_name` / `last_dim`), `teacher_ids` and `teacher_logprobs` `[..., K]` with
-    `1 <= K <= global_vocab`, `mask` `[...]` or None.
+    `1 <= K <= global_vocab`, `mask` `[...]` or None. `ids_name` / `values_name` name the
+    two teacher tensors in messages (the sampled loss's `sample_ids` / `sample_weights`).
     """
     for name, value in (
         (student_name, logits),
-        ("teacher_ids", teacher_ids),
-        ("teacher_logprobs", teacher_logprobs),
+        (ids_name, teacher_ids),
+        (values_name, teacher_logprobs),
     ):
         if not isinstance(value, Tensor):
             raise _fail(name, f"must be a torch.Tensor, got {type(value).__name__}")
@@ -119,25 +123,25 @@ def check_tensors(
             f"must have shape [..., {last_dim}] with {last_dim} >= 1, got {_shape(logits)}",
         )
     if teacher_ids.dtype.is_floating_point or teacher_ids.dtype.is_complex:
-        raise _fail("teacher_ids", f"must be an integer tensor, got {teacher_ids.dtype}")
+        raise _fail(ids_name, f"must be an integer tensor, got {teacher_ids.dtype}")
     if teacher_ids.dtype == torch.bool:
-        raise _fail("teacher_ids", "must be an integer tensor, got torch.bool")
+        raise _fail(ids_name, "must be an integer tensor, got torch.bool")
     if not teacher_logprobs.dtype.is_floating_point:
-        raise _fail("teacher_logprobs", f"must be a float tensor, got {teacher_logprobs.dtype}")
+        raise _fail(values_name, f"must be a float tensor, got {teacher_logprobs.dtype}")
     positions = logits.shape[:-1]
     if teacher_ids.dim() != logits.dim() or teacher_ids.shape[:-1] != positions:
         raise _fail(
-            "teacher_ids",
+            ids_name,
             f"shape {_shape(teacher_ids)} must be [..., K] with [...] = {_shape(logits)[:-1]} "
             f"(the leading dims of {student_name})",
         )
     top_k = teacher_ids.shape[-1]
     if not 1 <= top_k <= global_vocab:
-        raise _fail("teacher_ids", f"K = {top_k} must lie in [1, vocab size {global_vocab}]")
+        raise _fail(ids_name, f"K = {top_k} must lie in [1, vocab size {global_vocab}]")
     if teacher_logprobs.shape != teacher_ids.shape:
         raise _fail(
-            "teacher_logprobs",
-            f"shape {_shape(teacher_logprobs)} must equal teacher_ids' {_shape(teacher_ids)}",
+            values_name,
+            f"shape {_shape(teacher_logprobs)} must equal {ids_name}' {_shape(teacher_ids)}",
         )
     if mask is not None:
         if not isinstance(mask, Tensor):
@@ -145,8 +149,8 @@ def check_tensors(
         if mask.shape != positions:
             raise _fail("mask", f"shape {_shape(mask)} must equal {_shape(logits)[:-1]}")
     others: dict[str, Tensor | None] = {
-        "teacher_ids": teacher_ids,
-        "teacher_logprobs": teacher_logprobs,
+        ids_name: teacher_ids,
+        values_name: teacher_logprobs,
         "mask": mask,
     }
     for name, other in others.items():
@@ -315,6 +319,24 @@ def _check_id_range(name: str, ids: Tensor, global_vocab: int, *, padding: bool 
             f"ids must lie in [0, {global_vocab}) (the vocabulary){allowed}, "
             f"got values in [{low}, {high}]",
         )
+
+
+def check_sample_values(sample_ids: Tensor, sample_weights: Tensor, global_vocab: int) -> None:
+    """The counted rows of a sampled target: weights finite and `>= 0`; the ids of the
+    columns with weight > 0 in `[0, global_vocab)` and distinct within a row (a column of
+    weight 0 is padding and may hold anything)."""
+    if sample_ids.numel() == 0:
+        return
+    if not bool(sample_weights.isfinite().all()) or bool((sample_weights < 0).any()):
+        raise _fail("sample_weights", "must be finite and >= 0")
+    drawn = sample_weights > 0
+    if bool(drawn.any()):
+        _check_id_range("sample_ids", sample_ids[drawn], global_vocab)
+    # padding columns get distinct negative stand-ins, so only drawn ids can collide
+    column = torch.arange(sample_ids.shape[-1], device=sample_ids.device)
+    ordered = torch.where(drawn, sample_ids.to(torch.int64), -1 - column).sort(dim=-1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise _fail("sample_ids", "an id with weight > 0 repeats within a position")
 
 
 def _check_at_most_zero(name: str, logprobs: Tensor, also: str = "") -> None:

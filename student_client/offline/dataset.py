@@ -45,6 +45,7 @@ from topk_protocol.multi_recording import (
     recorded_teachers,
     teacher_recording_path,
 )
+from topk_protocol.packing import packed_roundtrip
 from topk_protocol.recording import RecordingReader
 from topk_protocol.recording.format import cast_arrays
 from topk_protocol.replay import check_options, recorded_arrays
@@ -95,6 +96,9 @@ class PayloadDataset(Dataset[PayloadItem]):
         dtype: log-prob dtype to serve, the values the teacher would have sent in it
             (float32 recordings serve every dtype); default: the recorded one.
         include_sampled: also return sampled log-probs (every row must have them).
+        encoding, logprob_bits: serve what a ``"packed"`` answer at ``logprob_bits``
+            decodes to (a packed recording: its own, the default; a float32 one: packed
+            as the teacher packs); default: the recording's encoding.
 
     Picklable (it reopens the directory), so ``DataLoader`` workers of any start method
     work; under ``fork`` they share the parent's decoded buffers.
@@ -107,9 +111,17 @@ class PayloadDataset(Dataset[PayloadItem]):
         top_k: int | None = None,
         dtype: str | None = None,
         include_sampled: bool = False,
+        encoding: str | None = None,
+        logprob_bits: int | None = None,
     ) -> None:
         self.path = location(path)
-        self._options = {"top_k": top_k, "dtype": dtype, "include_sampled": include_sampled}
+        self._options = {
+            "top_k": top_k,
+            "dtype": dtype,
+            "include_sampled": include_sampled,
+            "encoding": encoding,
+            "logprob_bits": logprob_bits,
+        }
         shards = list_parts(self.path)
         names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
         #: ``(teacher name or None, dataset)`` of each part, in order: the teachers of a
@@ -158,8 +170,15 @@ class PayloadDataset(Dataset[PayloadItem]):
         self._reader = RecordingReader(self.path)
         r = self._reader
         try:
+            own = r.packing if encoding is None else None  # a packed recording's own
+            recorded = {**RequestOptions.recorded_defaults(), **r.options}  # e.g. samples, seed
             opts = RequestOptions(
-                r.top_k if top_k is None else top_k, dtype or r.dtype, include_sampled
+                r.top_k if top_k is None else top_k,
+                dtype or r.dtype,
+                include_sampled,
+                "packed" if own else encoding or "default",
+                own.logprob_bits if own and logprob_bits is None else logprob_bits,
+                **recorded,
             )
             check_options(r, opts, f"recording {self.path}")
         except BaseException:
@@ -209,13 +228,16 @@ class PayloadDataset(Dataset[PayloadItem]):
             raise NotRecordedError(
                 f"recording {self.path}: row {i}: sampled log-probs are not recorded"
             )
-        arrays = replace(  # the row's candidates as recorded (the row is whole)
+        recorded = arrays = replace(  # the row's candidates as recorded (the row is whole)
             recorded_arrays(row, row.position_start, row.position_end, self._served),
             candidate_ids=row.candidate_ids,
             candidate_logprobs=row.candidate_logprobs,
         )
         if self._reader.dtype != self.dtype:  # a float32 recording, another dtype asked
             arrays = cast_arrays(arrays, self.dtype)
+        bits = self._served.logprob_bits
+        if bits is not None and self._reader.packing is None:  # float32 values, packed asked
+            arrays = replace(arrays, logprobs=packed_roundtrip(recorded.logprobs, bits, self.dtype))
         return PayloadItem(torch.from_numpy(tokens.astype(np.int64)), arrays, self.dtype)
 
 
@@ -246,6 +268,9 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
     lps = np.zeros((b, s, k), dtype=np.float32)
     with_sampled = items[0].arrays.sampled_logprobs is not None
     sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
+    first = items[0].arrays
+    counts = None if first.sample_counts is None else np.zeros((b, s, k), dtype=np.int64)
+    log_z = None if first.proposal_log_normalizer is None else np.zeros((b, s), np.float32)
     mask = np.zeros((b, s), dtype=np.bool_)
     c_max = max(it.arrays.num_candidates for it in items)
     with_cands = any(it.arrays.candidate_ids is not None for it in items)
@@ -266,6 +291,10 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
             c = p.num_candidates
             cand_ids[j, :n, :c] = p.candidate_ids
             cand_lps[j, :n, :c] = p.candidate_logprobs
+        if counts is not None and p.sample_counts is not None:
+            counts[j, :n] = p.sample_counts
+        if log_z is not None and p.proposal_log_normalizer is not None:
+            log_z[j, :n] = p.proposal_log_normalizer
         mask[j, :n] = True
     payload = TeacherPayload(
         ids=torch.from_numpy(ids),
@@ -279,6 +308,8 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         teachers=teachers,
         candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
         candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
+        sample_counts=None if counts is None else torch.from_numpy(counts),
+        proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
 

@@ -1,6 +1,7 @@
 """``teacher-record``: score a corpus of token sequences with a teacher into a payload dataset.
 
     teacher-record --teacher HOST:PORT --input TOKENS --output DIR --top-k 16 [--dtype float16]
+        [--encoding packed [--logprob-bits 8]]
 
 ``TOKENS`` is a Parquet file, an Arrow file (IPC file or stream), a JSONL file (one list
 of ints per line, or one object per line with the token column), a Hugging Face
@@ -60,10 +61,12 @@ from student_client.offline.recorder import (
     seal_cut_shards,
     stream_shard,
 )
-from topk_protocol import DTYPE_NAMES
-from topk_protocol.errors import RecordingError
+from topk_protocol import DTYPE_NAMES, ENCODING_NAMES, RequestOptions
+from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
+from topk_protocol.errors import InvalidRequestError, RecordingError
+from topk_protocol.packing import DEFAULT_LOGPROB_BITS
 from topk_protocol.recording import COMPRESSIONS
-from topk_protocol.recording.format import read_metadata
+from topk_protocol.recording.format import read_metadata, recording_packing
 from topk_protocol.sharded_recording import (
     delete_part_file,
     holds_recording,
@@ -177,6 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(DTYPE_NAMES),
         help="log-prob dtype to record (float32 serves every dtype later; default float16)",
     )
+    ap.add_argument(
+        "--encoding",
+        default="default",
+        choices=sorted(ENCODING_NAMES),
+        help="payload encoding to record: packed stores bit-packed ids and log-probs on a "
+        "per-row grid (docs/protocol.md; default: default)",
+    )
+    ap.add_argument(
+        "--logprob-bits",
+        type=int,
+        help=f"with --encoding packed: bits per log-prob code, {MIN_LOGPROB_BITS}.."
+        f"{MAX_LOGPROB_BITS} (default {DEFAULT_LOGPROB_BITS})",
+    )
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="record a sampled payload: N draws per position (K = N; needs --seed)",
+    )
+    ap.add_argument("--seed", type=int, help="seed of the draws (with --samples)")
+    ap.add_argument(
+        "--proposal-temperature",
+        type=float,
+        default=1.0,
+        help="with --samples: draw from p^(1/T) with importance weights (default 1: from p)",
+    )
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
     ap.add_argument(
         "--candidate-column",
@@ -270,18 +299,48 @@ def _check_layout(output: str, num_shards: int) -> None:
         )
 
 
-def _check_format(part: str, top_k: int, dtype: str) -> None:
-    """The part's recordings (when any) must hold the asked K and dtype."""
+def _check_format(part: str, opts: RequestOptions) -> None:
+    """The part's recordings (when any) must hold the asked K, dtype and encoding."""
+    asked = (opts.top_k, opts.dtype, opts.logprob_bits)
     for _, location in recording_dirs(part):
         try:
             meta, _ = read_metadata(Location.of(location))
         except RecordingError:
             continue
-        if meta["top_k"] != top_k or meta["dtype"] != dtype:
+        packing = recording_packing(meta)
+        held = (meta["top_k"], meta["dtype"], None if packing is None else packing.logprob_bits)
+        if held != asked:
             raise SystemExit(
-                f"teacher-record: {location} holds K {meta['top_k']} {meta['dtype']}; "
-                f"asked K {top_k} {dtype}"
+                f"teacher-record: {location} holds K {held[0]} {held[1]} "
+                f"{_encoding(held[2])}; asked K {asked[0]} {asked[1]} {_encoding(asked[2])}"
             )
+
+
+def _encoding(logprob_bits: int | None) -> str:
+    return "unpacked" if logprob_bits is None else f"packed at {logprob_bits} bits"
+
+
+def _request_options(args: argparse.Namespace) -> RequestOptions:
+    """The one ``RequestOptions`` of every request: K, dtype, encoding, sampling."""
+    sampling: dict[str, Any] = {}
+    if args.samples or args.seed is not None or args.proposal_temperature != 1.0:
+        if args.samples:
+            args.top_k = args.samples  # a sampled payload has one column per draw
+        sampling = {
+            "samples": args.samples,
+            "seed": args.seed,
+            "proposal_temperature": args.proposal_temperature,
+        }
+    try:
+        return RequestOptions(
+            args.top_k,
+            args.dtype,
+            encoding=args.encoding,
+            logprob_bits=args.logprob_bits,
+            **sampling,
+        )
+    except InvalidRequestError as e:
+        raise SystemExit(f"teacher-record: {e.message}") from None
 
 
 def _open(args: argparse.Namespace, teachers: str | dict[str, str]) -> InputSource:
@@ -326,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{getattr(args, flag)}"
             )
     teachers = _teachers(args.teacher)
+    opts = _request_options(args)
     index, num = _shard(args)
     output = str(args.output)
     _check_output(output)
@@ -335,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     part = part_location(output, index, num)
     for line in seal_cut_shards(part):
         print(f"teacher-record: {line}", file=sys.stderr)
-    _check_format(part, args.top_k, args.dtype)
+    _check_format(part, opts)
     delete_part_file(part)
     candidates = args.candidate_column is not None
     recorded = recorded_keys(part, candidates)
@@ -369,9 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         with client:
             try:
                 stats = stream_shard(
-                    lambda reqs: client.stream_answers(
-                        reqs, args.top_k, depth=args.depth, dtype=args.dtype
-                    ),
+                    lambda reqs: client.stream_answers(reqs, opts, depth=args.depth),
                     source,
                     units,
                     batch_size=args.batch_size,

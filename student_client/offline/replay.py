@@ -51,7 +51,7 @@ from topk_protocol.multi_recording import (
     teacher_recording_path,
 )
 from topk_protocol.recording import RecordingReader
-from topk_protocol.replay import find_rows, recorded_arrays
+from topk_protocol.replay import find_rows, recorded_arrays, serves_encodings
 
 __all__ = ["ReplayClient", "replay_response", "replay_stream"]
 
@@ -76,9 +76,12 @@ def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.Sco
     ]
     rows = find_rows(reader, keys, options, f"recording {reader.path}")
     out = pb.ScoreResponse(request_id=request.request_id, final=True)
+    packing = options.packing(int(reader.info.vocab_size))
     for i, (row, (start, end)) in enumerate(zip(rows, spans, strict=True)):
         arrays = recorded_arrays(row, start, end, options, cands[i])
-        out.sequences.append(encode_sequence(arrays, dtype=options.wire_dtype, sequence_index=i))
+        out.sequences.append(
+            encode_sequence(arrays, dtype=options.wire_dtype, sequence_index=i, packing=packing)
+        )
     return out
 
 
@@ -100,7 +103,7 @@ def replay_stream(
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
         yield score(
             item.sequences,
-            opts,
+            item.request_options(opts),
             positions=item.positions,
             device=device,
             attention_mask=item.attention_mask,
@@ -150,7 +153,10 @@ class ReplayClient(Closeable):
                 )
             path = teacher_recording_path(path, teacher)
         self._reader = RecordingReader(path)
-        self._info = TeacherInfo.from_message(self._reader.info)
+        self._info = replace(
+            TeacherInfo.from_message(self._reader.info),
+            supported_encodings=serves_encodings(self._reader),
+        )
         try:
             self._info.check_schema()
             self._info.check_expected(
@@ -201,6 +207,7 @@ class ReplayClient(Closeable):
                 end - start,
                 limits,
                 f"sequences[{i}].candidate_ids",
+                int(request.samples),
             )
 
     def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:

@@ -14,14 +14,21 @@ import numpy.typing as npt
 
 from teacher_server.flags import add_flags, from_args, temperature_arg
 from teacher_server.validation import ParsedRequest, ParsedSequence
-from topk_protocol import DEFAULT_TEACHER_TEMPERATURE, RequestOptions, SequenceArrays
+from topk_protocol import (
+    DEFAULT_TEACHER_TEMPERATURE,
+    ENCODING_NAMES,
+    RequestOptions,
+    SequenceArrays,
+)
 from topk_protocol._deprecation import deprecated_names
+from topk_protocol.sampling import sample_rows, sequence_sample_key
 
 __all__ = [
     "Backend",
     "BackendInfo",
     "ModelFlags",
     "gather_candidates",
+    "sampled_from_logprobs",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
 ]
@@ -34,7 +41,8 @@ class BackendInfo:
     checkpoint served with ``--dtype auto`` on CPU), empty when there is no engine;
     ``temperature`` is the teacher temperature ``T`` of every log-prob it serves;
     ``max_candidates`` the most candidate ids per position it scores (0: none; the
-    server's ``--max-candidates`` caps it)."""
+    server's ``--max-candidates`` caps it); ``max_samples`` the largest sampled-payload
+    N it draws (0: none)."""
 
     model_name: str
     vocab_size: int
@@ -45,6 +53,7 @@ class BackendInfo:
     dtype: str = ""
     temperature: float = DEFAULT_TEACHER_TEMPERATURE
     max_candidates: int = 0
+    max_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,12 @@ class Backend(abc.ABC):
         """Refuse a whole request (raise a typed error of :mod:`topk_protocol.errors`)
         before any sequence is scored. Default: accept."""
 
+    @property
+    def supported_encodings(self) -> tuple[str, ...]:
+        """The payload encodings this backend answers (``GetInfo``): every one, by
+        default (the packed encoding is the answer path's, not the engine's)."""
+        return tuple(ENCODING_NAMES)
+
     @abc.abstractmethod
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         """Score positions ``[sequence.start, sequence.end)`` of ``sequence.token_ids``
@@ -184,6 +199,45 @@ def gather_candidates(logprobs: Any, candidate_ids: Any) -> Any:
     ids = candidate_ids.to(torch.int64)
     got = logprobs.gather(1, ids.clamp(min=0))
     return torch.where(ids < 0, float("nan"), got)
+
+
+def sampled_from_logprobs(
+    logprobs: Any, token_ids: npt.NDArray[np.int32], start: int, options: RequestOptions
+) -> SequenceArrays:
+    """A sampled payload of positions ``[start, start + S)`` from the dense served
+    log-probs ``logprobs`` ``[S, V]`` (a torch tensor; row ``j`` predicts the token after
+    ``token_ids[start + j]``), drawn as ``options`` asks (:mod:`topk_protocol.sampling`)."""
+    import torch
+
+    rows = logprobs.shape[0]
+    positions = torch.arange(start, start + rows, device=logprobs.device)
+    assert options.seed is not None  # RequestOptions requires it with samples
+    drawn = sample_rows(
+        logprobs,
+        options.samples,
+        options.seed,
+        sequence_sample_key(token_ids),
+        positions,
+        options.proposal_temperature,
+    )
+    sampled = None
+    if options.include_sampled:
+        nxt = positions + 1
+        inside = nxt < len(token_ids)
+        following = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=logprobs.device)
+        index = following[nxt.clamp_max(len(token_ids) - 1)]
+        actual = torch.gather(logprobs.float(), 1, index[:, None])[:, 0]
+        sampled = torch.where(inside, actual, torch.nan).cpu().numpy()
+    return SequenceArrays(
+        drawn.ids.cpu().numpy(),
+        drawn.logprobs.cpu().numpy(),
+        sampled,
+        start,
+        sample_counts=drawn.counts.cpu().numpy().astype(np.uint8),
+        proposal_log_normalizer=(
+            None if drawn.log_normalizer is None else drawn.log_normalizer.cpu().numpy()
+        ),
+    )
 
 
 #: Names this module (and ``teacher_server.backends``) exported before ``SequenceArrays``.

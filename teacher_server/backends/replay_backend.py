@@ -28,7 +28,7 @@ from teacher_server.validation import ParsedRequest, ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, teacher_temperature
 from topk_protocol.multi_recording import read_manifest, teacher_recording_path
 from topk_protocol.recording import RecordingReader
-from topk_protocol.replay import find_rows, recorded_arrays
+from topk_protocol.replay import find_rows, recorded_arrays, serves_encodings
 from topk_protocol.storage import Location, location
 
 __all__ = ["ReplayBackend", "ReplayFlags", "replay_path"]
@@ -100,6 +100,7 @@ class ReplayBackend(Backend):
             temperature=teacher_temperature(info),
             # Any C: what the recording does not hold is NOT_FOUND, never made up.
             max_candidates=int(info.vocab_size),
+            max_samples=int(self._reader.options.get("samples", 0)),  # a sampled recording's N
         )
 
     @property
@@ -129,6 +130,11 @@ class ReplayBackend(Backend):
             for s in sequences
         ]
         return find_rows(self.reader, keys, options, self._where)
+
+    @property
+    def supported_encodings(self) -> tuple[str, ...]:
+        """What the recording answers exactly (:func:`topk_protocol.replay.serves_encodings`)."""
+        return serves_encodings(self.reader)
 
     def check_request(self, parsed: ParsedRequest) -> None:
         """Refuse (:class:`NotRecordedError`) anything the recording cannot answer exactly."""

@@ -20,6 +20,7 @@ from teacher_server.backends.base import (
     BackendInfo,
     ModelFlags,
     gather_candidates,
+    sampled_from_logprobs,
     tokenizer_fingerprint,
     topk_from_logprobs,
 )
@@ -27,6 +28,7 @@ from teacher_server.backends.cpu_dtype import CpuDtype, cpu_dtype_for
 from teacher_server.config import ServerConfig
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
+from topk_protocol.checks import MAX_SAMPLES
 
 __all__ = ["TransformersBackend"]
 
@@ -116,6 +118,7 @@ class TransformersBackend(Backend):
             dtype=str(self._model.dtype).removeprefix("torch."),
             temperature=self._temperature,
             max_candidates=int(cfg.vocab_size),  # any C: one gather of the dense rows
+            max_samples=MAX_SAMPLES,
         )
         log.info("transformers model computes in %s (%s)", self.info.dtype, choice.reason)
 
@@ -157,6 +160,8 @@ class TransformersBackend(Backend):
             x = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self._device)
             logits = self._model(input_ids=x[None, : max(end, 1)]).logits[0]
             tempered = torch.log_softmax(logits.float() / self._temperature, dim=-1)
+            if options.sampled:
+                return sampled_from_logprobs(tempered[start:end], token_ids, start, options)
             cand = sequence.candidate_ids
             cand_lp = (
                 None

@@ -321,7 +321,8 @@ def test_stream_chunks_count_candidate_bytes_and_reassemble() -> None:
     assert len(msgs) > 5
     for m in msgs:
         sizes = [
-            int(p.num_positions) * options.bytes_per_row(int(p.num_candidates)) for p in m.sequences
+            int(p.num_positions) * options.bytes_per_row(num_candidates=int(p.num_candidates))
+            for p in m.sequences
         ]
         assert sum(sizes) <= budget or (len(sizes) == 1 and int(m.sequences[0].num_positions) == 1)
     streamed = ResponseAssembler(req)

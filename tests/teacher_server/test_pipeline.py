@@ -31,6 +31,7 @@ from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import (
     MAX_SEQUENCES_IN_FLIGHT,
     Answered,
+    Refused,
     RequestPipeline,
     gather_bounded,
 )
@@ -288,3 +289,32 @@ def test_large_requests_are_validated_and_answered_in_a_thread(
     assert seen[:2] == [("parse", main), ("finish", main)]
     assert [step for step, _ in seen[2:]] == ["parse", "finish"]
     assert all(thread != main for _, thread in seen[2:])
+
+
+class DefaultOnlyBackend(FailingBackend):
+    """A backend that answers the default encoding only."""
+
+    @property
+    def supported_encodings(self) -> tuple[str, ...]:
+        return ("default",)
+
+
+def test_an_encoding_the_backend_lacks_is_refused_and_the_pipeline_keeps_serving() -> None:
+    async def run(request: pb.ScoreRequest) -> object:
+        lifecycle = Lifecycle()
+        await lifecycle.advance(Phase.READY)
+        runner = RequestPipeline(
+            DefaultOnlyBackend(),
+            Limits(vocab_size=VOCAB),
+            TeacherMetrics(),
+            lifecycle,
+            AdmissionQueue(4, 4),
+        )
+        refused = await runner.run("test", request, lambda *_: "answer")
+        served = await runner.run("test", build_request([[511, 1]], 4), lambda *_: "answer")
+        return refused, served
+
+    refused, served = asyncio.run(run(build_request([[511, 1]], 4, encoding="packed")))
+    assert isinstance(refused, Refused) and refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.message == "encoding: 'packed' is not served by this teacher; it serves default"
+    assert served == Answered("answer")

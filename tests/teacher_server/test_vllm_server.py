@@ -428,3 +428,18 @@ def test_more_tokens_than_one_engine_step(stub, fallback_stub, reference_backend
     for seq, a, f in zip(seqs, arrays, flat, strict=True):
         _same_payloads(a, f, atol=ENGINE_TOL)
         _check_against_reference(a, _reference(reference_backend, seq, 8), 2e-4)
+
+
+def test_sampled_requests_are_refused_naming_the_limit(stub: pb_grpc.TeacherStub) -> None:
+    # The vLLM backend draws no sampled payloads (vLLM hands only the top-k out of its
+    # workers): GetInfo says max_samples 0, a sampled request is refused naming it, and the
+    # server keeps serving.
+    assert stub.GetInfo(pb.GetInfoRequest(), timeout=30).max_samples == 0
+    seqs = _sequences(3, [12])
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Score(build_request(seqs, 16, samples=16, seed=1), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "samples: 16, but this teacher serves no sampled payloads (max_samples 0)" in str(
+        e.value.details()
+    )
+    assert len(stub.Score(build_request(seqs, 4), timeout=60).sequences) == 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from topk_protocol import (
+    RequestOptions,
     SequenceArrays,
     build_request,
     bytes_per_row,
@@ -22,6 +23,7 @@ from topk_protocol import (
 )
 from topk_protocol.checks import TeacherLimits, check_candidates
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.packing import Packing
 from topk_protocol.replay import candidate_logprobs
 
 LIMITS = TeacherLimits(vocab_size=123, max_top_k=64, max_candidates=47)
@@ -164,3 +166,23 @@ def _first_match(a: SequenceArrays, start: int, asked: np.ndarray) -> np.ndarray
                 col = int(np.flatnonzero(a.candidate_ids[row] == i)[0])
                 out[r, j] = a.candidate_logprobs[row, col]
     return out
+
+
+def test_a_packed_answer_carries_candidate_logprobs_unpacked() -> None:
+    """Packing covers the top-k only: candidate log-probs travel in the request's dtype,
+    and each row's size counts them in either encoding."""
+    arrays = _arrays(s=7, k=5, c=3)
+    packing = Packing.of(123, 6)
+    msg = encode_sequence(arrays, dtype="float16", packing=packing)
+    assert msg.encoding == pb.PAYLOAD_ENCODING_PACKED and not msg.ids and not msg.logprobs
+    assert len(msg.candidate_logprobs) == 7 * 3 * 2 and msg.num_candidates == 3
+    back = decode_sequence(msg, arrays.candidate_ids)
+    assert back.candidate_logprobs is not None and arrays.candidate_logprobs is not None
+    want = arrays.candidate_logprobs.astype(np.float16).astype(np.float32)
+    assert np.array_equal(back.candidate_logprobs, want, equal_nan=True)
+    assert np.array_equal(back.ids, arrays.ids)
+    opts = RequestOptions(5, "float16", encoding="packed", logprob_bits=6)
+    assert opts.bytes_per_row(123, 3) == opts.bytes_per_row(123) + 3 * 2
+    seqs = [np.arange(9)]
+    req = build_request(seqs, opts, positions=[(1, 8)], candidate_ids=[arrays.candidate_ids])
+    assert response_bytes(req, 123) == 7 * opts.bytes_per_row(123, 3)

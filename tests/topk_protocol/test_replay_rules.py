@@ -84,9 +84,10 @@ def test_a_recorded_option_is_stored_and_checked(tmp_path: Path) -> None:
     capped = _WithSoftCap(K, "float32", soft_cap=30.0)
     seqs = _recording(tmp_path / "capped", capped)
     meta = json.loads((tmp_path / "capped" / "metadata.json").read_text())
-    assert meta["options"] == {"soft_cap": 30.0}
+    unsampled = RequestOptions.recorded_defaults()  # the sampled-payload options' defaults
+    assert meta["options"] == {**unsampled, "soft_cap": 30.0}
     with RecordingReader(tmp_path / "capped") as reader:
-        assert reader.options == {"soft_cap": 30.0}
+        assert reader.options == {**unsampled, "soft_cap": 30.0}
         key = [(seqs[0].tobytes(), 0, len(seqs[0]))]
         assert find_rows(reader, key, _WithSoftCap(4, soft_cap=30.0), "rec")[0] is not None
         with pytest.raises(

@@ -19,19 +19,26 @@ class LogprobDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOGPROB_DTYPE_FLOAT32: _ClassVar[LogprobDtype]
     LOGPROB_DTYPE_FLOAT16: _ClassVar[LogprobDtype]
     LOGPROB_DTYPE_BFLOAT16: _ClassVar[LogprobDtype]
+
+class PayloadEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_ENCODING_DEFAULT: _ClassVar[PayloadEncoding]
+    PAYLOAD_ENCODING_PACKED: _ClassVar[PayloadEncoding]
 SCHEMA_VERSION_UNSET: SchemaVersion
 SCHEMA_VERSION_1: SchemaVersion
 LOGPROB_DTYPE_DEFAULT: LogprobDtype
 LOGPROB_DTYPE_FLOAT32: LogprobDtype
 LOGPROB_DTYPE_FLOAT16: LogprobDtype
 LOGPROB_DTYPE_BFLOAT16: LogprobDtype
+PAYLOAD_ENCODING_DEFAULT: PayloadEncoding
+PAYLOAD_ENCODING_PACKED: PayloadEncoding
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature", "max_candidates")
+    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature", "max_candidates", "supported_encodings", "max_samples")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +52,8 @@ class TeacherInfo(_message.Message):
     ENGINE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TEACHER_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_top_k: int
@@ -58,7 +67,9 @@ class TeacherInfo(_message.Message):
     engine_dtype: str
     teacher_temperature: float
     max_candidates: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ..., max_candidates: _Optional[int] = ...) -> None: ...
+    supported_encodings: _containers.RepeatedScalarFieldContainer[PayloadEncoding]
+    max_samples: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ..., max_candidates: _Optional[int] = ..., supported_encodings: _Optional[_Iterable[_Union[PayloadEncoding, str]]] = ..., max_samples: _Optional[int] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
     __slots__ = ("token_ids", "position_start", "position_end", "candidate_ids", "num_candidates")
@@ -75,21 +86,31 @@ class SequenceRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., position_start: _Optional[int] = ..., position_end: _Optional[int] = ..., candidate_ids: _Optional[bytes] = ..., num_candidates: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "top_k", "dtype", "include_sampled_logprobs")
+    __slots__ = ("request_id", "sequences", "top_k", "dtype", "include_sampled_logprobs", "encoding", "logprob_bits", "samples", "seed", "proposal_temperature")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_BITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
     top_k: int
     dtype: LogprobDtype
     include_sampled_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., include_sampled_logprobs: _Optional[bool] = ...) -> None: ...
+    encoding: PayloadEncoding
+    logprob_bits: int
+    samples: int
+    seed: int
+    proposal_temperature: float
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., include_sampled_logprobs: _Optional[bool] = ..., encoding: _Optional[_Union[PayloadEncoding, str]] = ..., logprob_bits: _Optional[int] = ..., samples: _Optional[int] = ..., seed: _Optional[int] = ..., proposal_temperature: _Optional[float] = ...) -> None: ...
 
 class SequencePayload(_message.Message):
-    __slots__ = ("sequence_index", "position_start", "num_positions", "top_k", "dtype", "ids", "logprobs", "sampled_logprobs", "candidate_logprobs", "num_candidates")
+    __slots__ = ("sequence_index", "position_start", "num_positions", "top_k", "dtype", "ids", "logprobs", "sampled_logprobs", "candidate_logprobs", "num_candidates", "encoding", "id_bits", "logprob_bits", "packed_ids", "packed_logprobs", "sample_counts", "proposal_log_normalizer")
     SEQUENCE_INDEX_FIELD_NUMBER: _ClassVar[int]
     POSITION_START_FIELD_NUMBER: _ClassVar[int]
     NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +121,13 @@ class SequencePayload(_message.Message):
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    ID_BITS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_BITS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_LOG_NORMALIZER_FIELD_NUMBER: _ClassVar[int]
     sequence_index: int
     position_start: int
     num_positions: int
@@ -110,7 +138,14 @@ class SequencePayload(_message.Message):
     sampled_logprobs: bytes
     candidate_logprobs: bytes
     num_candidates: int
-    def __init__(self, sequence_index: _Optional[int] = ..., position_start: _Optional[int] = ..., num_positions: _Optional[int] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., candidate_logprobs: _Optional[bytes] = ..., num_candidates: _Optional[int] = ...) -> None: ...
+    encoding: PayloadEncoding
+    id_bits: int
+    logprob_bits: int
+    packed_ids: bytes
+    packed_logprobs: bytes
+    sample_counts: bytes
+    proposal_log_normalizer: bytes
+    def __init__(self, sequence_index: _Optional[int] = ..., position_start: _Optional[int] = ..., num_positions: _Optional[int] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., sampled_logprobs: _Optional[bytes] = ..., candidate_logprobs: _Optional[bytes] = ..., num_candidates: _Optional[int] = ..., encoding: _Optional[_Union[PayloadEncoding, str]] = ..., id_bits: _Optional[int] = ..., logprob_bits: _Optional[int] = ..., packed_ids: _Optional[bytes] = ..., packed_logprobs: _Optional[bytes] = ..., sample_counts: _Optional[bytes] = ..., proposal_log_normalizer: _Optional[bytes] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "reason")

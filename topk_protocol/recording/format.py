@@ -22,6 +22,10 @@ column                        Arrow type                                 meaning
 ``row_crc32``                 ``uint32``                                 the row's checksum
 ============================  =========================================  ==================
 
+A packed recording (``metadata.json`` ``"encoding": "packed"``) has ``binary`` columns
+``packed_ids`` and ``packed_logprobs`` in place of ``ids`` and ``logprobs``: each row's
+packed payload bytes (:mod:`topk_protocol.recording.packed`).
+
 ``S = position_end - position_start``; row ``j`` is position ``position_start + j``. ``F``
 is ``float16`` for a float16 recording and ``float32`` for float32 and bfloat16 ones
 (bfloat16 values widened to float32, which is exact). ``C`` (candidate ids per position)
@@ -53,8 +57,10 @@ from topk_protocol import (
     teacher_temperature,
 )
 from topk_protocol.arrays import ARRAY_FIELDS, ArrayField, SequenceArrays
-from topk_protocol.codec import _bf16_bits_to_f32, _f32_to_bf16_bits
+from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
+from topk_protocol.codec import ENCODING_NAMES
 from topk_protocol.errors import RecordingError
+from topk_protocol.floats import cast_like_teacher
 from topk_protocol.integrity import (
     CHECKSUM_COLUMN,
     CHECKSUM_NAME,
@@ -64,6 +70,8 @@ from topk_protocol.integrity import (
     row_checksum,
     shard_format,
 )
+from topk_protocol.packing import Packing
+from topk_protocol.recording.packed import PACKED_COLUMNS
 from topk_protocol.storage import Location, StorageError
 
 __all__ = [
@@ -82,6 +90,7 @@ __all__ = [
     "check_schema",
     "next_shard_number",
     "read_metadata",
+    "recording_packing",
     "recording_schema",
     "row_crc",
     "sequence_key",
@@ -122,11 +131,29 @@ def can_serve_dtype(recorded: str, wanted: str) -> bool:
     return recorded == "float32" or recorded == wanted
 
 
+def recording_packing(stated: dict[str, Any]) -> Packing | None:
+    """The packing a recording's ``metadata.json`` (or a shard's schema metadata) states:
+    None unless its ``encoding`` is ``"packed"`` (a recording older than the field
+    holds the default encoding)."""
+    if stated.get("encoding", "default") != "packed":
+        return None
+    return Packing.of(int(stated["vocab_size"]), int(stated["logprob_bits"]))
+
+
+def packing_metadata(packing: Packing | None) -> dict[str, Any]:
+    """The ``metadata.json`` / schema metadata fields stating ``packing`` (none for the
+    default encoding, so a default recording's files are what they were)."""
+    if packing is None:
+        return {}
+    return {"encoding": "packed", "logprob_bits": packing.logprob_bits}
+
+
 def storage_dtype(f: ArrayField, dtype: str) -> type[np.generic]:
-    """The numpy dtype a ``dtype`` recording stores field ``f`` in: int32 for ids, and
-    float16 (a float16 recording) or float32 for log-probs."""
+    """The numpy dtype a ``dtype`` recording stores field ``f`` in: an integer field in its
+    own dtype (int32 ids, uint8 sample counts), and float16 (a float16 recording) or
+    float32 for log-probs."""
     if np.issubdtype(f.dtype, np.integer):
-        return np.int32
+        return f.dtype
     return np.float16 if dtype == "float16" else np.float32
 
 
@@ -144,13 +171,15 @@ def recording_schema(
     *,
     checksums: bool = True,
     optional: tuple[str, ...] | None = None,
+    packing: Packing | None = None,
 ) -> pa.Schema:
     """The Arrow schema of a recording with ``top_k`` and log-prob ``dtype`` (name).
 
     ``fmt``: the other format fields the schema metadata repeats (``vocab_size``,
     ``tokenizer_fingerprint``, ``temperature``); ``checksums=False``: the columns of a
     shard written before the ``row_crc32`` column existed; ``optional``: the optional
-    array fields that have a column (default: all of them).
+    array fields that have a column (default: all of them); ``packing``: a packed
+    recording's (binary columns in place of ``ids`` and ``logprobs``).
     """
     fields = [
         pa.field("key", pa.binary(), nullable=False),
@@ -161,24 +190,16 @@ def recording_schema(
     for f in ARRAY_FIELDS:
         if f.optional and optional is not None and f.name not in optional:
             continue
+        if packing is not None and f.name in PACKED_COLUMNS:
+            fields.append(pa.field(PACKED_COLUMNS[f.name], pa.binary(), nullable=False))
+            continue
         fields.append(pa.field(f.name, _arrow_type(f, dtype, top_k), nullable=f.optional))
-    stated: dict[str, Any] = {"top_k": top_k, "dtype": dtype}
+    stated: dict[str, Any] = {"top_k": top_k, "dtype": dtype, **packing_metadata(packing)}
     if checksums:
         fields.append(pa.field(CHECKSUM_COLUMN, pa.uint32(), nullable=False))
         stated.update(fmt or {})
         stated["checksum"] = CHECKSUM_NAME
     return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: json.dumps(stated, sort_keys=True)})
-
-
-def cast_like_teacher(values: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
-    """float32 -> the teacher's cast to ``dtype`` (the wire codec's: float16 with numpy's
-    round-to-nearest-even; bfloat16 rounded to nearest even, returned widened to float32
-    exactly), which is also what a ``dtype`` recording stores."""
-    if dtype == "float32":
-        return np.asarray(values, dtype=np.float32)
-    if dtype == "float16":
-        return np.asarray(values, dtype=np.float32).astype(np.float16)
-    return _bf16_bits_to_f32(_f32_to_bf16_bits(np.asarray(values, dtype=np.float32)))
 
 
 def row_crc(
@@ -258,6 +279,7 @@ def read_metadata(root: Location) -> tuple[dict[str, Any], pb.TeacherInfo]:
         problems.append(f"top_k: {meta['top_k']} is not >= 1")
     if meta["dtype"] not in DTYPES:
         problems.append(f"dtype: {meta['dtype']!r} is not one of {', '.join(DTYPES)}")
+    problems.extend(_packing_problems(meta))
     try:
         meta["temperature"] = check_temperature(meta["temperature"], "temperature")
     except (TypeError, ValueError) as e:
@@ -276,6 +298,19 @@ def read_metadata(root: Location) -> tuple[dict[str, Any], pb.TeacherInfo]:
     if problems:
         raise RecordingError(path, None, "; ".join(problems))
     return meta, info
+
+
+def _packing_problems(stated: dict[str, Any]) -> list[str]:
+    """What is wrong with the encoding fields of ``metadata.json`` / a shard's schema."""
+    encoding = stated.get("encoding", "default")
+    if encoding not in ENCODING_NAMES:
+        return [f"encoding: {encoding!r} is not one of {', '.join(ENCODING_NAMES)}"]
+    bits = stated.get("logprob_bits")
+    if encoding == "packed" and (
+        not isinstance(bits, int) or not MIN_LOGPROB_BITS <= bits <= MAX_LOGPROB_BITS
+    ):
+        return [f"logprob_bits: {bits!r} is not in [{MIN_LOGPROB_BITS}, {MAX_LOGPROB_BITS}]"]
+    return []
 
 
 def write_json_atomic(path: Location, data: dict[str, Any]) -> None:
@@ -338,7 +373,13 @@ def _compare_schema(schema: pa.Schema, meta: dict[str, Any]) -> ShardCheck:
         return ShardCheck(damage=f"its schema states top_k {top_k!r}, dtype {dtype!r}")
     checksums = CHECKSUM_COLUMN in schema.names
     optional = tuple(f.name for f in ARRAY_FIELDS if f.optional and f.name in schema.names)
-    want = recording_schema(top_k, str(dtype), checksums=checksums, optional=optional)
+    problems = _packing_problems(fmt)
+    if problems:
+        return ShardCheck(damage="its schema states " + "; ".join(problems))
+    packing = recording_packing({**meta, **fmt})
+    want = recording_schema(
+        top_k, str(dtype), checksums=checksums, optional=optional, packing=packing
+    )
     if not schema.remove_metadata().equals(want.remove_metadata()):
         return ShardCheck(
             damage=f"its columns are not those of a K = {top_k} {dtype} recording: "
@@ -347,4 +388,11 @@ def _compare_schema(schema: pa.Schema, meta: dict[str, Any]) -> ShardCheck:
     if checksums and not set(FORMAT_FIELDS) <= set(fmt):
         missing = sorted(set(FORMAT_FIELDS) - set(fmt))
         return ShardCheck(damage=f"its schema metadata lacks {', '.join(missing)}")
-    return ShardCheck(disagrees=tuple(format_disagreements(meta, fmt)), checksums=checksums)
+    disagrees = format_disagreements(meta, fmt)
+    for name, default in (("encoding", "default"), ("logprob_bits", None)):
+        if fmt.get(name, default) != meta.get(name, default):
+            disagrees.append(
+                f"{name}: metadata.json says {meta.get(name, default)!r}, the shard's schema "
+                f"{fmt.get(name, default)!r}"
+            )
+    return ShardCheck(disagrees=tuple(disagrees), checksums=checksums)

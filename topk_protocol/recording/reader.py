@@ -29,16 +29,19 @@ from topk_protocol._closeable import Closeable
 from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
 from topk_protocol.errors import RecordingDamagedError, RecordingError
 from topk_protocol.integrity import CHECKSUM_COLUMN
+from topk_protocol.packing import Packing
 from topk_protocol.recording.format import (
     METADATA_FILE,
     READ_ERRORS,
     check_schema,
     read_metadata,
+    recording_packing,
     row_crc,
     sequence_key,
     shards,
 )
 from topk_protocol.recording.index import NOT_RECORDED, RowIndex
+from topk_protocol.recording.packed import PACKED_COLUMNS, packed_problem, unpack_row
 from topk_protocol.storage import Location, StorageError, location
 
 __all__ = ["INDEX_READ_BUFFER_BYTES", "REMOTE_CACHED_BATCHES", "RecordingReader"]
@@ -64,8 +67,18 @@ class _Chunk:
     row is, for the error that names a damaged one.
     """
 
-    def __init__(self, batch: pa.RecordBatch, top_k: int, shard: Location, first_row: int) -> None:
+    def __init__(
+        self,
+        batch: pa.RecordBatch,
+        top_k: int,
+        shard: Location,
+        first_row: int,
+        packing: tuple[str, Packing] | None = None,
+    ) -> None:
         self.shard = shard
+        self.top_k = top_k
+        #: A packed recording's ``(dtype, packing)``: its ids and log-probs are bytes.
+        self.packing = packing
         self.first_row = first_row
         self.num_rows = batch.num_rows
         self.keys: list[bytes] = batch.column("key").to_pylist()
@@ -80,6 +93,12 @@ class _Chunk:
         #: candidate field name -> offsets of each position's ids into its values
         self.widths: dict[str, npt.NDArray[Any]] = {}
         for f in ARRAY_FIELDS:
+            if packing is not None and f.name in PACKED_COLUMNS:
+                col = batch.column(PACKED_COLUMNS[f.name])
+                _, offsets, data = col.buffers()
+                starts = np.frombuffer(offsets, np.int32)[col.offset : col.offset + len(col) + 1]
+                self.arrays[f.name] = (starts, np.frombuffer(data or b"", np.uint8), None)
+                continue
             if f.name not in names:  # an optional field newer than the shard
                 continue
             col = batch.column(f.name)
@@ -140,7 +159,15 @@ class _Chunk:
         problem = self._problem(r, tokens, values, vocab_size)
         if problem is not None:
             raise RecordingDamagedError(self.shard, self.first_row + r, problem)
-        return tokens, SequenceArrays(**values, position_start=int(self.starts[r]))
+        start = int(self.starts[r])
+        if self.packing is None:
+            return tokens, SequenceArrays(**values, position_start=start)
+        dtype, packing = self.packing
+        arrays = unpack_row(values, start, int(self.ends[r]), self.top_k, dtype, packing)
+        problem = self._ids_problem("ids", arrays.ids, vocab_size)
+        if problem is not None:
+            raise RecordingDamagedError(self.shard, self.first_row + r, problem)
+        return tokens, arrays
 
     def _problem(
         self,
@@ -156,7 +183,11 @@ class _Chunk:
                 f"{len(tokens)} tokens: the shard is damaged"
             )
         lengths = {len(v) for v in values.values() if v is not None}
-        if lengths != {end - start}:
+        if self.packing is not None:
+            packed = packed_problem(values, end - start, self.top_k, *self.packing)
+            if packed is not None:
+                return packed
+        elif lengths != {end - start}:
             return (
                 f"its arrays hold {sorted(lengths)} rows for {end - start} positions: "
                 "the shard is damaged"
@@ -168,19 +199,30 @@ class _Chunk:
                     f"checksum mismatch ({CHECKSUM_COLUMN} {int(self.checksums[r]):#010x}, the "
                     f"row's bytes give {crc:#010x}): the shard is damaged; this row is not served"
                 )
+        ids = () if self.packing is not None else (("ids", values["ids"], 0),)
         for name, arr, low in (
             ("token_ids", tokens, 0),
-            ("ids", values["ids"], 0),
+            *ids,
             ("candidate_ids", values.get("candidate_ids"), -1),
         ):
-            if arr is None or not arr.size:
-                continue
-            if int(arr.min()) < low or int(arr.max()) >= vocab_size:
-                return (
-                    f"{name} [{int(arr.min())}, {int(arr.max())}] are outside the vocabulary "
-                    f"[{low}, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} "
-                    "is damaged"
-                )
+            problem = self._ids_problem(name, arr, vocab_size, low)
+            if problem is not None:
+                return problem
+        return None
+
+    @staticmethod
+    def _ids_problem(
+        name: str, arr: npt.NDArray[Any] | None, vocab_size: int, low: int = 0
+    ) -> str | None:
+        """Why ``arr`` is outside ``[low, vocab_size)`` (None: it is inside)."""
+        if arr is None or not arr.size:
+            return None
+        if int(arr.min()) < low or int(arr.max()) >= vocab_size:
+            return (
+                f"{name} [{int(arr.min())}, {int(arr.max())}] are outside the vocabulary "
+                f"[{low}, {vocab_size}) of {METADATA_FILE}: the shard or {METADATA_FILE} "
+                "is damaged"
+            )
         return None
 
 
@@ -263,6 +305,8 @@ class RecordingReader(Closeable):
         self.dtype = str(self.metadata["dtype"])
         self.temperature = float(self.metadata["temperature"])
         self._vocab_size = int(self.metadata["vocab_size"])
+        #: A packed recording's packing (None: the default encoding).
+        self.packing = recording_packing(self.metadata)
         #: The request options the recording was made at (``RequestOptions.recorded``;
         #: an option newer than the recording takes its default).
         self.options: dict[str, Any] = {
@@ -318,6 +362,11 @@ class RecordingReader(Closeable):
             )
             log.warning("%s", line)
             warnings.warn(line, stacklevel=2)
+
+    @property
+    def _packed(self) -> tuple[str, Packing] | None:
+        """A packed recording's ``(dtype, packing)`` its chunks decode with."""
+        return None if self.packing is None else (self.dtype, self.packing)
 
     def _add_shard(
         self,
@@ -402,7 +451,7 @@ class RecordingReader(Closeable):
                     f"validate ({e}); its rows are not served",
                 )
             else:
-                chunk = _Chunk(batch, self.top_k, shard, rows)
+                chunk = _Chunk(batch, self.top_k, shard, rows, self._packed)
                 slot = _Slot(
                     shard,
                     stream.schema,
@@ -431,7 +480,7 @@ class RecordingReader(Closeable):
             if chunk is not None:
                 self._cache.move_to_end(c)
                 return chunk
-            chunk = _Chunk(self._fetch(slot), self.top_k, slot.shard, slot.first_row)
+            chunk = _Chunk(self._fetch(slot), self.top_k, slot.shard, slot.first_row, self._packed)
             self._cache[c] = chunk
             while len(self._cache) > REMOTE_CACHED_BATCHES:
                 self._cache.popitem(last=False)

@@ -32,6 +32,7 @@ from topk_protocol import (
 from topk_protocol._closeable import Closeable
 from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
 from topk_protocol.errors import RecordingError
+from topk_protocol.packing import Packing
 from topk_protocol.recording.format import (
     COMPRESSIONS,
     DEFAULT_FLUSH_INTERVAL_S,
@@ -41,6 +42,7 @@ from topk_protocol.recording.format import (
     can_serve_dtype,
     cast_arrays,
     next_shard_number,
+    packing_metadata,
     recording_schema,
     row_crc,
     sequence_key,
@@ -50,6 +52,7 @@ from topk_protocol.recording.format import (
     write_json_atomic,
 )
 from topk_protocol.recording.index import RowIndex
+from topk_protocol.recording.packed import PACKED_COLUMNS, pack_row
 from topk_protocol.recording.reader import RecordingReader
 from topk_protocol.storage import Location, StorageError, location
 
@@ -98,6 +101,10 @@ class RecordingWriter(Closeable):
         top_k, dtype: what the recording stores; ``None`` takes them from the first
             request written. Later requests may ask for more K or a more precise dtype
             (the rows are cut / cast exactly as the teacher casts); less raises.
+        encoding, logprob_bits: ``"packed"`` stores each row's packed payload bytes
+            (``logprob_bits`` per code, default 8); ``None`` takes them from the first
+            request written. A packed recording takes packed answers of its K, dtype and
+            bits, and float32 answers of at least its K (packed as the teacher packs).
         flush_interval_s: longest time a written row stays in memory only. On a local
             disk each flush appends a record batch to this session's shard; on any other
             filesystem (an object store) each flush writes and commits one whole shard
@@ -122,6 +129,8 @@ class RecordingWriter(Closeable):
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         compression: str = "zstd",
         metadata: dict[str, Any] | None = None,
+        encoding: str | None = None,
+        logprob_bits: int | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression: {compression!r}; use one of {COMPRESSIONS}")
@@ -153,6 +162,13 @@ class RecordingWriter(Closeable):
         self.dtype: str | None = dtype
         #: The recorded request options (``RequestOptions.recorded``); None: not fixed yet.
         self.options: dict[str, Any] | None = None
+        #: A packed recording's packing (None: the default encoding); fixed by the
+        #: constructor's ``encoding``, a resumed recording or the first row.
+        self.packing: Packing | None = None
+        self._packing_fixed = encoding is not None
+        if encoding is not None:
+            opts = RequestOptions(1, encoding=encoding, logprob_bits=logprob_bits)
+            self.packing = opts.packing(int(info.vocab_size))
         try:
             self._root.make_dir()
             self._has_metadata = self._root.child(METADATA_FILE).is_file()
@@ -185,9 +201,12 @@ class RecordingWriter(Closeable):
             ):
                 if mine is not None and mine != theirs:
                     problems.append(f"{name}: recorded {theirs!r}, asked {mine!r}")
+            if self._packing_fixed and self.packing != r.packing:
+                problems.append(f"packing: recorded {r.packing!r}, asked {self.packing!r}")
             if problems:
                 raise RecordingError(self._root, None, "cannot append: " + "; ".join(problems))
             self.top_k, self.dtype, self.options = r.top_k, r.dtype, r.options
+            self.packing, self._packing_fixed = r.packing, True
             self.index = r.index
 
     def _write_metadata(self) -> None:
@@ -207,6 +226,7 @@ class RecordingWriter(Closeable):
             "options": self.options or RequestOptions.recorded_defaults(),
             "compression": self.compression,
             "extra": self._extra,
+            **packing_metadata(self.packing),
         }
         write_json_atomic(self._root.child(METADATA_FILE), meta)
         self._has_metadata = True
@@ -223,13 +243,18 @@ class RecordingWriter(Closeable):
             self.index.covering(sequence_key(token_ids), start, end, sampled), str
         )
 
-    def _fix_format(self, top_k: int, dtype: str) -> None:
+    def _fix_format(self, top_k: int, dtype: str, packing: Packing | None) -> None:
         if self.top_k is None:
             self.top_k = top_k
         if self.dtype is None:
             self.dtype = dtype
+        if not self._packing_fixed:
+            self.packing, self._packing_fixed = packing, True
         if not self._has_metadata:
             self._write_metadata()
+        if self.packing is not None or packing is not None:
+            self._check_packing(top_k, dtype, packing)
+            return
         if top_k < self.top_k:
             raise RecordingError(
                 self._root, None, f"top_k: {top_k} is less than the recorded {self.top_k}"
@@ -241,10 +266,40 @@ class RecordingWriter(Closeable):
                 f"dtype: {dtype} log-probs cannot give the recorded {self.dtype} exactly",
             )
 
-    def add(self, token_ids: npt.ArrayLike, arrays: SequenceArrays, *, dtype: str) -> bool:
+    def _check_packing(self, top_k: int, dtype: str, packing: Packing | None) -> None:
+        """Values of a (``packing``, ``dtype``, ``top_k``) answer give this packed
+        recording's bytes exactly, or a default recording's values (RecordingError)."""
+        if self.packing is None:
+            raise RecordingError(
+                self._root,
+                None,
+                "encoding: a packed answer cannot give the recorded default-encoding "
+                "values exactly",
+            )
+        same = packing == self.packing and dtype == self.dtype and top_k == self.top_k
+        from_float32 = packing is None and dtype == "float32" and top_k >= (self.top_k or 0)
+        if not (same or from_float32):
+            raise RecordingError(
+                self._root,
+                None,
+                f"encoding: the recording packs K {self.top_k} {self.dtype} at "
+                f"{self.packing.logprob_bits} bits; an answer of K {top_k} {dtype} "
+                f"{'packed at ' + str(packing.logprob_bits) + ' bits' if packing else 'unpacked'} "
+                "cannot give its bytes exactly (it takes the same packing, or float32 values)",
+            )
+
+    def add(
+        self,
+        token_ids: npt.ArrayLike,
+        arrays: SequenceArrays,
+        *,
+        dtype: str,
+        packing: Packing | None = None,
+    ) -> bool:
         """Record one scored sequence: ``token_ids`` ``[L]`` and the ``arrays`` of its
         positions ``[arrays.position_start, arrays.position_end)``; ``dtype`` is what the
-        values came as (float32 values of a ``dtype`` answer). False when already covered."""
+        values came as (float32 values of a ``dtype`` answer), ``packing`` how (None:
+        unpacked). False when already covered."""
         tok = np.ascontiguousarray(token_ids, dtype="<i4")
         start, end = arrays.position_start, arrays.position_end
         if not end <= len(tok):
@@ -252,7 +307,7 @@ class RecordingWriter(Closeable):
         with self._lock:
             if self._closed:
                 raise RecordingError(self._root, None, "the writer is closed")
-            self._fix_format(arrays.top_k, dtype)
+            self._fix_format(arrays.top_k, dtype, packing)
             assert self.top_k is not None and self.dtype is not None
             key = sequence_key(tok.tobytes())
             has_sampled = arrays.sampled_logprobs is not None
@@ -264,7 +319,11 @@ class RecordingWriter(Closeable):
                 if seen in self._candidate_rows:
                     return False
                 self._candidate_rows.add(seen)
-            self._buffer.append((key, tok, cast_arrays(arrays.top(self.top_k), self.dtype)))
+            top = arrays.top(self.top_k)
+            stored = cast_arrays(top, self.dtype)
+            if self.packing is not None:  # packing quantizes the float32 values itself
+                stored = replace(stored, logprobs=top.logprobs)
+            self._buffer.append((key, tok, stored))
             self.index.add(key, start, end, has_sampled)
         return True
 
@@ -306,7 +365,8 @@ class RecordingWriter(Closeable):
             if not options.include_sampled:
                 arrays = replace(arrays, sampled_logprobs=None)
             tokens = np.frombuffer(seq.token_ids, dtype="<i4")
-            n += self.add(tokens, arrays, dtype=options.dtype)
+            packing = options.packing(int(self.info.vocab_size))
+            n += self.add(tokens, arrays, dtype=options.dtype, packing=packing)
         return n
 
     def _flusher(self) -> None:
@@ -324,10 +384,11 @@ class RecordingWriter(Closeable):
             if not self._buffer:
                 return
             assert self.top_k is not None and self.dtype is not None
-            schema = recording_schema(self.top_k, self.dtype, self._format())
+            schema = recording_schema(self.top_k, self.dtype, self._format(), packing=self.packing)
             if self._stream is None:
                 self._open_shard(schema)
-            # Each row's array fields in the storage dtype (exact: the values were cast).
+            # Each row's array fields in the storage dtype (exact: the values were cast),
+            # a packed recording's ids and log-probs as the packed bytes.
             stored = [
                 {
                     f.name: None
@@ -337,6 +398,9 @@ class RecordingWriter(Closeable):
                 }
                 for _, _, a in self._buffer
             ]
+            if self.packing is not None:
+                for values, (_, _, a) in zip(stored, self._buffer, strict=True):
+                    values.update(pack_row(a, self.dtype, self.packing))
             columns = [
                 pa.array([k for k, _, _ in self._buffer], pa.binary()),
                 _list_column([t for _, t, _ in self._buffer], pa.int32()),
@@ -344,6 +408,10 @@ class RecordingWriter(Closeable):
                 pa.array([a.position_end for _, _, a in self._buffer], pa.int32()),
             ]
             for f in ARRAY_FIELDS:
+                if self.packing is not None and f.name in PACKED_COLUMNS:
+                    packed = [np.asarray(v[f.name]).tobytes() for v in stored]
+                    columns.append(pa.array(packed, pa.binary()))
+                    continue
                 typ = pa.from_numpy_dtype(storage_dtype(f, self.dtype))
                 width = self.top_k if f.columns else 0
                 rows = [v[f.name] for v in stored]

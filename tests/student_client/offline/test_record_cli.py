@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from student_client.offline.record_cli import read_token_sequences
+from student_client.offline.record_cli import main, read_token_sequences
 
 SEQS = [[1, 2, 3], [7], [300, 4, 5, 6]]
 
@@ -43,3 +43,31 @@ def test_bad_input_is_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "x.csv").write_text("1,2\n")
     with pytest.raises(SystemExit, match=r"use \.parquet, \.arrow, \.jsonl"):
         read_token_sequences(tmp_path / "x.csv")
+
+
+def test_bad_packed_options_are_refused_before_anything_is_read(tmp_path: Path) -> None:
+    from student_client.offline.record_cli import main
+
+    args = ["--teacher", "127.0.0.1:1", "--input", str(tmp_path / "absent.parquet")]
+    args += ["--output", str(tmp_path / "out"), "--encoding", "packed", "--logprob-bits", "20"]
+    with pytest.raises(SystemExit, match=r"teacher-record: logprob_bits: 20 is outside \[1, 16\]"):
+        main(args)
+    with pytest.raises(SystemExit, match="logprob_bits: 8 asked with encoding 'default'"):
+        main([*args[:6], "--logprob-bits", "8"])
+
+
+def test_bad_sampling_flags_are_refused_by_name(tmp_path: Path) -> None:
+    base = [
+        "--teacher",
+        "127.0.0.1:1",
+        "--input",
+        str(tmp_path / "x.jsonl"),
+        "--output",
+        str(tmp_path / "o"),
+    ]
+    with pytest.raises(SystemExit, match=r"teacher-record: samples: 300 is outside \[0, 255\]"):
+        main([*base, "--samples", "300", "--seed", "1"])
+    with pytest.raises(SystemExit, match=r"teacher-record: seed: required with samples 16"):
+        main([*base, "--samples", "16"])
+    with pytest.raises(SystemExit, match=r"teacher-record: seed: applies to sampled payloads only"):
+        main([*base, "--seed", "3"])
