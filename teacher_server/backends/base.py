@@ -21,13 +21,14 @@ from topk_protocol import (
     SequenceArrays,
 )
 from topk_protocol._deprecation import deprecated_names
-from topk_protocol.sampling import sample_rows, sequence_sample_key
+from topk_protocol.sampling import SampledRows, sample_rows, sequence_sample_key
 
 __all__ = [
     "Backend",
     "BackendInfo",
     "ModelFlags",
     "gather_candidates",
+    "sampled_arrays",
     "sampled_from_logprobs",
     "tokenizer_fingerprint",
     "topk_from_logprobs",
@@ -228,14 +229,25 @@ def sampled_from_logprobs(
         index = following[nxt.clamp_max(len(token_ids) - 1)]
         actual = torch.gather(logprobs.float(), 1, index[:, None])[:, 0]
         sampled = torch.where(inside, actual, torch.nan).cpu().numpy()
+    return sampled_arrays(drawn, sampled, start)
+
+
+def sampled_arrays(
+    drawn: SampledRows, sampled: npt.NDArray[np.float32] | None, start: int
+) -> SequenceArrays:
+    """The payload of drawn rows (:class:`~topk_protocol.sampling.SampledRows`, ``[S, N]``
+    tensors) and the actual tokens' log-probs ``sampled`` ``[S]`` (or None), whichever
+    backend drew them: the one conversion into the payload's sampled fields."""
     return SequenceArrays(
-        drawn.ids.cpu().numpy(),
-        drawn.logprobs.cpu().numpy(),
+        drawn.ids.cpu().numpy().astype(np.int32),
+        drawn.logprobs.cpu().numpy().astype(np.float32),
         sampled,
         start,
         sample_counts=drawn.counts.cpu().numpy().astype(np.uint8),
         proposal_log_normalizer=(
-            None if drawn.log_normalizer is None else drawn.log_normalizer.cpu().numpy()
+            None
+            if drawn.log_normalizer is None
+            else drawn.log_normalizer.cpu().numpy().astype(np.float32)
         ),
     )
 

@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from teacher_server.backends.vllm_candidates import candidate_columns
 from teacher_server.validation import ParsedSequence
-from topk_protocol import SequenceArrays
+from topk_protocol import RequestOptions, SequenceArrays
 
 __all__ = [
     "LOGPROBS_PATHS",
@@ -50,6 +50,7 @@ __all__ = [
     "hook_problem",
     "payload_from_output",
     "processor_for",
+    "sampled_payload",
     "sampling_overrides",
     "select_path",
     "topk_payload",
@@ -134,6 +135,43 @@ def _fill(
         offset += n
 
 
+def _rows(
+    prompt: Sequence[Rows],
+    sample: Sequence[Rows],
+    length: int,
+    k: int,
+    start: int,
+    end: int,
+    c: int,
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32], Any]:
+    """Positions ``[start, end)`` of a sequence of ``length`` tokens: ``ids`` /
+    ``logprobs`` ``[S, K]`` (the top-K columns as they came), ``actual`` ``[S]`` (NaN at
+    the last when ``end == length``) and, for ``c > 0``, the rows' last ``c`` columns
+    (``(ids, logprobs)`` ``[S, c]``; else None). ``prompt``: chunks of the prompt rows
+    (``length - 1`` rows in all; row ``t`` predicts ``x[t+1]``); ``sample``: the generated
+    token's rows (row 0 is the distribution after the whole sequence)."""
+    rows = sum(len(i) for i, _ in prompt)
+    if rows != length - 1:
+        raise RuntimeError(f"vLLM returned {rows} prompt log-prob rows; expected {length - 1}")
+    s = end - start
+    ids = np.empty((s, k), np.int32)
+    lps = np.empty((s, k), np.float32)
+    actual = np.empty(s, np.float32)
+    extra = None
+    if c:
+        extra = (np.empty((s, c), np.int32), np.empty((s, c), np.float32))
+    p_end = min(end, length - 1)
+    _fill(prompt, start, p_end, k, ids, lps, actual, extra)
+    if end == length:
+        if sum(len(i) for i, _ in sample) < 1:
+            raise RuntimeError("vLLM returned no log-probs for the generated token")
+        last = slice(s - 1, s)
+        last_extra = None if extra is None else (extra[0][last], extra[1][last])
+        _fill(sample, 0, 1, k, ids[last], lps[last], actual[last], last_extra)
+        actual[-1] = np.nan
+    return ids, lps, actual, extra
+
+
 def topk_payload(
     prompt: Sequence[Rows],
     sample: Sequence[Rows],
@@ -154,25 +192,9 @@ def topk_payload(
     from the rows' last C columns, which the worker gathered at exactly those ids
     (checked: a mismatch raises).
     """
-    rows = sum(len(i) for i, _ in prompt)
-    if rows != length - 1:
-        raise RuntimeError(f"vLLM returned {rows} prompt log-prob rows; expected {length - 1}")
+    c = 0 if candidate_ids is None else int(candidate_ids.shape[1])
+    ids, lps, actual, cand = _rows(prompt, sample, length, k, start, end, c)
     s = end - start
-    ids = np.empty((s, k), np.int32)
-    lps = np.empty((s, k), np.float32)
-    actual = np.empty(s, np.float32)
-    cand = None
-    if candidate_ids is not None:
-        cand = (np.empty(candidate_ids.shape, np.int32), np.empty(candidate_ids.shape, np.float32))
-    p_end = min(end, length - 1)
-    _fill(prompt, start, p_end, k, ids, lps, actual, cand)
-    if end == length:
-        if sum(len(i) for i, _ in sample) < 1:
-            raise RuntimeError("vLLM returned no log-probs for the generated token")
-        last = slice(s - 1, s)
-        last_cand = None if cand is None else (cand[0][last], cand[1][last])
-        _fill(sample, 0, 1, k, ids[last], lps[last], actual[last], last_cand)
-        actual[-1] = np.nan
     if cand is not None and not np.array_equal(cand[0], np.asarray(candidate_ids)):
         raise RuntimeError("vLLM's candidate columns do not hold the request's candidate ids")
     # vLLM's top-k comes sorted; sort (stably, as the flat path does) only if it is not.
@@ -185,9 +207,26 @@ def topk_payload(
     return SequenceArrays(ids, lps, actual, start, candidate_ids, cand[1])
 
 
-def payload_from_output(out: Any, k: int, sequence: ParsedSequence) -> SequenceArrays:
-    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request that scored
-    ``sequence`` (its length, positions and candidate ids) at K = ``k``."""
+def sampled_payload(out: Any, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
+    """The sampled payload of a final ``RequestOutput`` of a marked sampled request
+    (:mod:`teacher_server.backends.vllm_sampling`): the rows' draw columns, converted as
+    the transformers backend converts its draws
+    (:func:`teacher_server.backends.base.sampled_arrays`)."""
+    from teacher_server.backends.base import sampled_arrays
+    from teacher_server.backends.vllm_sampling import TOP_K, drawn_rows
+
+    prompt, sample = _arrays_of(out)
+    s = sequence
+    width = 2 * options.samples + 1
+    _, _, actual, extra = _rows(
+        prompt.chunks, sample.chunks, len(s.token_ids), TOP_K, s.start, s.end, width
+    )
+    drawn = drawn_rows(extra[0], extra[1], options)
+    return sampled_arrays(drawn, actual if options.include_sampled else None, s.start)
+
+
+def _arrays_of(out: Any) -> tuple[LogprobArrays, LogprobArrays]:
+    """The prompt and generated-token rows of a final ``RequestOutput`` of a marked request."""
     prompt = out.prompt_logprobs
     sample = out.outputs[0].logprobs
     if not isinstance(prompt, LogprobArrays) or not isinstance(sample, LogprobArrays):
@@ -195,6 +234,13 @@ def payload_from_output(out: Any, k: int, sequence: ParsedSequence) -> SequenceA
             "the request was not handled by the array log-prob path "
             f"(got {type(prompt).__name__} / {type(sample).__name__})"
         )
+    return prompt, sample
+
+
+def payload_from_output(out: Any, k: int, sequence: ParsedSequence) -> SequenceArrays:
+    """:func:`topk_payload` of a final ``RequestOutput`` of a marked request that scored
+    ``sequence`` (its length, positions and candidate ids) at K = ``k``."""
+    prompt, sample = _arrays_of(out)
     s = sequence
     return topk_payload(
         prompt.chunks, sample.chunks, len(s.token_ids), k, s.start, s.end, s.candidate_ids

