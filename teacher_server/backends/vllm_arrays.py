@@ -136,20 +136,16 @@ def _fill(
 
 
 def _rows(
-    prompt: Sequence[Rows],
-    sample: Sequence[Rows],
-    length: int,
-    k: int,
-    start: int,
-    end: int,
-    c: int,
+    chunks: tuple[Sequence[Rows], Sequence[Rows]], length: int, k: int, span: range, c: int
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32], Any]:
     """Positions ``[start, end)`` of a sequence of ``length`` tokens: ``ids`` /
     ``logprobs`` ``[S, K]`` (the top-K columns as they came), ``actual`` ``[S]`` (NaN at
     the last when ``end == length``) and, for ``c > 0``, the rows' last ``c`` columns
-    (``(ids, logprobs)`` ``[S, c]``; else None). ``prompt``: chunks of the prompt rows
-    (``length - 1`` rows in all; row ``t`` predicts ``x[t+1]``); ``sample``: the generated
+    (``(ids, logprobs)`` ``[S, c]``; else None). ``chunks``: those of the prompt rows
+    (``length - 1`` rows in all; row ``t`` predicts ``x[t+1]``) and of the generated
     token's rows (row 0 is the distribution after the whole sequence)."""
+    prompt, sample = chunks
+    start, end = span.start, span.stop
     rows = sum(len(i) for i, _ in prompt)
     if rows != length - 1:
         raise RuntimeError(f"vLLM returned {rows} prompt log-prob rows; expected {length - 1}")
@@ -193,7 +189,7 @@ def topk_payload(
     (checked: a mismatch raises).
     """
     c = 0 if candidate_ids is None else int(candidate_ids.shape[1])
-    ids, lps, actual, cand = _rows(prompt, sample, length, k, start, end, c)
+    ids, lps, actual, cand = _rows((prompt, sample), length, k, range(start, end), c)
     s = end - start
     if cand is not None and not np.array_equal(cand[0], np.asarray(candidate_ids)):
         raise RuntimeError("vLLM's candidate columns do not hold the request's candidate ids")
@@ -218,9 +214,8 @@ def sampled_payload(out: Any, sequence: ParsedSequence, options: RequestOptions)
     prompt, sample = _arrays_of(out)
     s = sequence
     width = 2 * options.samples + 1
-    _, _, actual, extra = _rows(
-        prompt.chunks, sample.chunks, len(s.token_ids), TOP_K, s.start, s.end, width
-    )
+    chunks = (prompt.chunks, sample.chunks)
+    _, _, actual, extra = _rows(chunks, len(s.token_ids), TOP_K, range(s.start, s.end), width)
     drawn = drawn_rows(extra[0], extra[1], options)
     return sampled_arrays(drawn, actual if options.include_sampled else None, s.start)
 

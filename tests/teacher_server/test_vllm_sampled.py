@@ -158,3 +158,23 @@ def test_draws_fit_the_dense_transformers_distribution(
     )
     assert p_value > ALPHA, f"chi-square {stats:.1f} on {dofs} dof: p = {p_value:.3g}"
     assert chi_square_p_value(wrong, dofs) < ALPHA
+
+
+def test_draws_of_a_prefill_spread_over_engine_steps(
+    stub: pb_grpc.TeacherStub, reference_backend: TransformersBackend
+) -> None:
+    # 5 x 4000 tokens exceed the engine's 16384-token step budget: the prompt rows of a
+    # sequence arrive over several steps, each at its own absolute positions.
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(0, VOCAB, size=4000).astype(np.int32) for _ in range(5)]
+    spans = [(0, 4000)] * 5
+    sampling = {"samples": 8, "seed": SEED}
+    got = _vllm(stub, seqs, spans, **sampling)
+    same = rows = 0
+    for seq, span, g in zip(seqs, spans, got, strict=True):
+        want = _reference(reference_backend, seq, span, **sampling)
+        assert g.sample_counts is not None and want.sample_counts is not None
+        ok = (g.ids == want.ids).all(-1) & (g.sample_counts == want.sample_counts).all(-1)
+        same, rows = same + int(ok.sum()), rows + len(ok)
+    print(f"5 x 4000 tokens: {same} of {rows} rows drawn identically")
+    assert same >= SAME_ROWS * rows, (same, rows)
