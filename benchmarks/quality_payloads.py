@@ -285,18 +285,22 @@ def sampled_kind(samples: int, seed: int = 0) -> PayloadKind:
 
 #: The kinds that run, by name; the default ``--kinds`` is all of them, in this order.
 #: top6 is the top-k nearest 40 bytes per position (6 x 6 + 2 = 38 array bytes), sampled5
-#: the sampled payload nearest it (5 x 7 + 2 = 37).
+#: the sampled payload nearest it (5 x 7 + 2 = 37); sampled7 (51) sits at top8's 50, and
+#: top16-packed (46 at V = 8192, 56 at V = 151,936) is the packed top-k under 0.15x of
+#: top64's bytes.
 KINDS: dict[str, PayloadKind] = {
     k.name: k
     for k in (
         topk_kind(64),
         packed_kind(64),
         topk_kind(16),
+        packed_kind(16),
         topk_kind(8),
         topk_kind(6),
         topk_kind(6, "tail_actual"),
         sampled_kind(50),
         sampled_kind(16),
+        sampled_kind(7),
         sampled_kind(5),
     )
 }
