@@ -22,8 +22,8 @@ over the whole vocabulary and the student's cross-entropy (``examples.distill.ev
 payload of each window; ``x[:, t + 1]`` is the token after position ``t``, none after the
 last), a ``read(recorded) -> dict of tensors`` (the student side: decode), and a
 ``loss(head, inputs, x) -> scalar`` (``head``: the student's
-``student_client.losses.LMHeadInputs``). Kinds planned but not built yet are named in
-:data:`PLANNED_KINDS`; only kinds that ran are in the table.
+``student_client.losses.LMHeadInputs``). The kinds: today's top-k (:func:`topk_kind`),
+the packed top-k (:func:`packed_kind`) and the sampled payload (:func:`sampled_kind`).
 
 **The scale row** projects each kind to ``SCALE_POSITIONS`` positions at
 ``SCALE_VOCAB`` ids: bytes per position as measured, plus, for ids stored at
@@ -62,23 +62,28 @@ from student_client.losses import (
     LMHeadInputs,
     LossMode,
     causal_lm_hidden_and_head,
+    fused_sampled_kl_loss,
     fused_topk_kl_loss,
+    sampled_target_weights,
 )
 from topk_protocol import RequestOptions
 from topk_protocol.arrays import SequenceArrays
 from topk_protocol.codec import decode_sequence, encode_sequence
+from topk_protocol.packing import DEFAULT_LOGPROB_BITS
+from topk_protocol.sampling import sample_rows, sequence_sample_key
 
 __all__ = [
     "KINDS",
-    "PLANNED_KINDS",
     "SCALE_POSITIONS",
     "SCALE_VOCAB",
     "KindResult",
     "PayloadKind",
     "Recorded",
     "main",
+    "packed_kind",
     "projected_bytes",
     "run_kind",
+    "sampled_kind",
     "topk_kind",
 ]
 
@@ -141,20 +146,23 @@ def _record_topk(
     unused: the top-k is deterministic)."""
     top = topk_payload(log_p, x, options.top_k)
     ids, logprobs, sampled = (top[k].numpy() for k in ("ids", "logprobs", "sampled"))
+    packing = options.packing(log_p.shape[-1])
     messages = [
         encode_sequence(
             SequenceArrays(ids[b], logprobs[b], sampled[b] if options.include_sampled else None),
             dtype=options.dtype,
             sequence_index=b,
+            packing=packing,
         )
         for b in range(len(ids))
     ]
-    return Recorded(messages, sum(m.ByteSize() for m in messages))
+    packed_ids = ids.size if packing is not None else 0
+    return Recorded(messages, sum(m.ByteSize() for m in messages), packed_ids)
 
 
 def _read_topk(recorded: Recorded) -> dict[str, torch.Tensor]:
     """The decoded messages as ``ids`` / ``logprobs`` ``[B, T, K]`` (and ``sampled``
-    ``[B, T]`` when sent)."""
+    ``[B, T]``, ``counts`` ``[B, T, K]`` int64 when sent)."""
     rows = [decode_sequence(m) for m in recorded.payload]
     out = {
         "ids": torch.from_numpy(np.stack([r.ids for r in rows]).astype(np.int64)),
@@ -163,6 +171,9 @@ def _read_topk(recorded: Recorded) -> dict[str, torch.Tensor]:
     sampled = [r.sampled_logprobs for r in rows if r.sampled_logprobs is not None]
     if sampled:
         out["sampled"] = torch.from_numpy(np.stack(sampled))
+    counts = [r.sample_counts for r in rows if r.sample_counts is not None]
+    if counts:
+        out["counts"] = torch.from_numpy(np.stack(counts).astype(np.int64))
     return out
 
 
@@ -195,27 +206,104 @@ def topk_kind(top_k: int, mode: LossMode = "tail", dtype: str = "float16") -> Pa
     )
 
 
+def packed_kind(
+    top_k: int, logprob_bits: int = DEFAULT_LOGPROB_BITS, mode: LossMode = "tail"
+) -> PayloadKind:
+    """The packed payload at ``top_k``: what ``score(tokens, top_k=K, encoding="packed",
+    logprob_bits=b)`` sends (ids at ``ceil(log2 V)`` bits, log-probs as ``b``-bit codes on
+    each row's grid, float16 ends, the next token's log-prob), trained with the top-k loss
+    in ``mode`` on the decoded (quantized) values."""
+    options = RequestOptions(top_k=top_k, encoding="packed", logprob_bits=logprob_bits)
+    return PayloadKind(
+        name=f"top{top_k}-packed",
+        label=f"top-{top_k} packed: ids at ceil(log2 V) bits + {logprob_bits}-bit log-probs "
+        f"+ next token's; {mode} loss",
+        record=partial(_record_topk, options=options),
+        read=_read_topk,
+        loss=partial(_topk_loss, mode=mode),
+    )
+
+
+# -- the sampled kinds ------------------------------------------------------------------------
+
+
+def _record_sampled(
+    log_p: torch.Tensor, x: torch.Tensor, generator: torch.Generator, *, options: RequestOptions
+) -> Recorded:
+    """The sampled messages of a batch, as a teacher draws them (``sample_rows`` with the
+    request's seed, each window's sequence key, positions ``0..T-1``), one
+    ``SequencePayload`` per window. The seed is ``generator``'s, so every sampled kind
+    draws from the same seed at the same step."""
+    sampled = topk_payload(log_p, x, 1)["sampled"]  # the next token's log-prob [B, T]
+    positions = torch.arange(x.shape[1])
+    seed = generator.initial_seed()
+    messages = []
+    for b in range(x.shape[0]):
+        rows = sample_rows(
+            log_p[b], options.samples, seed, sequence_sample_key(x[b].numpy()), positions,
+            options.proposal_temperature,
+        )  # fmt: skip
+        arrays = SequenceArrays(
+            rows.ids.numpy().astype(np.int32),
+            rows.logprobs.numpy(),
+            sampled[b].numpy() if options.include_sampled else None,
+            sample_counts=rows.counts.numpy().astype(np.uint8),
+        )
+        messages.append(encode_sequence(arrays, dtype=options.dtype, sequence_index=b))
+    return Recorded(messages, sum(m.ByteSize() for m in messages))
+
+
+def _sampled_loss(
+    head: LMHeadInputs, inputs: dict[str, torch.Tensor], x: torch.Tensor
+) -> torch.Tensor:
+    """The fused sampled loss: cross-entropy against the empirical target ``c_i / N``
+    (the teacher's log-probs give the loss its KL offset; the gradient does not use
+    them)."""
+    loss, _ = fused_sampled_kl_loss(
+        head.hidden, head.weight, inputs["ids"], sampled_target_weights(inputs["counts"]),
+        bias=head.bias, teacher_logprobs=inputs["logprobs"],
+    )  # fmt: skip
+    return loss
+
+
+def sampled_kind(samples: int, seed: int = 0) -> PayloadKind:
+    """The sampled payload of ``samples`` draws per position: what ``score(tokens,
+    samples=N, seed=S)`` sends (each row's distinct ids as int32, padded to N columns,
+    float16 log-probs at them, uint8 counts, the next token's log-prob), trained with the
+    sampled loss. ``seed`` is only the request's placeholder: the draws use the step's
+    seed."""
+    options = RequestOptions(top_k=samples, samples=samples, seed=seed)
+    return PayloadKind(
+        name=f"sampled{samples}",
+        label=f"{samples} draws: distinct ids (int32) + counts (uint8) + float16 log-probs, "
+        "padded to N, + next token's; sampled loss",
+        record=partial(_record_sampled, options=options),
+        read=_read_topk,
+        loss=_sampled_loss,
+    )
+
+
 #: The kinds that run, by name; the default ``--kinds`` is all of them, in this order.
-#: top6 is the top-k nearest 40 bytes per position (6 x 6 + 2 = 38 array bytes).
+#: top6 is the top-k nearest 40 bytes per position (6 x 6 + 2 = 38 array bytes), sampled5
+#: the sampled payload nearest it (5 x 7 + 2 = 37); sampled7 (51) sits at top8's 50, and
+#: top16-packed (46 at V = 8192, 56 at V = 151,936) is the packed top-k under 0.15x of
+#: top64's bytes.
 KINDS: dict[str, PayloadKind] = {
     k.name: k
     for k in (
         topk_kind(64),
+        packed_kind(64),
         topk_kind(16),
+        packed_kind(16),
         topk_kind(8),
         topk_kind(6),
         topk_kind(6, "tail_actual"),
+        sampled_kind(50),
+        sampled_kind(16),
+        sampled_kind(7),
+        sampled_kind(5),
     )
 }
-
-#: Payload kinds this table is meant to compare whose encodings do not exist yet: the
-#: top-64 with ids bit-packed at ``ceil(log2 V)`` bits and quantized log-probs, and
-#: ``N`` = 16 / 50 draws per position from the teacher's distribution (distinct ids with
-#: their counts) trained on with the sampled loss. Each becomes a :class:`PayloadKind` in
-#: :data:`KINDS` (its ``record`` encoding the real payload, so the bytes are measured)
-#: once its encoding and loss exist; until then ``--kinds`` refuses them by name.
-PLANNED_KINDS = ("top64-packed", "sampled16", "sampled50")
-
 
 # -- running one kind --------------------------------------------------------------------------
 
@@ -397,8 +485,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _kinds(names: list[str]) -> list[PayloadKind]:
     for name in names:
-        if name in PLANNED_KINDS:
-            raise SystemExit(f"--kinds: {name!r} is planned but not implemented yet")
         if name not in KINDS:
             raise SystemExit(f"--kinds: unknown kind {name!r}; choose from {list(KINDS)}")
     return [KINDS[n] for n in names]
@@ -448,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [
             {**asdict(r), "scale_bytes_per_position": projected_bytes(r, vocab)} for r in results
         ],
-        "planned_not_run": list(PLANNED_KINDS),
     }
     (args.out / "quality_payloads.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "quality_payloads.md").write_text(table + "\n")
