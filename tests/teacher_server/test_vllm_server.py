@@ -347,7 +347,10 @@ def test_fallback_refuses_candidate_ids_by_name(
     """Candidates need the array path: on the flat one the teacher announces
     ``max_candidates`` 0, refuses them by name (INVALID_ARGUMENT), and goes on serving."""
     assert fallback_stub.GetInfo(pb.GetInfoRequest()).max_candidates == 0
-    assert "candidate ids are not scored (max_candidates 0)" in fallback_teacher.log()
+    assert (
+        "candidate ids are not scored nor payloads sampled (max_candidates and max_samples 0)"
+        in fallback_teacher.log()
+    )
     seq = _sequences(5, [6])
     req = build_request(seq, 4, candidate_ids=[np.zeros((6, 2), np.int32)])
     with pytest.raises(grpc.RpcError) as err:
