@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis_profiles import load_profile
 
 from devtools.launch import TeacherProcess, free_port, http_status, start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS
@@ -29,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Shared with examples and benchmarks; re-exported under the names the tests use.
 ServerProcess = TeacherProcess
 start_server = start_teacher
+
+# Every hypothesis test runs derandomized unless HYPOTHESIS_PROFILE=fuzz (hypothesis_profiles.py).
+HYPOTHESIS_PROFILE = load_profile()
 
 #: The shared fixtures that start a vLLM engine: a test that uses one needs the marker.
 VLLM_FIXTURES = frozenset({"vllm_teacher"})

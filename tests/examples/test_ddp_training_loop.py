@@ -65,7 +65,7 @@ def test_torchrun_ddp_matches_one_process(vllm_teacher: ServerProcess, tmp_path:
 
     for name, want in reference["state"].items():
         assert torch.equal(states[0][name], states[1][name]), name  # replicas in sync
-        torch.testing.assert_close(states[0][name], want, rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(states[0][name], want, rtol=1e-5, atol=1e-5, msg=name)
     # Logged statistics: the mean over the ranks, the same on both.
     assert summaries[0]["logged"] == summaries[1]["logged"]
     for step, logged in enumerate(summaries[0]["logged"]):

@@ -16,6 +16,7 @@ import pytest
 from conftest import ServerProcess, start_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from recording_fakes import assert_bit_equal
 
 from student_client.clients.blocking import TeacherClient
@@ -48,7 +49,7 @@ def stub(vllm_teacher: ServerProcess) -> Iterator[pb_grpc.TeacherStub]:
         yield pb_grpc.TeacherStub(ch)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(
     k=st.integers(1, 64),
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),

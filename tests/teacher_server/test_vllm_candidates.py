@@ -13,6 +13,7 @@ import torch
 from engine_drift import FLOAT32_DRIFT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from student_client import TeacherClient
 from topk_protocol import build_request, decode_sequence, pb_grpc
@@ -82,7 +83,7 @@ def _candidates(
 
 
 @settings(
-    max_examples=25,
+    max_examples=examples(25),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -157,5 +158,6 @@ def test_client_candidates_float16_and_padded_batch(vllm_teacher, reference_back
         ids = cands[row, first:, :5]
         want = np.take_along_axis(dense, ids, axis=1).astype(np.float16).astype(np.float32)
         got = payload.candidate_logprobs[row, first:, :5].numpy()
-        assert np.abs(got - want).max() <= 2e-3  # float16 rounding of values near -6
+        # float16 rounding: one step of float16 spacing, which grows with the value.
+        assert (np.abs(got - want) <= 1e-3 * np.maximum(1.0, np.abs(want))).all()
     assert FLOAT32_DRIFT < TOL

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from topk_protocol import (
     RequestOptions,
@@ -71,7 +72,7 @@ def test_id_bits(vocab: int, bits: int) -> None:
     assert id_bits(vocab) == bits
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     vocab=st.integers(2, 300_000),
     k=st.integers(1, 70),
@@ -109,7 +110,7 @@ def test_packed_payload_decodes_within_the_bound(
     assert again.SerializeToString() == msg.SerializeToString()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     k=st.integers(1, 40),
     bits=st.integers(MIN_LOGPROB_BITS, MAX_LOGPROB_BITS),

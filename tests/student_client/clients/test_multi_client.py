@@ -21,6 +21,7 @@ import torch
 from conftest import ServerProcess, free_port, start_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from test_client_live import requests_ok
 
 from devtools.tiny_model import write_tiny_model
@@ -131,7 +132,9 @@ def _padded(seqs: list[np.ndarray], left: bool) -> tuple[torch.Tensor, torch.Ten
 
 
 @settings(
-    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(case=routed_batches())
 def test_random_routings_equal_each_teacher_asked_directly(

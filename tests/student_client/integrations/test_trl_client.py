@@ -108,7 +108,7 @@ def test_server_distillation_trainer_scores_with_our_teacher(
             trainer.teacher_client = drop_in
             grpc_loss = trainer.compute_loss(trainer.model, dict(batch))
         assert torch.isfinite(http_loss)
-        assert grpc_loss.item() == pytest.approx(http_loss.item(), abs=1e-7)
+        assert grpc_loss.item() == pytest.approx(http_loss.item(), rel=1e-7, abs=1e-7)
         losses[name] = http_loss.item()
     assert abs(losses["teacher weights"]) < 1e-4
     assert losses["other student"] > 0.1

@@ -13,8 +13,9 @@ import pytest
 import torch
 from coarse_oracle import DIVERGENCE_CASES, MODES_OF, dense_divergence, reference_rows
 from host_sync import NoHostSync
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from test_losses_nosync import _problem as nosync_problem
 
 from student_client.losses import LossOptions, fused_topk_kl_loss, get_divergence, topk_kl_loss
@@ -259,7 +260,7 @@ def test_fused_equals_the_logits_path(name, params, mode) -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     vocab=st.integers(2, 30),
     k_fraction=st.floats(0.0, 1.0),
@@ -268,6 +269,9 @@ def test_fused_equals_the_logits_path(name, params, mode) -> None:
     case=st.sampled_from(range(len(DIVERGENCE_CASES))),
     actual=st.booleans(),
 )
+# K = V - 1 merges nothing: coarse == full in exact arithmetic, and float64 rounding of
+# values near 16 once exceeded an absolute 1e-9.
+@example(vocab=4, k_fraction=0.75, seed=2147483646, scale=4.0, case=1, actual=False)
 def test_coarse_divergence_is_at_most_the_full_one(
     vocab, k_fraction, seed, scale, case, actual
 ) -> None:
@@ -302,8 +306,9 @@ def test_coarse_divergence_is_at_most_the_full_one(
         **extra,
     )
     full = dense_divergence(name, params, log_p, log_q)
-    assert bool((coarse <= full + 1e-9).all()), (coarse, full)
-    assert bool((coarse >= -1e-12).all())
+    # float64 rounding grows with the values compared: the slack is relative.
+    assert bool((coarse <= full + 1e-9 * full.abs().clamp_min(1.0)).all()), (coarse, full)
+    assert bool((coarse >= -1e-12 * full.abs().clamp_min(1.0)).all())
     if top_k == vocab:
         torch.testing.assert_close(coarse, full, rtol=1e-9, atol=1e-9)
 

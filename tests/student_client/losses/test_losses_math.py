@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from losses_oracle import analytic_gradient, full_kl, make_case, oracle_loss, oracle_rows
 
 from student_client.losses import topk_kl_loss, topk_kl_reference
@@ -135,7 +136,7 @@ def test_tail_mode_equals_full_kl_when_k_is_vocab() -> None:
     assert stats.student_mass == pytest.approx(1.0, abs=1e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     vocab=st.integers(2, 40),
@@ -202,7 +203,7 @@ def test_student_tail_keeps_precision_when_kept_mass_rounds_to_one() -> None:
     want = oracle_rows(logits.double(), ids, logprobs.double(), mode="tail")
     assert stats.tail_loss == pytest.approx(float(want["tail"].mean()), rel=1e-5)
     # The head part is a difference of two ~6.9 numbers: fp32 leaves ~1e-6 there.
-    torch.testing.assert_close(loss.double(), want_loss, rtol=0.0, atol=2e-6)
+    torch.testing.assert_close(loss.double(), want_loss, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-9)
 
 
