@@ -17,12 +17,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, backend_class
 from teacher_server.config import ServerConfig
-from teacher_server.flags import add_flags, flag_fields, from_args
+from teacher_server.flags import DefaultsHelpFormatter, add_flags, flag_fields, from_args
 from teacher_server.http_limits import HttpLimits
 from teacher_server.server import run_server
 
@@ -31,6 +31,7 @@ __all__ = [
     "HttpFlags",
     "ProcessFlags",
     "build_parser",
+    "help_sections",
     "main",
     "parse_args",
     "serve",
@@ -95,32 +96,92 @@ _RESERVED = frozenset(
 )
 
 
+def _own_flags(parser: argparse.ArgumentParser, backend: str, *, hidden: bool = False) -> None:
+    """The project's own flags of ``serve --backend <backend>``: the process's, the
+    server's, the HTTP limits and the backend's own (``hidden``: parse, not listed)."""
+    add_flags(parser, ProcessFlags, "teacher-server", hidden=hidden)
+    parser.set_defaults(backend=backend)
+    add_flags(parser, ServerConfig, "server", hidden=hidden)
+    add_flags(parser, HttpFlags, "HTTP limits", hidden=hidden)
+    cls = backend_class(backend)
+    if hidden:
+        add_flags(parser, cls.Flags, hidden=True)
+    else:
+        cls.add_cli_args(parser)
+
+
 def serve_parser(backend: str = _DEFAULT_BACKEND) -> argparse.ArgumentParser:
     """The flags of ``teacher-server serve --backend <backend>``: the backend's parents
     (vLLM's engine flags), then the process's, the server's and the backend's own, which
     replace a parent's flag of the same name (as a parent parser: no ``--help``)."""
-    cls = backend_class(backend)
     parser = argparse.ArgumentParser(
-        add_help=False, parents=cls.cli_parents(), conflict_handler="resolve"
+        add_help=False, parents=backend_class(backend).cli_parents(), conflict_handler="resolve"
     )
-    add_flags(parser, ProcessFlags)
-    parser.set_defaults(backend=backend)
-    add_flags(parser, ServerConfig, "server")
-    add_flags(parser, HttpFlags, "HTTP limits")
-    cls.add_cli_args(parser)
+    _own_flags(parser, backend)
     return parser
+
+
+_USAGE = f"teacher-server serve [--backend {{{','.join(BACKENDS)}}}] [FLAGS]"
+_DESCRIPTION = (
+    "Serve a teacher model over gRPC + HTTP. The project's own flags come first: the "
+    "process's, the server's, the HTTP limits and the chosen backend's (serve --backend "
+    "NAME --help lists another backend's); then the engine's own flags, where the backend "
+    "has any (every vLLM engine flag for --backend vllm). SIGTERM drains (health "
+    "NOT_SERVING, in-flight calls finish within --drain-timeout-s) and exits 0."
+)
+
+
+def help_sections(backend: str = _DEFAULT_BACKEND) -> list[argparse.ArgumentParser]:
+    """What ``serve --help`` prints, in order: the project's own flags (a parser holding
+    only those, with the usage and description), then each engine parent's flags less
+    those the project's replace."""
+    own = argparse.ArgumentParser(
+        prog="teacher-server serve",
+        usage=_USAGE,
+        description=_DESCRIPTION,
+        formatter_class=DefaultsHelpFormatter,
+        conflict_handler="resolve",
+    )
+    _own_flags(own, backend)
+    sections = [own]
+    for parent in backend_class(backend).cli_parents():
+        engine = argparse.ArgumentParser(
+            usage=argparse.SUPPRESS,
+            description=f"The engine's own flags (--backend {backend}), from its parser:",
+            parents=[parent],
+            add_help=False,
+            formatter_class=DefaultsHelpFormatter,
+            conflict_handler="resolve",
+        )
+        _own_flags(engine, backend, hidden=True)
+        sections.append(engine)
+    return sections
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """The ``serve`` parser: it parses every flag (the engine's included), and its
+    ``--help`` lists the project's own flags first (:func:`help_sections`)."""
+
+    def __init__(self, *args: Any, backend: str = _DEFAULT_BACKEND, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backend = backend
+
+    def format_help(self) -> str:
+        return "\n".join(p.format_help() for p in help_sections(self.backend))
 
 
 def build_parser(backend: str = _DEFAULT_BACKEND) -> argparse.ArgumentParser:
     """The ``teacher-server`` parser, ``serve`` with ``backend``'s flags."""
     ap = argparse.ArgumentParser(prog="teacher-server", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_ServeParser)
     sub.add_parser(
         "serve",
         help="serve a teacher model",
-        description=__doc__,
-        parents=[serve_parser(backend)],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage=_USAGE,
+        description=_DESCRIPTION,
+        parents=[serve_parser(backend)],  # type: ignore[list-item]  # any parser is a parent
+        formatter_class=DefaultsHelpFormatter,
+        backend=backend,
     )
     return ap
 

@@ -65,7 +65,8 @@ class ServerConfig:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     """SIGTERM: the whole shutdown's budget for requests in flight"""
     warmup: bool = True
-    """(--no-warmup) skip the warm-up request that runs before the server reports ready"""
+    """one warm-up request before the server reports ready (on by default; this flag
+    turns it off)"""
     stream_max_unsent_mb: int = DEFAULT_STREAM_MAX_UNSENT_MB
     """ScoreStream backpressure: answers one stream may hold that its client has not read
     (MiB); then the stream is not read or scored further (one larger answer still goes,

@@ -33,9 +33,27 @@ from typing import Any, TypeVar
 
 from topk_protocol import check_temperature
 
-__all__ = ["add_flags", "field_docs", "flag_fields", "from_args", "temperature_arg"]
+__all__ = [
+    "DefaultsHelpFormatter",
+    "add_flags",
+    "field_docs",
+    "flag_fields",
+    "from_args",
+    "temperature_arg",
+]
 
 D = TypeVar("D")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default, once: not where the help text already says
+    its default (``(default: --host)``), nor ``(default: None)`` (no default to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def temperature_arg(value: str) -> float:
@@ -100,16 +118,19 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
     return annotation, False
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, cls: type, title: str = "") -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | Any, cls: type, title: str = "", *, hidden: bool = False
+) -> None:
     """Add one flag per field of dataclass ``cls`` to ``parser`` (in a group titled
     ``title`` when given). A field without a default is a required flag; a ``bool``
-    field defaulting to True becomes ``--no-<name>``, one defaulting to False ``--<name>``."""
+    field defaulting to True becomes ``--no-<name>``, one defaulting to False ``--<name>``.
+    ``hidden``: the flags parse but ``--help`` does not list them."""
     target = parser.add_argument_group(title) if title else parser
     hints = _flag_hints(cls)
     docs = field_docs(cls)
     for f in flag_fields(cls):
         name = f.name.replace("_", "-")
-        helptext = docs.get(f.name, "")
+        helptext = argparse.SUPPRESS if hidden else docs.get(f.name, "")
         typ, _ = _base_type(hints[f.name])
         has_default = f.default is not dataclasses.MISSING
         if typ is bool:

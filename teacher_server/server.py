@@ -234,7 +234,9 @@ class TeacherServer:
                     )
                 )
             if await self.lifecycle.advance(Phase.READY):
-                log.info("teacher ready: %s (engine dtype %s)", info, info.dtype or "n/a")
+                # What the server serves: the engine's capability capped by the flags.
+                served = dataclasses.replace(info, max_candidates=self._limits.max_candidates)
+                log.info("teacher ready: %s (engine dtype %s)", served, info.dtype or "n/a")
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -169,29 +169,35 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--teacher-column",
         default="teacher_id",
-        help="with several teachers: the input column naming each sequence's teacher",
+        help="with several teachers: the input column naming each sequence's teacher "
+        "(default: %(default)s)",
     )
-    ap.add_argument("--input", help="token sequences, a path or a URI (see above)")
+    ap.add_argument(
+        "--input",
+        help="token sequences: a Parquet, Arrow (IPC file or stream) or JSONL file, a "
+        f"datasets directory (save_to_disk) or {DATASETS_PREFIX}NAME_OR_DIR (streamed); "
+        "a path or a URI (s3://...)",
+    )
     ap.add_argument("--output", help="recording directory, a path or a URI")
-    ap.add_argument("--top-k", type=int, default=16, help="K (default 16)")
+    ap.add_argument("--top-k", type=int, default=16, help="K (default: %(default)s)")
     ap.add_argument(
         "--dtype",
         default="float16",
         choices=sorted(DTYPE_NAMES),
-        help="log-prob dtype to record (float32 serves every dtype later; default float16)",
+        help="log-prob dtype to record (float32 serves every dtype later; default: %(default)s)",
     )
     ap.add_argument(
         "--encoding",
         default="default",
         choices=sorted(ENCODING_NAMES),
         help="payload encoding to record: packed stores bit-packed ids and log-probs on a "
-        "per-row grid (docs/protocol.md; default: default)",
+        "per-row grid (docs/protocol.md; default: %(default)s)",
     )
     ap.add_argument(
         "--logprob-bits",
         type=int,
         help=f"with --encoding packed: bits per log-prob code, {MIN_LOGPROB_BITS}.."
-        f"{MAX_LOGPROB_BITS} (default {DEFAULT_LOGPROB_BITS})",
+        f"{MAX_LOGPROB_BITS} (default: {DEFAULT_LOGPROB_BITS})",
     )
     ap.add_argument(
         "--samples",
@@ -204,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--proposal-temperature",
         type=float,
         default=1.0,
-        help="with --samples: draw from p^(1/T) with importance weights (default 1: from p)",
+        help="with --samples: draw from p^(1/T) with importance weights (default: %(default)s, "
+        "from p)",
     )
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
     ap.add_argument(
@@ -212,15 +219,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="also score these candidate ids: a column with one list of C ids (-1 pads) "
         "per token of each sequence; recorded with the payload",
     )
-    ap.add_argument("--split", default="train", help=f"the split of a {DATASETS_PREFIX} input")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per request")
-    ap.add_argument("--depth", type=int, default=4, help="requests in flight")
+    ap.add_argument(
+        "--split",
+        default="train",
+        help=f"the split of a {DATASETS_PREFIX} input (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per request (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--depth", type=int, default=4, help="requests in flight (default: %(default)s)"
+    )
     ap.add_argument(
         "--max-inflight",
         type=int,
         default=DEFAULT_MAX_INFLIGHT,
         help="request batches read ahead of the teacher (memory: about max-inflight + depth "
-        f"batches; default {DEFAULT_MAX_INFLIGHT})",
+        "batches; default: %(default)s)",
     )
     ap.add_argument(
         "--token",
@@ -228,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bearer token of the teacher (default: ${TOKEN_ENV})",
     )
     ap.add_argument(
-        "--compression", default="zstd", choices=[c for c in COMPRESSIONS if c != "auto"]
+        "--compression",
+        default="zstd",
+        choices=[c for c in COMPRESSIONS if c != "auto"],
+        help="compression of the recorded Parquet shards (default: %(default)s)",
     )
     ap.add_argument(
         "--shard-index",
@@ -245,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify",
         metavar="DIR",
         help="check a recording (every part: counts, checksums, no gaps, no duplicates, "
-        "one shard count) and exit non-zero naming the first problem's file",
+        "one shard count): print every problem, naming its file, then their count, and "
+        "exit non-zero; or print one OK line",
     )
     return ap
 

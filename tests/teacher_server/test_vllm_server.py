@@ -92,6 +92,16 @@ def test_get_info(stub: pb_grpc.TeacherStub, reference_backend) -> None:  # type
     assert set(info.supported_dtypes) == {1, 2, 3}
 
 
+def test_startup_log_names_what_is_served(vllm_teacher, stub) -> None:  # type: ignore[no-untyped-def]
+    """The "teacher ready" line states the limits GetInfo announces (``--max-candidates``
+    caps the engine's vocabulary-wide capability)."""
+    info = stub.GetInfo(pb.GetInfoRequest())
+    (line,) = [x for x in vllm_teacher.log().splitlines() if "teacher ready:" in x]
+    assert 0 < info.max_candidates < info.vocab_size
+    assert f"max_candidates={info.max_candidates}," in line, line
+    assert f"max_top_k={info.max_top_k}," in line, line
+
+
 @pytest.mark.parametrize("k", [1, 8, 64])
 def test_matches_transformers_reference(stub, reference_backend, k: int) -> None:  # type: ignore[no-untyped-def]
     seqs = _sequences(k, [1, 2, 47, 300, 1000])
