@@ -72,6 +72,7 @@ from topk_protocol.sharded_recording import (
     holds_recording,
     list_parts,
     part_location,
+    read_part_file,
     write_part_file,
 )
 from topk_protocol.storage import Location, StorageError
@@ -415,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in seal_cut_shards(part):
         print(f"teacher-record: {line}", file=sys.stderr)
     _check_format(part, opts)
+    try:
+        previous = read_part_file(part)  # a complete part's record, kept if nothing changes
+    except ValueError:
+        previous = None
     delete_part_file(part)
     candidates = args.candidate_column is not None
     recorded = recorded_keys(part, candidates)
@@ -468,24 +473,29 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows = len(recorded_keys(part, candidates))
     written = files_bytes(part) - bytes_before
-    write_part_file(
-        part,
-        {
-            "shard_index": index,
-            "num_shards": num,
-            "input": str(args.input),
-            "unit": source.unit_name,
-            "units": [units.start, units.stop],
-            "num_units": source.num_units,
-            "input_rows": stats.rows_read,
-            "repeats": stats.repeats,
-            "rows": rows,
-            # this run's: what it scored, and when (its first request to its last answer)
-            "scored_positions": stats.positions,
-            "started_unix": started,
-            "finished_unix": started + stats.seconds,
-        },
-    )
+    if previous is not None and stats.rows == 0 and previous.get("rows") == rows:
+        # A complete part run again scored nothing: the record of the run that scored it
+        # (its positions and times) stays as it was.
+        write_part_file(part, {k: v for k, v in previous.items() if k != "format"})
+    else:
+        write_part_file(
+            part,
+            {
+                "shard_index": index,
+                "num_shards": num,
+                "input": str(args.input),
+                "unit": source.unit_name,
+                "units": [units.start, units.stop],
+                "num_units": source.num_units,
+                "input_rows": stats.rows_read,
+                "repeats": stats.repeats,
+                "rows": rows,
+                # this run's: what it scored, and when (its first request to its last answer)
+                "scored_positions": stats.positions,
+                "started_unix": started,
+                "finished_unix": started + stats.seconds,
+            },
+        )
     rate = stats.positions / max(stats.seconds, 1e-9)
     print(
         f"teacher-record: {'shard ' + str(index) + '/' + str(num) + ': ' if num > 1 else ''}"

@@ -19,6 +19,8 @@ column                        Arrow type                                 meaning
 ``sampled_logprobs``          ``list<F>``, null when not recorded        ``[S]``, NaN at L-1
 ``candidate_ids``             ``list<list<int32>>``, null without        ``[S, C]``, -1 pads
 ``candidate_logprobs``        ``list<list<F>>``, null without            ``[S, C]``, NaN at -1
+``sample_counts``             ``list<fixed_size_list<uint8, K>>``, null  ``[S, K]`` draws
+``proposal_log_normalizer``   ``list<F>``, null unless tempered          ``[S]`` ``log Z``
 ``row_crc32``                 ``uint32``                                 the row's checksum
 ============================  =========================================  ==================
 
@@ -48,7 +50,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-from google.protobuf import json_format
+from google.protobuf import descriptor, json_format
 
 from topk_protocol import (
     DEFAULT_TEACHER_TEMPERATURE,
@@ -97,6 +99,7 @@ __all__ = [
     "shard_name",
     "shards",
     "storage_dtype",
+    "teacher_info_json",
     "write_json_atomic",
 ]
 
@@ -122,6 +125,25 @@ def sequence_key(token_ids: bytes | npt.ArrayLike) -> bytes:
     if not isinstance(token_ids, bytes | bytearray | memoryview):
         token_ids = np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
     return hashlib.sha256(_KEY_DOMAIN + bytes(token_ids)).digest()
+
+
+def teacher_info_json(info: pb.TeacherInfo) -> dict[str, Any]:
+    """``info`` as ``metadata.json`` stores it: the protobuf JSON mapping, with 64-bit
+    integers (``max_tokens_per_request``) as JSON numbers rather than the mapping's
+    strings (``json_format.ParseDict`` reads either back)."""
+    out = json_format.MessageToDict(info, preserving_proto_field_name=True)
+    for f in info.DESCRIPTOR.fields:
+        if f.name in out and f.cpp_type in _INT64_CPP_TYPES and isinstance(out[f.name], str):
+            out[f.name] = int(out[f.name])
+    return out
+
+
+_INT64_CPP_TYPES = frozenset(
+    {
+        descriptor.FieldDescriptor.CPPTYPE_INT64,
+        descriptor.FieldDescriptor.CPPTYPE_UINT64,
+    }
+)
 
 
 def can_serve_dtype(recorded: str, wanted: str) -> bool:

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-from google.protobuf import json_format
 
 from topk_protocol import (
     RequestOptions,
@@ -49,6 +48,7 @@ from topk_protocol.recording.format import (
     shard_name,
     shards,
     storage_dtype,
+    teacher_info_json,
     write_json_atomic,
 )
 from topk_protocol.recording.index import RowIndex
@@ -215,7 +215,7 @@ class RecordingWriter(Closeable):
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "created_unix": time.time(),
-            "teacher": json_format.MessageToDict(self.info, preserving_proto_field_name=True),
+            "teacher": teacher_info_json(self.info),
             "model_name": self.info.model_name,
             "vocab_size": int(self.info.vocab_size),
             "tokenizer_fingerprint": self.info.tokenizer_fingerprint,

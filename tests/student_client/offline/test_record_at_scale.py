@@ -6,6 +6,7 @@ with nothing recorded lost."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -315,3 +316,26 @@ def test_a_corpus_ten_times_the_bound_records_within_it(
     print(f"peak RSS: one batch {one_batch >> 20} MiB, corpus {big >> 20} MiB, growth "
           f"{growth / 2**20:.1f} MiB for a {corpus_bytes >> 20} MiB corpus")  # fmt: skip
     assert growth < MEMORY_BOUND
+
+
+def test_a_complete_part_run_again_keeps_its_record_and_metadata_numbers(
+    teacher: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Re-running a finished recorder scores nothing and leaves ``part.json`` as the run
+    that scored the part wrote it (not ``scored_positions: 0``); ``metadata.json`` keeps
+    the teacher's 64-bit integers as JSON numbers."""
+    corpus = tmp_path / "small.parquet"
+    pq.write_table(pa.table({"input_ids": SEQS[:12]}), corpus, row_group_size=6)
+    out = tmp_path / "rec"
+    args = ("--input", str(corpus), "--output", str(out), "--num-shards", "2", "--shard-index")
+    first = _in(teacher, capsys, *args, "0")
+    assert first.returncode == 0, first.stderr
+    (part,) = out.glob("part-00000-*")
+    before = json.loads((part / "part.json").read_text())
+    assert before["scored_positions"] == sum(len(s) for s in SEQS[:6])
+    again = _in(teacher, capsys, *args, "0")
+    assert again.returncode == 0, again.stderr
+    assert "scored 0 sequences" in again.stdout and "6 were recorded already" in again.stdout
+    assert json.loads((part / "part.json").read_text()) == before
+    teacher_info = json.loads((part / "metadata.json").read_text())["teacher"]
+    assert teacher_info["max_tokens_per_request"] == 262_144  # a number, not "262144"
