@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import sys
 
+from teacher_server import log_filters
+
 __all__ = ["SERVER_MODULES", "main"]
+
+# Before anything imports vLLM or grpc, here and in the engine processes vLLM spawns
+# (they import this module again as ``__mp_main__``).
+log_filters.install()
 
 #: Top-level modules the server imports that ``topk-distill[server]`` brings.
 SERVER_MODULES = frozenset(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from teacher_server import log_filters
 from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, backend_class
 from teacher_server.config import ServerConfig
@@ -36,6 +37,8 @@ __all__ = [
     "parse_args",
     "serve",
 ]
+
+log_filters.install()  # before vLLM is imported (for its flags, even for --help)
 
 #: Environment variable read for the bearer token when --token-file is not given.
 TOKEN_ENV = "TOPK_TEACHER_TOKEN"
