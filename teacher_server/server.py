@@ -22,6 +22,7 @@ from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
 from teacher_server.config import MIB, ServerConfig
+from teacher_server.fair_share import FAIR
 from teacher_server.http_app import build_http_app
 from teacher_server.http_limits import BodyLimitMiddleware, HttpLimits
 from teacher_server.http_thread import HttpThread, ProbeFront
@@ -61,7 +62,10 @@ class TeacherServer:
         self._limits = Limits.from_config(config)
         self.lifecycle = Lifecycle()
         self._admission = AdmissionQueue(
-            config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
+            config.max_inflight_requests,
+            config.max_queued_requests,
+            self._metrics.set_load,
+            fair=config.admission_order == FAIR,
         )
         self._pipeline = RequestPipeline(
             backend, self._limits, self._metrics, self.lifecycle, self._admission
