@@ -26,7 +26,7 @@ from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, pb_grpc
 
 #: The serving loop is held this long, in one go, during the flood.
-STALL_S = 3.0
+STALL_S = 5.0
 #: Every probe sent while the loop is held answers within this share of the stall (a
 #: probe served by the loop itself would wait for the stall's end: share ~1).
 PROBE_SHARE_OF_STALL = 0.25
