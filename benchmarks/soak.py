@@ -8,8 +8,11 @@ sampled, with what the server's memory trim (``--memory-trim-idle-s``: only when
 so not under this load) gave back so far (``/metrics``).
 
 Soak (default): for ``--minutes`` (10); reported: the RSS slope in MiB/min after
-``--warmup-min`` (2) by a least-squares fit, per process and for the whole tree, against
-the target of 2 MiB/min; the requests served and errors.
+``--warmup-min`` (2) and over the last ``--slope-last-min`` (10) minutes by a
+least-squares fit, per process and for the whole tree, against the target of 2 MiB/min;
+the requests served, errors (a wrong answer size counts as one) and the probes
+(``/healthz``, ``/readyz`` and gRPC health every ``--probe-s``, 0.25 s, from a separate
+process): the slowest and how many took over 1 s.
 
 Storm (``--storm``): after ``--warmup-min`` of the clients alone (the baseline: the last
 sample before the storm), ``--storm-clients`` (4) more threads keep opening streams of
@@ -42,6 +45,7 @@ import numpy as np
 import psutil
 
 from devtools.launch import TeacherProcess, start_teacher
+from devtools.probes import ProbeWatcher
 from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
 from topk_protocol import build_request, pb_grpc
 
@@ -64,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-args", default="", help="extra teacher-server serve flags")
     ap.add_argument("--target-mib-per-min", type=float, default=2.0)
     ap.add_argument("--target-storm-mib", type=float, default=50.0)
+    ap.add_argument("--slope-last-min", type=float, default=10.0)
+    ap.add_argument("--probe-s", type=float, default=0.25, help="probe interval")
     return ap
 
 
@@ -246,6 +252,8 @@ def slope_mib_per_min(t_s: list[float], rss: list[int]) -> float:
 def report_soak(rows: list[tuple[float, int, int, dict[str, int], dict[str, float]]],
                 load: Load, args: argparse.Namespace) -> None:  # fmt: skip
     after = [r for r in rows if r[0] >= args.warmup_min * 60]
+    last_from = rows[-1][0] - args.slope_last_min * 60 if rows else 0.0
+    last = [r for r in after if r[0] >= last_from]
     ts = [r[0] for r in after]
     parts = {
         "server process": [r[1] for r in after],
@@ -254,20 +262,23 @@ def report_soak(rows: list[tuple[float, int, int, dict[str, int], dict[str, floa
     }
     for kind in KINDS:
         parts[f"engine: {kind} mappings"] = [r[3][kind] for r in after]
+    n_last = len(last)
     print(
         f"\n{load.ok} requests OK, {len(load.errors)} errors; {len(after)} samples after "
         f"{args.warmup_min:g} min of warm-up"
     )
     target = args.target_mib_per_min
     print(
-        f"| process | RSS after warm-up, MiB | at the end | slope, MiB/min (target <= {target:g}) |"
+        f"| process | RSS after warm-up, MiB | at the end | slope after warm-up, MiB/min | "
+        f"slope over the last {args.slope_last_min:g} min (target <= {target:g}) |"
     )
-    print("|---|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|")
     for name, rss in parts.items():
         if rss:
             print(
                 f"| {name} | {rss[0] / MIB:.1f} | {rss[-1] / MIB:.1f} | "
-                f"{slope_mib_per_min(ts, rss):+.2f} |"
+                f"{slope_mib_per_min(ts, rss):+.2f} | "
+                f"{slope_mib_per_min(ts[-n_last:], rss[-n_last:]):+.2f} |"
             )
 
 
@@ -337,14 +348,16 @@ def main() -> None:
             Path(tmp) / "server.log",
         )
         load = Load(server.target, args.clients)
+        probes = ProbeWatcher(server.http, server.target, interval_s=args.probe_s)
         try:
             sampler = Sampler(server, time.monotonic())
             for t in load.threads:
                 t.start()
-            if args.storm:
-                run_storm(sampler, load, args)
-            else:
-                sampler.run_until(args.minutes * 60, load, args.sample_s)
+            with probes:
+                if args.storm:
+                    run_storm(sampler, load, args)
+                else:
+                    sampler.run_until(args.minutes * 60, load, args.sample_s)
             load.stop.set()
             for t in load.threads:
                 t.join(60)
@@ -359,6 +372,10 @@ def main() -> None:
         for e in sorted(set(load.errors))[:5]:
             print("  error:", e)
         report_soak(sampler.rows, load, args)
+    print(
+        f"probes throughout: {probes.summary()}; HTTP probes over 1 s: {probes.late(1.0)}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -104,6 +104,10 @@ class ProbeWatcher:
     def count(self) -> int:
         return sum(len(v) for v in self.latencies_s.values())
 
+    def late(self, limit_s: float, names: tuple[str, ...] = ("healthz", "readyz")) -> int:
+        """Probes of ``names`` that took longer than ``limit_s`` (or failed)."""
+        return sum(t > limit_s for n in names for t in self.latencies_s.get(n, ()))
+
     def summary(self) -> str:
         parts = []
         for name, v in sorted(self.latencies_s.items()):

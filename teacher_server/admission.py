@@ -1,5 +1,7 @@
 """Bounded admission: at most ``max_inflight`` requests work at once, at most
-``max_queued`` more wait for a slot (first come, first served), the rest are refused.
+``max_queued`` more wait for a slot, the rest are refused. Waiters get a freed slot in
+turn per client and stream (:mod:`teacher_server.fair_share`), not first come first
+served.
 
 Plain asyncio, no gRPC: the request pipeline turns :class:`AdmissionRefused` into a
 retryable ``UNAVAILABLE``. Written here rather than with ``asyncio.Semaphore`` because
@@ -10,9 +12,10 @@ waiter at once when draining starts.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+
+from teacher_server.fair_share import FairQueue
 
 __all__ = ["AdmissionQueue", "AdmissionRefused"]
 
@@ -32,6 +35,8 @@ class AdmissionQueue:
         max_inflight: requests working at once (``--max-inflight-requests``), >= 1.
         max_queued: requests waiting for a slot (``--max-queued-requests``), >= 0.
         on_change: called with ``(in_flight, queued)`` after every change (metrics).
+        fair: waiters served in turn per ``(client, stream)`` (default); False: in
+            arrival order (``--admission-order arrival``).
     """
 
     def __init__(
@@ -39,6 +44,7 @@ class AdmissionQueue:
         max_inflight: int,
         max_queued: int,
         on_change: Callable[[int, int], None] | None = None,
+        fair: bool = True,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight_requests: must be >= 1, got {max_inflight}")
@@ -48,7 +54,7 @@ class AdmissionQueue:
         self.max_queued = max_queued
         self._on_change = on_change
         self._in_flight = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters: FairQueue[asyncio.Future[None]] = FairQueue(fair)
         self._closed: str | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -79,9 +85,11 @@ class AdmissionQueue:
         if self._on_change is not None:
             self._on_change(self._in_flight, len(self._waiters))
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in line when all are busy; raise :class:`AdmissionRefused`
-        when the line is full or the queue is closed."""
+    async def acquire(self, client: Hashable = None, stream: Hashable = None) -> None:
+        """Take a slot, waiting for its turn when all are busy; raise
+        :class:`AdmissionRefused` when the line is full or the queue is closed.
+        ``client``/``stream`` name whose turn it is (``None`` stream: a stream of its
+        own, as a unary call is)."""
         if self._closed is not None:
             raise AdmissionRefused(self._closed)
         if self._in_flight < self.max_inflight and not self._waiters:
@@ -95,23 +103,24 @@ class AdmissionQueue:
                 f"{self.max_queued}; the teacher is overloaded, retry later"
             )
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        if stream is None:
+            stream = waiter
+        self._waiters.push(client, stream, waiter)
         self._changed()
         try:
             await waiter  # release() hands its slot over (in_flight already counted)
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self.release()  # the slot came just as the caller gave up: pass it on
-            elif waiter in self._waiters:
-                self._waiters.remove(waiter)
+            elif self._waiters.remove(client, stream, waiter):
                 self._changed()
             raise
 
     def release(self) -> None:
-        """Give the slot back: to the first waiter in line, if any."""
+        """Give the slot back: to the next waiter in turn, if any."""
         self._in_flight -= 1
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.pop()
             if not waiter.done():
                 self._in_flight += 1
                 waiter.set_result(None)
@@ -123,7 +132,7 @@ class AdmissionQueue:
         holding a slot keep it."""
         self._closed = message
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.pop()
             if not waiter.done():
                 waiter.set_exception(AdmissionRefused(message))
         self._changed()

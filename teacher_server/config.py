@@ -17,6 +17,7 @@ from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
 )
+from teacher_server.fair_share import ADMISSION_ORDERS, FAIR
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S
 from topk_protocol import DEFAULT_MAX_MESSAGE_MB
@@ -52,6 +53,9 @@ class ServerConfig:
     """requests worked on at once"""
     max_queued_requests: int = 1024
     """requests waiting for a slot; more are refused with UNAVAILABLE (clients retry)"""
+    admission_order: str = field(default=FAIR, metadata={"choices": ADMISSION_ORDERS})
+    """who gets a freed slot: 'fair' takes waiting requests in turn, one per client and
+    per stream (docs/operations.md); 'arrival' first come first served"""
     max_message_mb: int = DEFAULT_MAX_MESSAGE_MB
     """gRPC message size limit (MiB)"""
     chunk_kb: int = 1024

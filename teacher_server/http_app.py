@@ -1,8 +1,10 @@
 """HTTP side of the teacher (FastAPI, served by uvicorn in the server's process).
 
 ``GET /healthz`` alive; ``GET /readyz`` 200 once the engine is loaded and warmed up, 503
-before and while draining; ``GET /metrics`` Prometheus text; ``GET /v1/info`` GetInfo as
-JSON (needs the bearer token when one is configured).
+before, while draining and once the engine is lost (in the server both are answered on
+the HTTP thread, never by this app: :mod:`teacher_server.http_thread`); ``GET /metrics``
+Prometheus text; ``GET /v1/info`` GetInfo as JSON (needs the bearer token when one is
+configured).
 
 With ``trl`` (:class:`~teacher_server.trl_http.TRLEndpoints`), the calls Hugging Face
 TRL's teacher client makes: ``GET /health`` (200 once ready) and ``GET /v1/models``
@@ -22,6 +24,7 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from teacher_server.auth import token_matches
+from teacher_server.http_thread import probe_answer
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.trl_http import HTTPAnswer, TRLEndpoints
@@ -40,20 +43,18 @@ def build_http_app(
 ) -> FastAPI:
     """The HTTP app; ``lifecycle`` and ``info()`` are read on every request.
 
-    Handlers are ``async def``: they run on the event loop itself, so ``/healthz``
-    answers whenever the loop runs (the engine loads in a worker thread).
+    Handlers are ``async def``: they run on the serving loop. The server answers
+    ``/healthz`` and ``/readyz`` before they reach this app (on the HTTP thread, same
+    answers: :func:`~teacher_server.http_thread.probe_answer`); these routes serve the
+    app on its own.
     """
     app = FastAPI(title="topk-distill teacher", docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "alive", "phase": lifecycle.phase.value}
-
     @app.get("/readyz")
-    async def readyz() -> Response:
-        phase = lifecycle.phase
-        body = {"status": "loading" if phase is Phase.STARTING else phase.value}
-        return JSONResponse(body, status_code=200 if phase is Phase.READY else 503)
+    async def probe(request: Request) -> Response:
+        status, body = probe_answer(request.url.path, lifecycle, engine_alive=True)
+        return Response(body, status_code=status, media_type="application/json")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

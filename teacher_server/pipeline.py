@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -164,10 +164,13 @@ class RequestPipeline:
         *,
         before_admission: Callable[[ParsedRequest], Awaitable[None]] | None = None,
         finish_in_thread: bool = False,
+        turn: tuple[Hashable, Hashable] = (None, None),
     ) -> Outcome[T]:
         """Run one request to its :class:`Outcome`: validate ``request``, await
         ``before_admission(parsed)`` (a front end's own refusal or reservation), wait for
-        a slot, score every sequence, ``finish`` (in a thread when the request is large,
+        a slot (in turn by ``turn``, its ``(client, stream)``:
+        :mod:`teacher_server.fair_share`; default: an anonymous stream of its own),
+        score every sequence, ``finish`` (in a thread when the request is large,
         or always with ``finish_in_thread``), release the slot, count. Raises only
         ``CancelledError`` (counted as CANCELLED)."""
         t0 = time.perf_counter()
@@ -176,7 +179,7 @@ class RequestPipeline:
             parsed = await self._validate(request)
             if before_admission is not None:
                 await before_admission(parsed)
-            answer = await self._admitted(parsed, finish, finish_in_thread, t0)
+            answer = await self._admitted(parsed, finish, finish_in_thread, t0, turn)
         except TeacherError as e:
             outcome = Refused.of(e)
         except asyncio.CancelledError:
@@ -209,11 +212,16 @@ class RequestPipeline:
         return await _in_thread_if(_is_large(n, token_bytes), parse_request, request, self._limits)
 
     async def _admitted(
-        self, parsed: ParsedRequest, finish: Finish[T], in_thread: bool, t0: float
+        self,
+        parsed: ParsedRequest,
+        finish: Finish[T],
+        in_thread: bool,
+        t0: float,
+        turn: tuple[Hashable, Hashable],
     ) -> T:
         """Wait for a slot, score, finish, release the slot."""
         try:
-            await self._admission.acquire()
+            await self._admission.acquire(*turn)
         except AdmissionRefused as e:
             raise TeacherUnavailableError(e.message) from None
         leak_per_request()  # nothing unless a test injects a leak (leak_injection)

@@ -1,6 +1,7 @@
-"""Assembles the teacher process: gRPC (Teacher + Health + reflection) and HTTP on one
-asyncio loop, the engine loaded in the background, and a draining shutdown within one
-time budget (``drain_timeout_s``)."""
+"""Assembles the teacher process: gRPC (Teacher + Health + reflection) on the serving
+asyncio loop, HTTP on a thread of its own that answers the probes there and forwards the
+other routes to the serving loop (:mod:`teacher_server.http_thread`), the engine loaded in
+the background, and a draining shutdown within one time budget (``drain_timeout_s``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import dataclasses
 import gc
 import logging
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -22,8 +22,10 @@ from teacher_server.admission import AdmissionQueue
 from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
 from teacher_server.config import MIB, ServerConfig
+from teacher_server.fair_share import FAIR
 from teacher_server.http_app import build_http_app
 from teacher_server.http_limits import BodyLimitMiddleware, HttpLimits
+from teacher_server.http_thread import HttpThread, ProbeFront
 from teacher_server.lifecycle import (
     ENGINE_SHUTDOWN_S,
     SHUTDOWN_MARGIN_S,
@@ -48,14 +50,6 @@ log = logging.getLogger(__name__)
 _FLUSH_S = 2.0
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside our loop: the process's signal handlers stay ours (drain on SIGTERM)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class TeacherServer:
     """One teacher process. ``await start()`` opens both ports at once and loads the engine
     in the background; ``await wait_ready()``; ``await stop()`` drains within
@@ -68,7 +62,10 @@ class TeacherServer:
         self._limits = Limits.from_config(config)
         self.lifecycle = Lifecycle()
         self._admission = AdmissionQueue(
-            config.max_inflight_requests, config.max_queued_requests, self._metrics.set_load
+            config.max_inflight_requests,
+            config.max_queued_requests,
+            self._metrics.set_load,
+            fair=config.admission_order == FAIR,
         )
         self._pipeline = RequestPipeline(
             backend, self._limits, self._metrics, self.lifecycle, self._admission
@@ -83,8 +80,7 @@ class TeacherServer:
         self._health = health.aio.HealthServicer()
         self.lifecycle.subscribe(self._on_phase)
         self._grpc: grpc.aio.Server | None = None
-        self._http: uvicorn.Server | None = None
-        self._http_task: asyncio.Task[None] | None = None
+        self._http: HttpThread | None = None
         self._load_task: asyncio.Task[None] | None = None
         self._trim_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -174,10 +170,14 @@ class TeacherServer:
             trl=trl,
         )
         limits = cfg.http_limits or HttpLimits()
+        # The probes are answered on the HTTP thread; the rest runs on this loop.
+        front = ProbeFront(
+            app, asyncio.get_running_loop(), self.lifecycle, self._backend.engine_alive
+        )
         ucfg = uvicorn.Config(
             # Every route: the body limits wrap the whole app (teacher_server.http_limits).
             BodyLimitMiddleware(
-                app, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s
+                front, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s
             ),
             host=cfg.http_host or cfg.host,
             port=cfg.http_port,
@@ -189,16 +189,8 @@ class TeacherServer:
             ssl_keyfile=str(tls[1]) if tls else None,
             **limits.uvicorn_kwargs(),
         )
-        self._http = _EmbeddedUvicorn(ucfg)
-        self._http_task = asyncio.create_task(self._http.serve())
-        while not self._http.started:
-            if self._http_task.done():
-                self._http_task.result()
-                raise RuntimeError(f"HTTP server failed to start on port {cfg.http_port}")
-            await asyncio.sleep(0.02)
-        sockets = [s for srv in self._http.servers for s in srv.sockets]
-        if sockets:
-            self.http_port = sockets[0].getsockname()[1]
+        self._http = HttpThread(ucfg)
+        self.http_port = await self._http.start()
 
     async def _load(self) -> None:
         try:
@@ -283,12 +275,7 @@ class TeacherServer:
             with contextlib.suppress(BaseException):
                 await self._load_task
         if self._http is not None:
-            self._http.should_exit = True
-            if self._http_task is not None:
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(
-                        self._http_task, SHUTDOWN_MARGIN_S - ENGINE_SHUTDOWN_S - 1
-                    )
+            await self._http.stop(SHUTDOWN_MARGIN_S - ENGINE_SHUTDOWN_S - 1)
         try:
             # The backend bounds its own close by ENGINE_SHUTDOWN_S; one second of slack.
             await asyncio.wait_for(self._backend.close(), ENGINE_SHUTDOWN_S + 1)

@@ -22,6 +22,7 @@ from teacher_server.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,
 )
+from teacher_server.fair_share import client_identity
 from teacher_server.pipeline import Answered, Refused, RequestPipeline
 from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import Limits, ParsedRequest
@@ -104,7 +105,11 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 )
 
         outcome = await self._pipeline.run(
-            "Score", request, encode_response, before_admission=fits_one_message_or_refuse
+            "Score",
+            request,
+            encode_response,
+            before_admission=fits_one_message_or_refuse,
+            turn=(_client(context), None),
         )
         if isinstance(outcome, Answered):
             return outcome.answer
@@ -113,7 +118,11 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def _stream_one(
-        self, request: pb.ScoreRequest, out: asyncio.Queue[_Outgoing], budget: StreamBudget
+        self,
+        request: pb.ScoreRequest,
+        out: asyncio.Queue[_Outgoing],
+        budget: StreamBudget,
+        client: str,
     ) -> None:
         """Answer one request of a stream: its chunks, or one ``Error`` message. Its
         answer's bytes are reserved in ``budget`` before it is admitted; the stream gives
@@ -133,7 +142,9 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         ) -> list[Outgoing]:
             return encode_stream(parsed, scored, seconds, chunk_bytes=chunk_bytes)
 
-        outcome = await self._pipeline.run("ScoreStream", request, finish, before_admission=reserve)
+        outcome = await self._pipeline.run(
+            "ScoreStream", request, finish, before_admission=reserve, turn=(client, budget)
+        )
         if isinstance(outcome, Refused):
             error = pb.Error(
                 code=outcome.code.value[0], message=outcome.message, reason=outcome.reason
@@ -152,7 +163,8 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         # Unbounded as a queue, bounded by the budget: every item was reserved in it.
         out: asyncio.Queue[_Outgoing] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
-        budget = StreamBudget(*self._stream_budget)
+        budget = StreamBudget(*self._stream_budget)  # also names the stream's turn
+        client = _client(context)
         requests = aiter(request_iterator)
 
         async def read() -> None:
@@ -169,7 +181,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                         # No request_id to answer it by: the stream itself is broken.
                         await out.put(request)
                         return
-                    task = asyncio.create_task(self._stream_one(request, out, budget))
+                    task = asyncio.create_task(self._stream_one(request, out, budget, client))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
@@ -197,6 +209,15 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+
+
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """The caller's identity for admission turns (:func:`client_identity`)."""
+    authorization = None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            authorization = value if isinstance(value, str) else value.decode(errors="replace")
+    return client_identity(authorization, context.peer())
 
 
 #: An answer message and the bytes its request holds in the stream's budget; an

@@ -126,6 +126,11 @@ class Backend(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine."""
 
+    def engine_alive(self) -> bool:
+        """False once the engine is lost for good (its process died): ``/readyz`` then
+        answers 503. Called from the HTTP thread: must not block. Default: True."""
+        return True
+
     async def trim_memory(self) -> int:
         """``malloc_trim`` the engine's own processes (:mod:`teacher_server.malloc_trim`);
         returns the resident bytes given back. Default 0: an engine in the server's

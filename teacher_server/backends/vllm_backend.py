@@ -336,6 +336,11 @@ class VLLMBackend(Backend):
         bad = sorted({a for a in answers if a != "ok"})
         return "; ".join(bad) if bad else None
 
+    def engine_alive(self) -> bool:
+        """False once vLLM's engine core is dead (``AsyncLLM.errored``); True before it
+        is built and after close (the lifecycle says loading or draining then)."""
+        return self._engine is None or not self._engine.errored
+
     async def trim_memory(self) -> int:
         """``malloc_trim`` every worker's process (the model, its buffers: where the
         engine's memory is) between engine steps; the bytes given back, summed.

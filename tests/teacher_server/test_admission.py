@@ -1,4 +1,4 @@
-"""The bounded admission queue: slots, a first-come-first-served line, refusal when full
+"""The bounded admission queue: slots, a line taken in turn per stream, refusal when full
 or closed, and callers that give up while waiting."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_slots_line_and_refusal() -> None:
         q.release()
         q.release()
         await asyncio.gather(*tasks)
-        assert order == [0, 1]  # first come, first served
+        assert order == [0, 1]  # two unary calls: two streams, in turn
         assert (q.in_flight, q.queued) == (2, 0)
         assert loads[-1] == (2, 0)
         q.release()
@@ -153,3 +153,65 @@ def test_full_queue_answers_unavailable_and_the_client_retries(  # type: ignore[
             assert torch.equal(a.ids, b.ids) and torch.equal(a.logprobs, b.logprobs)
         with pytest.raises(ResourceExhaustedError, match="max_tokens_per_request 4000"):
             client.score([np.arange(4001) % 512], 4)  # not retried: the request must change
+
+
+def _admission_order(fair: bool) -> list[str]:
+    """One slot, held; a flood stream queues 6 requests, then a canary stream queues
+    one: the order the slot goes round once released each time."""
+
+    async def main() -> list[str]:
+        q = AdmissionQueue(1, 100, fair=fair)
+        await q.acquire()
+        order: list[str] = []
+
+        async def waiter(stream: str, i: int) -> None:
+            await q.acquire("client", stream)
+            order.append(f"{stream}{i}")
+            q.release()
+
+        tasks = [asyncio.create_task(waiter("flood", i)) for i in range(6)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(waiter("canary", 0)))
+        await asyncio.sleep(0)
+        q.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    return asyncio.run(main())
+
+
+def test_a_stream_with_one_request_is_served_next_not_after_the_flood() -> None:
+    assert _admission_order(fair=True) == [
+        "flood0",
+        "canary0",
+        "flood1",
+        "flood2",
+        "flood3",
+        "flood4",
+        "flood5",
+    ]
+    # --admission-order arrival: behind the whole flood.
+    assert _admission_order(fair=False)[-1] == "canary0"
+
+
+def test_a_cancelled_fair_waiter_leaves_its_stream_and_the_turns_go_on() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(1, 10)
+        await q.acquire()
+        a = asyncio.create_task(q.acquire("c", "s1"))
+        b = asyncio.create_task(q.acquire("c", "s1"))
+        c = asyncio.create_task(q.acquire("c", "s2"))
+        await asyncio.sleep(0)
+        assert q.queued == 3
+        a.cancel()
+        await asyncio.gather(a, return_exceptions=True)
+        assert q.queued == 2
+        q.release()
+        await asyncio.sleep(0)
+        assert b.done() and not c.done()  # s1's next, then s2
+        q.release()
+        await asyncio.wait_for(c, 1)
+        q.release()
+        await asyncio.wait_for(q.wait_idle(), 1)
+
+    asyncio.run(main())
