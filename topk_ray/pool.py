@@ -29,6 +29,10 @@ __all__ = ["PoolConfig", "PoolError", "TeacherPool", "connect"]
 log = logging.getLogger(__name__)
 
 
+#: Tries to start a local cluster (:func:`connect` without an address).
+_LOCAL_START_ATTEMPTS = 3
+
+
 class PoolError(RuntimeError):
     """The pool cannot do what it was asked; the message names the setting or replica."""
 
@@ -69,8 +73,17 @@ def connect(
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("log_to_driver", False)
     if address is None:
-        ray.init(num_cpus=num_cpus, **init_kwargs)
-        return
+        for attempt in range(_LOCAL_START_ATTEMPTS):
+            try:
+                ray.init(num_cpus=num_cpus, **init_kwargs)
+                return
+            except Exception as e:  # Ray raises a bare Exception for this
+                # Ray waits a fixed 30 s for its raylet to register; a loaded machine
+                # can take longer. Start again from nothing.
+                if "timed out during startup" not in str(e) or attempt == _LOCAL_START_ATTEMPTS - 1:
+                    raise
+                log.warning("local Ray cluster: %s; starting it again", e)
+                ray.shutdown()
     try:
         ray.init(address=address, **init_kwargs)
     except ConnectionError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,3 +140,80 @@ def test_bad_pool_config_is_named(tiny_model_dir: Path) -> None:
         PoolConfig([*_serve_args(tiny_model_dir), "--port", "1"])
     with pytest.raises(PoolError, match="replicas: must be >= 1, got 0"):
         PoolConfig(_serve_args(tiny_model_dir), replicas=0)
+
+
+def _rows(path: Path) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
+    from student_client import PayloadDataset
+
+    ds = PayloadDataset(path, top_k=K, dtype="float32")
+    out = []
+    for i in range(len(ds)):
+        item = ds[i]
+        out.append(
+            (
+                np.asarray(item.token_ids).tobytes(),
+                item.arrays.ids.copy(),
+                item.arrays.logprobs.copy(),
+            )
+        )
+    return out
+
+
+def test_recording_on_ray_with_a_worker_killed_mid_write(
+    pool: TeacherPool, direct: TeacherProcess, tmp_path: Path
+) -> None:
+    import threading
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from student_client.offline.record_cli import main as record_main
+    from topk_protocol.recording.format import SHARD_SUFFIX
+    from topk_protocol.sharded_recording import PART_FILE, part_location
+    from topk_ray.record import record_on_ray
+
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(20, 120, size=240)]
+    corpus = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"input_ids": seqs}), corpus, row_group_size=10)
+    flags = ["--top-k", str(K), "--dtype", "float32", "--batch-size", "1", "--depth", "2"]
+    single = tmp_path / "single"
+    assert record_main(["--teacher", direct.target, "--input", str(corpus), "--output",
+                        str(single), "--quiet", *flags]) == 0  # fmt: skip
+
+    out = tmp_path / "on-ray"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+
+    def on_start(shard: int, pid: int) -> None:
+        (pids / f"{shard}-{pid}").touch()
+
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["problems"] = record_on_ray(
+                pool.targets(), str(corpus), str(out), num_shards=2, record_args=flags,
+                num_cpus=0, on_start=on_start,
+            )  # fmt: skip
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    driver = threading.Thread(target=run)
+    driver.start()
+    part0 = Path(part_location(out, 0, 2))
+    while not (part0.is_dir() and any(p.suffix == SHARD_SUFFIX for p in part0.iterdir())):
+        assert driver.is_alive(), result
+        time.sleep(0.05)
+    assert not (part0 / PART_FILE).exists(), "shard 0 finished before it could be killed"
+    (first,) = [p.name for p in pids.iterdir() if p.name.startswith("0-")]
+    os.kill(int(first.split("-")[1]), signal.SIGKILL)  # the worker writing shard 0
+    driver.join()
+    assert "error" not in result, result
+    assert result["problems"] == []  # --verify accepts it
+    retried = [p.name for p in pids.iterdir() if p.name.startswith("0-")]
+    assert len(retried) == 2  # Ray ran shard 0 again, which resumed its part
+    got, want = _rows(out), _rows(single)
+    assert len(got) == len(want) == len(seqs)
+    for (gt, gi, gl), (wt, wi, wl) in zip(got, want, strict=True):
+        assert gt == wt and np.array_equal(gi, wi) and np.array_equal(gl, wl)
