@@ -217,3 +217,37 @@ def test_recording_on_ray_with_a_worker_killed_mid_write(
     assert len(got) == len(want) == len(seqs)
     for (gt, gi, gl), (wt, wi, wl) in zip(got, want, strict=True):
         assert gt == wt and np.array_equal(gi, wi) and np.array_equal(gl, wl)
+
+
+def test_ray_data_stage_reads_back_like_teacher_record(
+    pool: TeacherPool, direct: TeacherProcess, tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from student_client.offline.record_cli import main as record_main
+    from topk_ray.data import TeacherPayloads, write_recording
+
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(5, 90, size=40)]
+    corpus = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"input_ids": seqs}), corpus, row_group_size=10)
+    single = tmp_path / "single"
+    argv = ["--teacher", direct.target, "--input", str(corpus), "--output", str(single),
+            "--quiet", "--top-k", str(K), "--dtype", "float32"]  # fmt: skip
+    assert record_main(argv) == 0
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ds = ray.data.from_arrow(pq.read_table(corpus)).map_batches(
+        TeacherPayloads,
+        fn_constructor_args=(pool.targets(), K),
+        batch_size=8,
+        concurrency=1,
+        num_cpus=0,
+    )
+    out = tmp_path / "ray-data"
+    assert write_recording(ds, str(out), pool.targets()) == len(seqs)
+    got, want = _rows(out), _rows(single)
+    assert len(got) == len(want) == len(seqs)
+    for (gt, gi, gl), (wt, wi, wl) in zip(got, want, strict=True):
+        assert gt == wt and np.array_equal(gi, wi) and np.array_equal(gl, wl)
