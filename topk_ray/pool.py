@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import tempfile
 import time
@@ -73,6 +74,9 @@ def connect(
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("log_to_driver", False)
     if address is None:
+        # The raylet waits for its agents' ports this long (Ray's default: 30 s, which a
+        # loaded machine can miss); a value already in the environment wins.
+        os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
         for attempt in range(_LOCAL_START_ATTEMPTS):
             try:
                 ray.init(num_cpus=num_cpus, **init_kwargs)

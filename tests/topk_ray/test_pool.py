@@ -25,8 +25,9 @@ K = 8
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster of 2 CPUs (one per replica), no dashboard."""
-    connect(num_cpus=2, object_store_memory=80 * 1024 * 1024)
+    """A local Ray cluster of 3 logical CPUs (one per replica, one for Ray Data's own
+    scheduling), no dashboard."""
+    connect(num_cpus=3, object_store_memory=80 * 1024 * 1024)
     yield
     ray.shutdown()
 
