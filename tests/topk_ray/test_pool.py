@@ -53,9 +53,13 @@ def pool(ray_cluster: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
 def direct(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TeacherProcess]:
-    """The same teacher started outside Ray: what a direct client gets."""
+    """The same teacher started outside Ray: what a direct client gets. With one torch
+    thread, as Ray gives a replica of one CPU (OMP_NUM_THREADS=1): another thread count
+    sums float32 in another order."""
     server = start_teacher(
-        _serve_args(tiny_model_dir), tmp_path_factory.mktemp("direct") / "server.log"
+        _serve_args(tiny_model_dir),
+        tmp_path_factory.mktemp("direct") / "server.log",
+        env={"OMP_NUM_THREADS": "1"},
     )
     yield server
     server.stop()
@@ -234,15 +238,17 @@ def test_ray_data_stage_reads_back_like_teacher_record(
     corpus = tmp_path / "tokens.parquet"
     pq.write_table(pa.table({"input_ids": seqs}), corpus, row_group_size=10)
     single = tmp_path / "single"
-    argv = ["--teacher", direct.target, "--input", str(corpus), "--output", str(single),
-            "--quiet", "--top-k", str(K), "--dtype", "float32"]  # fmt: skip
+    # teacher-record against the same replicas: the stage's rows must equal its rows.
+    argv = ["--teacher", ",".join(pool.targets()), "--input", str(corpus), "--output", str(single),
+            "--quiet", "--top-k", str(K), "--dtype", "float32", "--batch-size", "1",
+            "--depth", "1"]  # fmt: skip
     assert record_main(argv) == 0
 
     ray.data.DataContext.get_current().execution_options.preserve_order = True
     ds = ray.data.from_arrow(pq.read_table(corpus)).map_batches(
         TeacherPayloads,
         fn_constructor_args=(pool.targets(), K),
-        batch_size=8,
+        batch_size=1,
         concurrency=1,
         num_cpus=0,
     )
