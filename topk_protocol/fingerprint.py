@@ -219,8 +219,8 @@ def _unambiguous(logprobs: npt.NDArray[np.float64], drift: float) -> npt.NDArray
 
 def load_fingerprint(path: str | Path) -> AnswerFingerprint:
     """The reference fingerprint in ``path``: a fingerprint's JSON
-    (:meth:`AnswerFingerprint.to_json`), a teacher's ``/v1/info`` JSON, or a recording (its directory or its
-    ``metadata.json``), whose teacher's fingerprint it holds. Raises
+    (:meth:`AnswerFingerprint.to_json`), a teacher's ``/v1/info`` JSON, or a recording
+    (its directory or its ``metadata.json``), whose teacher's fingerprint it holds. Raises
     :class:`FingerprintFileError` naming the file and what is wrong."""
     path = Path(path)
     if path.is_dir():
