@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy topk_protocol teacher_server student_client devtools examples benchmarks scripts
+	$(VENV)/bin/mypy topk_protocol teacher_server student_client topk_ray devtools examples benchmarks scripts
 
 # The layering contracts of pyproject.toml ([tool.importlinter]).
 contracts: $(STAMP)

@@ -83,6 +83,10 @@ class ServerConfig:
     once per idle spell; 0: never)"""
     http_limits: HttpLimits | None = field(default=None, metadata={"flag": False})
     """the HTTP side's limits (None: HttpLimits' defaults; the CLI's --http-* flags)"""
+    expect_fingerprint: Path | None = None
+    """refuse to become ready unless the answers to the canary sequences agree with this
+    reference (a fingerprint JSON, another replica's /v1/info JSON, or a recording
+    directory) within the engine's drift (docs/fingerprint.md)"""
 
     def __post_init__(self) -> None:
         for name in ("max_top_k", "max_tokens_per_request", "max_message_mb", "chunk_kb"):

@@ -23,6 +23,7 @@ from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
 from teacher_server.config import MIB, ServerConfig
 from teacher_server.fair_share import FAIR
+from teacher_server.fingerprint import announce_fingerprint
 from teacher_server.http_app import build_http_app
 from teacher_server.http_limits import BodyLimitMiddleware, HttpLimits
 from teacher_server.http_thread import HttpThread, ProbeFront
@@ -214,6 +215,7 @@ class TeacherServer:
             self._pipeline.set_limits(self._limits)
             if self._config.warmup:
                 await self._backend.warmup()
+            await announce_fingerprint(self._backend, self._config.expect_fingerprint)
             _freeze_startup_objects()
             self._info = teacher_info_message(self._backend, self._limits)
             if self._config.memory_trim_idle_s > 0:

@@ -60,6 +60,9 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
         engine_dtype=info.dtype,
         teacher_temperature=info.temperature,
         max_candidates=limits.max_candidates,
+        answer_fingerprint=None
+        if info.answer_fingerprint is None
+        else info.answer_fingerprint.to_message(),
     )
 
 

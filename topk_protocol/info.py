@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.codec import DTYPE_NAMES, ENCODING_NAMES, SCHEMA_VERSION, dtype_name
 from topk_protocol.errors import TeacherError, TeacherMismatchError, VocabMismatchError
+from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.temperature import DEFAULT_TEACHER_TEMPERATURE, teacher_temperature
 
 __all__ = ["TeacherInfo"]
@@ -33,6 +34,9 @@ class TeacherInfo:
     #: Payload encodings the teacher answers (an older teacher announces none: default).
     supported_encodings: tuple[str, ...] = ("default",)
     max_samples: int = 0  # largest sampled-payload N (0: none)
+    #: Its answers to the canary sequences (None: an older teacher, or replay;
+    #: topk_protocol.fingerprint).
+    answer_fingerprint: AnswerFingerprint | None = field(default=None, compare=False)
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -56,6 +60,7 @@ class TeacherInfo:
             max_candidates=int(msg.max_candidates),
             supported_encodings=encodings or ("default",),
             max_samples=int(msg.max_samples),
+            answer_fingerprint=AnswerFingerprint.of_info(msg),
         )
 
     def check_schema(self) -> None:

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from student_client.clients.agreement import ReplicaAgreement, ReplicaDisagreesError
 from student_client.data.alignment import PaddedLayout, align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.batch import ScoreBatch
@@ -368,6 +369,8 @@ class AsyncTeacherClient(AsyncCloseable):
         self._channels: list[Any] = []
         self._stubs: list[pb_grpc.TeacherStub] = []
         self._infos: dict[int, tuple[TeacherInfo, pb.TeacherInfo]] = {}
+        self._agreement = ReplicaAgreement(self.targets)  # replicas that answer alike
+        self._vetting = asyncio.Lock()
         self._current = 0
         self._rr = itertools.count()
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
@@ -403,8 +406,32 @@ class AsyncTeacherClient(AsyncCloseable):
             info = TeacherInfo.from_message(msg)
             info.check_schema()  # our schema, and the teacher the student expects
             info.check_expected(f"teacher {self.targets[index]}", **self._expect)
+            self._agreement.check(index, info)
             self._infos[index] = (info, msg)
         return self._infos[index][0]
+
+    async def _pick(self, index: int) -> int:
+        """``index``, or the next target whose answers agree with the other replicas'
+        (:mod:`student_client.clients.agreement`; the first call asks every target)."""
+        async with self._vetting:
+            if not self._agreement.decided:
+                answers = await asyncio.gather(
+                    *(
+                        self._stub(i).GetInfo(
+                            pb.GetInfoRequest(), timeout=self._timeout_s, metadata=self._metadata
+                        )
+                        for i in range(len(self.targets))
+                    ),
+                    return_exceptions=True,
+                )
+                self._agreement.decide(
+                    {
+                        i: TeacherInfo.from_message(m)
+                        for i, m in enumerate(answers)
+                        if isinstance(m, pb.TeacherInfo)
+                    }
+                )
+        return self._agreement.usable(index)
 
     def _wait(self, failures: int) -> float:
         """Seconds to wait after ``failures`` failed tries (exponential, with jitter)."""
@@ -426,9 +453,11 @@ class AsyncTeacherClient(AsyncCloseable):
         """Run ``fn(target_index)`` with retries on UNAVAILABLE, moving between targets."""
         failures = 0
         while True:
-            self._current = index
+            self._current = index = await self._pick(index)
             try:
                 return await fn(index)
+            except ReplicaDisagreesError:
+                continue  # refused now: _pick moves on
             except grpc.RpcError as e:
                 failures += 1
                 self._give_up(failures, error_from_rpc(e))
@@ -632,9 +661,11 @@ class AsyncTeacherClient(AsyncCloseable):
                     if failures:
                         await asyncio.sleep(self._wait(failures))
                         index = (index + 1) % len(self.targets)
-                    self._current = index
+                    self._current = index = await self._pick(index)
                     try:
                         await self._fetch_info(index)
+                    except ReplicaDisagreesError:
+                        continue  # refused now: _pick moves on
                     except grpc.RpcError as e:
                         failures += 1
                         self._give_up(failures, error_from_rpc(e))

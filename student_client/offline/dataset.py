@@ -129,6 +129,7 @@ class PayloadDataset(Dataset[PayloadItem]):
         self._parts: list[tuple[str | None, PayloadDataset]] = []
         if shards or names is not None:
             from student_client.clients.routing import check_agreement
+            from student_client.offline.verify import check_same_answers
 
             if shards:
                 counts = {p.num_shards for p in shards}
@@ -155,6 +156,8 @@ class PayloadDataset(Dataset[PayloadItem]):
                 {str(d.path): [str(d.path)] for _, d in self._parts},
             )
             first = self._parts[0][1]
+            if shards:  # parts of one teacher's recording: its replicas must agree
+                check_same_answers([(str(d.path), d.reader.info) for _, d in self._parts])
             for _, d in self._parts[1:]:
                 if (d.top_k, d.dtype) != (first.top_k, first.dtype):
                     raise NotRecordedError(

@@ -24,7 +24,9 @@ from typing import Any
 
 from student_client.offline.inputs import shard_range
 from student_client.offline.recorder import recording_dirs
-from topk_protocol.errors import RecordingError
+from topk_protocol import pb
+from topk_protocol.errors import NotRecordedError, RecordingError
+from topk_protocol.fingerprint import answer_problems
 from topk_protocol.recording import RecordingReader
 from topk_protocol.sharded_recording import (
     PART_FILE,
@@ -49,6 +51,8 @@ class Verdict:
     rows: int = 0
     positions: int = 0
     cross_part_repeats: int = 0
+    #: ``teacher (None: the one) -> [(recording location, its TeacherInfo)]``, each part's.
+    teachers: dict[str | None, list[tuple[str, pb.TeacherInfo]]] = field(default_factory=dict)
 
 
 def _parts(output: str, verdict: Verdict) -> list[Part]:
@@ -120,6 +124,7 @@ def _check_part(part: Part, verdict: Verdict, seen: dict[bytes, str]) -> int:
             verdict.problems.append(str(e))
             continue
         with reader:
+            verdict.teachers.setdefault(teacher, []).append((location, reader.info))
             damaged = {str(e) for e in reader.damaged}
             verdict.problems.extend(str(e) for e in reader.verify())
             verdict.problems.extend(
@@ -170,6 +175,8 @@ def verify(output: str) -> Verdict:
             )
     if records:
         _check_tiling(records, verdict)
+    for parts_of_teacher in verdict.teachers.values():
+        verdict.problems.extend(_answer_problems(parts_of_teacher))
     return verdict
 
 
@@ -190,3 +197,24 @@ def verify_main(output: str) -> int:
         "across parts"
     )
     return 0
+
+
+def check_same_answers(parts: list[tuple[str, pb.TeacherInfo]]) -> None:
+    """Refuse parts of one recording whose teachers' answer fingerprints disagree
+    (:mod:`topk_protocol.fingerprint`): :class:`NotRecordedError` naming both parts."""
+    problems = _answer_problems(parts)
+    if problems:
+        raise NotRecordedError("; ".join(problems))
+
+
+def _answer_problems(parts: list[tuple[str, pb.TeacherInfo]]) -> list[str]:
+    """One line per part whose teacher answers unlike the first part's."""
+    if not parts:
+        return []
+    first, ref = parts[0]
+    return [
+        f"{where}: " + "; ".join(found)
+        for where, info in parts[1:]
+        for found in [answer_problems(info, ref, f"the teacher of {first}")]
+        if found
+    ]

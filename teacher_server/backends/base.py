@@ -21,6 +21,7 @@ from topk_protocol import (
     SequenceArrays,
 )
 from topk_protocol._deprecation import deprecated_names
+from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.sampling import SampledRows, sample_rows, sequence_sample_key
 
 __all__ = [
@@ -55,6 +56,8 @@ class BackendInfo:
     temperature: float = DEFAULT_TEACHER_TEMPERATURE
     max_candidates: int = 0
     max_samples: int = 0
+    #: Its answers to the canaries, set at start-up (teacher_server.fingerprint).
+    answer_fingerprint: AnswerFingerprint | None = None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature", "max_candidates", "supported_encodings", "max_samples")
+    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature", "max_candidates", "supported_encodings", "max_samples", "answer_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class TeacherInfo(_message.Message):
     MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_top_k: int
@@ -69,7 +70,26 @@ class TeacherInfo(_message.Message):
     max_candidates: int
     supported_encodings: _containers.RepeatedScalarFieldContainer[PayloadEncoding]
     max_samples: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ..., max_candidates: _Optional[int] = ..., supported_encodings: _Optional[_Iterable[_Union[PayloadEncoding, str]]] = ..., max_samples: _Optional[int] = ...) -> None: ...
+    answer_fingerprint: AnswerFingerprint
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ..., max_candidates: _Optional[int] = ..., supported_encodings: _Optional[_Iterable[_Union[PayloadEncoding, str]]] = ..., max_samples: _Optional[int] = ..., answer_fingerprint: _Optional[_Union[AnswerFingerprint, _Mapping]] = ...) -> None: ...
+
+class AnswerFingerprint(_message.Message):
+    __slots__ = ("canary", "top_k", "ids", "logprobs", "drift", "engine_dtype", "model_name")
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    canary: str
+    top_k: int
+    ids: bytes
+    logprobs: bytes
+    drift: float
+    engine_dtype: str
+    model_name: str
+    def __init__(self, canary: _Optional[str] = ..., top_k: _Optional[int] = ..., ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., drift: _Optional[float] = ..., engine_dtype: _Optional[str] = ..., model_name: _Optional[str] = ...) -> None: ...
 
 class SequenceRequest(_message.Message):
     __slots__ = ("token_ids", "position_start", "position_end", "candidate_ids", "num_candidates")

@@ -31,6 +31,7 @@ from topk_protocol import (
 from topk_protocol._closeable import Closeable
 from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
 from topk_protocol.errors import RecordingError
+from topk_protocol.fingerprint import answer_problems
 from topk_protocol.packing import Packing
 from topk_protocol.recording.format import (
     COMPRESSIONS,
@@ -190,6 +191,7 @@ class RecordingWriter(Closeable):
                 old, new = getattr(r.info, field), getattr(self.info, field)
                 if old != new:
                     problems.append(f"{field}: recorded {old!r}, this teacher has {new!r}")
+            problems += answer_problems(self.info, r.info)
             if r.temperature != teacher_temperature(self.info):
                 problems.append(
                     f"temperature: recorded {r.temperature!r}, this teacher has "
