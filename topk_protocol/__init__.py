@@ -7,8 +7,6 @@ and ``student_client`` import it; it imports neither (checked by the import cont
 in ``pyproject.toml``). See ``docs/protocol.md``.
 """
 
-from topk_protocol import codec
-from topk_protocol._deprecation import deprecated_names
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
 from topk_protocol.arrays import SequenceArrays
@@ -84,5 +82,3 @@ __all__ = [
     "teacher_temperature",
     "temperature_mismatch",
 ]
-
-__getattr__ = deprecated_names(__name__, codec.DEPRECATED)

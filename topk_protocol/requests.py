@@ -13,7 +13,6 @@ its answers with them. Rules in ``docs/protocol.md``.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
@@ -23,7 +22,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from topk_protocol import checks
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.checks import (
     MAX_SAMPLES,
@@ -538,29 +536,3 @@ def fits_one_message(payload_bytes: int, num_sequences: int, max_message_bytes: 
     """The one-message rule: a unary ``Score`` answer of ``payload_bytes`` array bytes over
     ``num_sequences`` sequences fits in ``max_message_bytes`` once framing is counted."""
     return payload_bytes + FRAMING_BYTES * (num_sequences + 1) <= max_message_bytes
-
-
-# -- moved: the request's rules live in topk_protocol.checks ------------------------------
-def _check_top_k(top_k: int, max_top_k: int, field: str = "top_k") -> None:
-    checks.check_top_k(top_k, checks.TeacherLimits(0, max_top_k), field)
-
-
-def _check_token_ids(ids: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
-    if len(ids):
-        checks.check_token_ids(ids, checks.TeacherLimits(vocab_size, 0), field)
-
-
-_MOVED = {"check_top_k": _check_top_k, "check_token_ids": _check_token_ids}
-
-
-def __getattr__(name: str) -> Any:
-    """``check_top_k`` / ``check_token_ids`` with their old signatures, for one release."""
-    if name in _MOVED:
-        warnings.warn(
-            f"topk_protocol.requests.{name} is deprecated; use topk_protocol.checks.{name} "
-            "(it takes a TeacherLimits)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _MOVED[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ facade that runs it on a background event loop.
 - retries with backoff on UNAVAILABLE and on a connection lost mid-stream (unanswered
   requests are re-sent, to the next target when there are several; a batch is neither
   lost nor yielded twice); per-request deadline; typed exceptions
-  (:mod:`student_client.errors`);
+  (:mod:`topk_protocol.errors`);
 - ``record_to=`` records every answered request (:mod:`topk_protocol.recording`).
 """
 

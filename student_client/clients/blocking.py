@@ -28,9 +28,9 @@ import torch
 
 from student_client.clients.aio import Answer, AsyncTeacherClient
 from student_client.data.payload import TeacherPayload
-from student_client.errors import TeacherError
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
+from topk_protocol.errors import TeacherError
 
 __all__ = ["BlockingFacade", "TeacherClient"]
 

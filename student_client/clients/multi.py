@@ -43,10 +43,10 @@ from student_client.clients.blocking import BlockingFacade
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import TeacherError
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
+from topk_protocol.errors import TeacherError
 from topk_protocol.multi_recording import (
     check_teacher_name,
     teacher_recording_path,

@@ -9,7 +9,7 @@ of a teacher: the blocking :class:`~student_client.clients.blocking.TeacherClien
 :class:`AsyncTeacherSource` is the same interface on asyncio
 (:class:`~student_client.clients.aio.AsyncTeacherClient`,
 :class:`~student_client.clients.multi.AsyncMultiTeacherClient`). mypy checks every class
-against its protocol (:mod:`student_client._conformance`).
+against its protocol (:mod:`student_client.offline.conformance`).
 
 ``names`` tells a single-teacher source (``[]``) from a multi-teacher one (its teachers'
 names, routed per sequence by ``teacher=`` / :attr:`ScoreBatch.teacher

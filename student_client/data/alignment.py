@@ -28,8 +28,8 @@ import numpy.typing as npt
 import torch
 
 from student_client.data.payload import TeacherPayload
-from student_client.errors import InvalidRequestError
 from topk_protocol import RequestOptions, Span, build_request, pb
+from topk_protocol.errors import InvalidRequestError
 from topk_protocol.requests import check_span
 
 __all__ = [

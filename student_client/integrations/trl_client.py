@@ -7,7 +7,7 @@ what TRL's own ``trl.generation.vllm_client.VLLMClient.get_sequence_logprobs`` (
 and later) returns, in TRL's alignment (:mod:`topk_protocol.trl_layout`), but fetches it
 from a topk-distill teacher over gRPC with :class:`~student_client.clients.blocking.TeacherClient`:
 binary payloads, only the completion rows, retries and fail-over between targets, typed
-errors (:mod:`student_client.errors`), several chunks in flight on one stream.
+errors (:mod:`topk_protocol.errors`), several chunks in flight on one stream.
 
     trainer.teacher_client = TRLTeacherClient("teacher-host:50051")
 
@@ -24,9 +24,9 @@ import numpy as np
 from student_client.clients.blocking import TeacherClient
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import InvalidRequestError, TeacherMismatchError
 from topk_protocol import temperature_mismatch
 from topk_protocol._closeable import Closeable
+from topk_protocol.errors import InvalidRequestError, TeacherMismatchError
 from topk_protocol.trl_layout import (
     TRLRows,
     check_prompt_lengths,

@@ -18,10 +18,10 @@ import torch
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import NotRecordedError, TeacherError
 from student_client.offline.replay import ReplayClient, replay_stream
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
+from topk_protocol.errors import NotRecordedError, TeacherError
 from topk_protocol.multi_recording import read_manifest, recorded_teachers
 
 __all__ = ["MultiReplayClient"]

@@ -5,7 +5,7 @@ is the recorded row's prefix), any position sub-range inside a recorded one, and
 dtype the teacher would have cast from the recorded values (see
 :func:`~topk_protocol.recording.can_serve_dtype`) are answered byte-identically to the
 live teacher: the recorded values go through the teacher's own encoding and the client's
-own decoding. Anything else raises :class:`~student_client.errors.NotRecordedError`
+own decoding. Anything else raises :class:`~topk_protocol.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
 
 A multi-teacher recording (:mod:`topk_protocol.multi_recording`) replays through
@@ -28,7 +28,6 @@ from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import NotRecordedError
 from topk_protocol import (
     RequestOptions,
     TeacherInfo,
@@ -45,6 +44,7 @@ from topk_protocol.checks import (
     check_token_ids,
     check_top_k,
 )
+from topk_protocol.errors import NotRecordedError
 from topk_protocol.multi_recording import (
     read_manifest,
     recorded_teachers,

@@ -19,7 +19,6 @@ from conftest import ServerProcess, start_server
 from sampling_checks import chi_square_p_value, equal_mass_chi_square
 
 from student_client.clients.blocking import TeacherClient
-from student_client.errors import InvalidRequestError, NotRecordedError
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from teacher_server.backends.replay_backend import ReplayBackend
@@ -28,6 +27,7 @@ from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, build_request, pb
 from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
 from topk_protocol.checks import MAX_SAMPLES
+from topk_protocol.errors import InvalidRequestError, NotRecordedError
 
 N, SEED, VOCAB = 64, 1234, 512
 ALPHA = 1e-3

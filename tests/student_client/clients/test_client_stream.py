@@ -22,11 +22,11 @@ from student_client.clients.blocking import TeacherClient
 from student_client.data.alignment import PaddedLayout
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import DeadlineExceededError, InvalidRequestError
 from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays
+from topk_protocol.errors import DeadlineExceededError, InvalidRequestError
 
 
 class EchoBackend(Backend):

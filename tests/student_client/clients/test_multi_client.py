@@ -30,18 +30,18 @@ from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherCl
 from student_client.clients.routing import check_agreement
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import (
+from student_client.offline.dataset import PayloadDataset, collate_payloads
+from student_client.offline.multi_replay import MultiReplayClient
+from student_client.offline.record_cli import main as record_main
+from student_client.offline.replay import ReplayClient
+from topk_protocol import RequestOptions, TeacherInfo
+from topk_protocol.errors import (
     InvalidRequestError,
     NotRecordedError,
     TeacherMismatchError,
     TeacherUnavailableError,
     VocabMismatchError,
 )
-from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.multi_replay import MultiReplayClient
-from student_client.offline.record_cli import main as record_main
-from student_client.offline.replay import ReplayClient
-from topk_protocol import RequestOptions, TeacherInfo
 
 pytestmark = pytest.mark.vllm
 

@@ -8,7 +8,7 @@ import torch
 
 from student_client.data.alignment import PaddedLayout, place_rows, prepare_inputs, unpad
 from student_client.data.payload import TeacherPayload
-from student_client.errors import InvalidRequestError
+from topk_protocol.errors import InvalidRequestError
 
 PAD = 257
 
