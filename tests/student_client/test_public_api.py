@@ -15,9 +15,11 @@ import student_client
 def test_public_names_at_the_top() -> None:
     from student_client import (
         AsyncTeacherClient,
+        LossOptions,
         ReplayClient,
         TeacherClient,
-        fused_topk_kl_loss,
+        TeacherTargets,
+        lm_head_topk_kl_loss,
         topk_kl_loss,
     )
 
@@ -25,9 +27,30 @@ def test_public_names_at_the_top() -> None:
     assert AsyncTeacherClient.__module__ == "student_client.clients.aio"
     assert ReplayClient.__module__ == "student_client.offline.replay"
     assert topk_kl_loss.__module__ == "student_client.losses.api"
-    assert fused_topk_kl_loss.__module__.startswith("student_client.losses.")
+    assert lm_head_topk_kl_loss.__module__ == "student_client.losses.sharded_head"
+    assert LossOptions.__module__ == "student_client.losses.options"
+    assert TeacherTargets.__module__ == "student_client.losses.teacher"
     for name in student_client.__all__:
         assert hasattr(student_client, name), name
+
+
+def test_the_namespace_holds_only_the_public_names() -> None:
+    """``import student_client`` exposes its ``__all__`` (no ``Any``, ``TYPE_CHECKING``,
+    ``importlib``): every other name of the module is a dunder, private, or one of its
+    sub-packages (set by importing them)."""
+    packages = {"clients", "data", "integrations", "losses", "offline"}
+    public = {n for n in vars(student_client) if not n.startswith("_")}
+    allowed = set(student_client.__all__) | packages
+    assert public <= allowed, sorted(public - allowed)
+    assert {"Any", "TYPE_CHECKING", "importlib", "annotations"}.isdisjoint(dir(student_client))
+
+
+def test_the_losses_export_at_most_sixteen_names() -> None:
+    import student_client.losses as losses
+
+    assert len(losses.__all__) <= 16, losses.__all__
+    for name in losses.__all__:
+        assert hasattr(losses, name), name
 
 
 def test_packages_ship_py_typed() -> None:
@@ -52,7 +75,7 @@ HEAVY = {"grpc", "pyarrow", "transformers", "google"}
     "statement",
     [
         "import student_client.losses",
-        "from student_client.losses import topk_kl_loss, fused_topk_kl_loss",
+        "from student_client.losses import topk_kl_loss, lm_head_topk_kl_loss",
         "from student_client import topk_kl_loss",
         "import student_client.integrations.distillation",
     ],

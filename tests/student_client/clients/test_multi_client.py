@@ -471,7 +471,7 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
         TopKDistillationTrainer,
         teacher_column_collator,
     )
-    from student_client.losses import topk_kl_loss
+    from student_client.losses import TeacherTargets, topk_kl_loss
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.padding_side = "right"
@@ -509,7 +509,7 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
         data_collator=pad,
         teacher=targets,
         teacher_column="domain",
-        distill=DistillationConfig(top_k=K, prefetch_depth=2),
+        distill=DistillationConfig(RequestOptions(K), prefetch_depth=2),
     )
     trainer.train()
     trainer.close()
@@ -528,7 +528,8 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
 
     def loss(rows: list[int]) -> float:
         value, _ = topk_kl_loss(
-            logits[rows], payload.ids[rows], payload.logprobs[rows], mask=payload.mask[rows]
+            logits[rows],
+            TeacherTargets(payload.ids[rows], payload.logprobs[rows], mask=payload.mask[rows]),
         )
         return float(value)
 

@@ -24,9 +24,10 @@ from student_client.integrations.hf_trainer import (
     TopKDistillationTrainer,
     payload_dataset_collator,
 )
-from student_client.losses import topk_kl_loss
+from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.replay import ReplayClient
+from topk_protocol.requests import RequestOptions
 
 pytestmark = pytest.mark.vllm
 
@@ -95,7 +96,9 @@ def _manual_losses(
     for x, payload in zip(to_student, payloads, strict=True):
         logits = model(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).logits
         loss, _ = topk_kl_loss(
-            logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
+            logits,
+            TeacherTargets(payload.ids, payload.logprobs, mask=payload.mask),
+            LossOptions(mode="tail"),
         )
         (loss / accumulation).backward()
         step_losses.append(loss.item())
@@ -121,7 +124,7 @@ def _train(
         args=_trainer_args(tmp, accumulation),
         train_dataset=_examples(STEPS * BATCH * accumulation),
         data_collator=lambda feats: tokenizer.pad(feats, return_tensors="pt"),
-        distill=DistillationConfig(top_k=K, prefetch_depth=4),
+        distill=DistillationConfig(RequestOptions(K), prefetch_depth=4),
         **kwargs,
     )
     trainer.train()
@@ -199,7 +202,7 @@ def test_payload_dataset_trains_without_a_client(
         args=_trainer_args(tmp_path / "ds", 1, steps=3),
         train_dataset=PayloadDataset(scored),
         data_collator=payload_dataset_collator(pad_id=tokenizer.pad_token_id),
-        distill=DistillationConfig(top_k=K),
+        distill=DistillationConfig(RequestOptions(K)),
     )
     trainer.train()
     ds_losses = _logged(trainer, "kd_loss")
@@ -222,7 +225,7 @@ def test_fused_trainer_matches_the_logits_path(
                 train_dataset=_examples(4 * BATCH),
                 data_collator=lambda feats: tokenizer.pad(feats, return_tensors="pt"),
                 teacher=client,
-                distill=DistillationConfig(top_k=K, fused=fused),
+                distill=DistillationConfig(RequestOptions(K), fused=fused),
             )
             trainer.train()
             losses.append(_logged(trainer, "kd_loss"))
