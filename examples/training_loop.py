@@ -64,12 +64,13 @@ def train(
     losses = []
     # --- the loop (docs/training_loop.md) ---------------------------------------------
     loader = token_batches(steps, batch_size, seq_len, vocab_size)
+    options = LossOptions(mode="tail")
     to_student, to_teacher = itertools.tee(loader)  # the teacher reads `depth` batches ahead
     payloads = client.stream(to_teacher, top_k, depth=depth)
     for x, payload in zip(to_student, payloads, strict=True):
         logits = student(x)  # [B, T, V]; payload.ids / .logprobs: [B, T, K]
-        teacher = TeacherTargets.from_payload(payload)  # ids / log-probs [B, T, K], mask
-        loss, stats = topk_kl_loss(logits, teacher, LossOptions(mode="tail"))
+        teacher = TeacherTargets.from_payload(payload)  # the one teacher value, with its mask
+        loss, stats = topk_kl_loss(logits, teacher, options)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

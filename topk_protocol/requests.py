@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_MB",
     "FRAMING_BYTES",
     "RECORDED",
+    "RequestKeywords",
     "RequestOptions",
     "Span",
     "build_request",
@@ -83,6 +84,21 @@ RECORDED: Mapping[str, str] = MappingProxyType({"replay": "recorded"})
 
 def _is_recorded(f: Any) -> bool:
     return f.metadata.get("replay") == RECORDED["replay"]
+
+
+class RequestKeywords(TypedDict, total=False):
+    """The request options a client call takes by keyword (``score(seqs, 16, dtype=...)``),
+    the fields of :class:`RequestOptions` besides ``top_k``: one list that every client's
+    ``score`` / ``stream`` signature unpacks (``**options: Unpack[RequestKeywords]``), so an
+    IDE lists them and a type checker checks them."""
+
+    dtype: str
+    include_sampled: bool
+    encoding: str
+    logprob_bits: int | None
+    samples: int
+    seed: int | None
+    proposal_temperature: float
 
 
 @dataclass(frozen=True)
@@ -212,8 +228,9 @@ class RequestOptions:
         return self.samples > 0 and self.proposal_temperature != 1.0
 
     @classmethod
-    def of(cls, top_k: int | RequestOptions, **options: Any) -> RequestOptions:
-        """The options of a call written ``(top_k, dtype=..., include_sampled=...)`` or
+    def of(cls, top_k: int | RequestOptions | None = None, **options: Any) -> RequestOptions:
+        """The options of a call written ``(top_k, dtype=..., include_sampled=...)``,
+        ``(samples=N, seed=S)`` (K is N: no ``top_k`` to repeat) or
         ``(RequestOptions(...), <overrides>)``; an unknown keyword raises ``TypeError``
         naming the options there are."""
         known = {f.name for f in fields(cls)}
@@ -225,6 +242,13 @@ class RequestOptions:
             )
         if isinstance(top_k, RequestOptions):
             return replace(top_k, **options) if options else top_k
+        if top_k is None:
+            samples = options.get("samples", 0)
+            if not samples:
+                raise InvalidRequestError(
+                    "top_k: required (or samples=N for a sampled payload, whose K is N)"
+                )
+            top_k = int(samples)
         return cls(top_k, **options)
 
     @property

@@ -36,10 +36,11 @@ from collections.abc import (
 )
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import grpc
 import torch
+from typing_extensions import Unpack
 
 from student_client.data.alignment import PaddedLayout, align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
@@ -64,10 +65,46 @@ from topk_protocol.errors import (
     TeacherUnavailableError,
 )
 from topk_protocol.recording import RecordingWriter
+from topk_protocol.requests import RequestKeywords
 from topk_protocol.status import error_from_rpc
 from topk_protocol.storage import location
 
-__all__ = ["Answer", "AsyncTeacherClient", "clean_token", "parse_targets"]
+__all__ = [
+    "Answer",
+    "AsyncTeacherClient",
+    "ClientOptions",
+    "ConnectionOptions",
+    "clean_token",
+    "parse_targets",
+]
+
+
+class ConnectionOptions(TypedDict, total=False):
+    """How :class:`AsyncTeacherClient` connects and retries (see there): the keywords a
+    multi-teacher client hands to each of its teachers."""
+
+    token: str | None
+    tls: bool | bytes | str | Path | None
+    tls_server_name: str | None
+    timeout_s: float
+    max_message_mb: int
+    retries: int
+    backoff_s: float
+    max_backoff_s: float
+
+
+class ClientOptions(ConnectionOptions, total=False):
+    """The keyword arguments of :class:`AsyncTeacherClient` besides ``target`` (see there),
+    which the blocking client passes on (``**options: Unpack[ClientOptions]``: listed by
+    an IDE, checked by a type checker)."""
+
+    expect_vocab_size: int | None
+    expect_tokenizer_fingerprint: str | None
+    record_to: str | Path | None
+    record_compression: str
+    record_metadata: dict[str, Any] | None
+    expect_temperature: float | None
+
 
 T = TypeVar("T")
 _END = object()  # the server closed the stream
@@ -489,14 +526,15 @@ class AsyncTeacherClient(AsyncCloseable):
     async def score(
         self,
         sequences: Any,
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         positions: Sequence[tuple[int, int]] | None = None,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        teacher: Any = None,
         candidate_ids: Any = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
 
@@ -504,8 +542,10 @@ class AsyncTeacherClient(AsyncCloseable):
             sequences: ``[B, L]`` tensor/array, a list of 1-D token id sequences, or a
                 tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and
                 ``attention_mask``).
-            top_k: K, or the whole :class:`~topk_protocol.RequestOptions`.
-            options: the other request options by keyword (``RequestOptions.of``):
+            top_k: K, or the whole :class:`~topk_protocol.RequestOptions`; None with
+                ``samples=N`` (a sampled payload's K is N).
+            options: the other request options by keyword
+                (:class:`~topk_protocol.requests.RequestKeywords`, ``RequestOptions.of``):
                 ``dtype``, the wire dtype of the log-probs (``float16`` by default,
                 ``bfloat16``, ``float32``; the payload holds them widened to float32),
                 and ``include_sampled`` (default True: also fetch the log-prob of the
@@ -514,6 +554,7 @@ class AsyncTeacherClient(AsyncCloseable):
                 attention mask: column ranges of the padded batch).
             device: where the tensors go.
             timeout_s: this call's deadline (default: the client's).
+            teacher: ignored (one teacher; a multi-teacher client routes by it).
             attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
                 Padding is not sent; the payload comes back as ``[B, T, K]`` aligned to
                 the padded batch, ``mask`` False on padding (:mod:`student_client.data.alignment`).
@@ -556,24 +597,27 @@ class AsyncTeacherClient(AsyncCloseable):
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         device: torch.device | str = "cpu",
-        **options: Any,
+        depth: int = 4,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
-        ``device``; ``options`` (``depth``, ``timeout_s`` and the request options such as
-        ``dtype``, ``include_sampled``) as :meth:`stream_answers`."""
-        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
+        ``device``; ``depth``, ``timeout_s`` and the request options (``dtype``,
+        ``include_sampled``, ...) as :meth:`stream_answers`."""
+        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
+        return decoded(answers, self.decode, device)
 
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         depth: int = 4,
         timeout_s: float | None = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[Answer]:
         """The complete answers to ``batches``, in input order, undecoded (each one's
         ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,

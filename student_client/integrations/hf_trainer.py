@@ -310,13 +310,12 @@ class TopKDistillationTrainer(Trainer):
         if TEACHER_KEY not in inputs and self.teacher_client is not None:
             # Not prefetched (evaluation, prediction): fetch this batch's payload now.
             batch = _score_batch(inputs, teachers, self.distill, model)
-            route = {} if teachers is None else {"teacher": teachers}
             payload = self.teacher_client.score(
                 batch.sequences,
                 self.distill.request,
                 attention_mask=batch.attention_mask,
+                teacher=teachers,
                 candidate_ids=batch.candidate_ids,
-                **route,
             )
             inputs = {**inputs, TEACHER_KEY: payload.to(inputs["input_ids"].device)}
         loss, metrics, outputs = distillation_loss(model, inputs, self.distill)

@@ -71,13 +71,13 @@ def _with(case, **changes):
         (lambda c: _with(c, logits=c.logits.long()), "logits", "dtype"),
         (lambda c: _with(c, logits=torch.tensor(1.0)), "logits", "shape"),
         (lambda c: _with(c, logits=c.logits[..., :0]), "logits", "V_local >= 1"),
-        (lambda c: _with(c, ids=c.ids.float()), "teacher_ids", "integer"),
-        (lambda c: _with(c, ids=c.ids.bool()), "teacher_ids", "integer"),
-        (lambda c: _with(c, ids=c.ids[:3]), "teacher_ids", "shape"),
-        (lambda c: _with(c, ids=c.ids[..., :0], logprobs=c.logprobs[..., :0]), "teacher_ids", "K"),
-        (lambda c: _with(c, ids=c.ids.reshape(20, 4)), "teacher_ids", "shape"),
-        (lambda c: _with(c, logprobs=c.logprobs[..., :3]), "teacher_logprobs", "shape"),
-        (lambda c: _with(c, logprobs=c.ids), "teacher_logprobs", "float"),
+        (lambda c: _with(c, ids=c.ids.float()), "teacher\\.ids", "integer"),
+        (lambda c: _with(c, ids=c.ids.bool()), "teacher\\.ids", "integer"),
+        (lambda c: _with(c, ids=c.ids[:3]), "teacher\\.ids", "shape"),
+        (lambda c: _with(c, ids=c.ids[..., :0], logprobs=c.logprobs[..., :0]), "teacher\\.ids", "K"),
+        (lambda c: _with(c, ids=c.ids.reshape(20, 4)), "teacher\\.ids", "shape"),
+        (lambda c: _with(c, logprobs=c.logprobs[..., :3]), "teacher\\.logprobs", "shape"),
+        (lambda c: _with(c, logprobs=c.ids), "teacher\\.logprobs", "float"),
         (lambda c: _with(c, mask=torch.ones(4, 4, dtype=torch.bool)), "mask", "shape"),
         (lambda c: _with(c, mask=torch.full((4, 5), 2)), "mask", "0 and 1"),
         (lambda c: _with(c, logits=[1.0]), "logits", "torch.Tensor"),
@@ -95,7 +95,7 @@ def test_invalid_tensors_name_the_argument(case, change, argument, message) -> N
 def test_k_larger_than_vocabulary_is_rejected() -> None:
     logits = torch.randn(2, 3)
     ids = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 0]])
-    with pytest.raises(ValueError, match=r"^teacher_ids: K = 4"):
+    with pytest.raises(ValueError, match=r"^teacher\.ids: K = 4"):
         topk_kl_loss(logits, TeacherTargets(ids, torch.full((2, 4), -1.0)))
 
 
@@ -103,14 +103,14 @@ def test_k_larger_than_vocabulary_is_rejected() -> None:
 def test_ids_outside_vocabulary_are_rejected(case, bad_id: int) -> None:
     ids = case.ids.clone()
     ids[2, 3, 1] = bad_id
-    with pytest.raises(ValueError, match=r"^teacher_ids: ids must lie in \[0, 33\)"):
+    with pytest.raises(ValueError, match=r"^teacher\.ids: ids must lie in \[0, 33\)"):
         topk_kl_loss(case.logits, TeacherTargets(ids, case.logprobs))
 
 
 def test_duplicate_ids_are_rejected(case) -> None:
     ids = case.ids.clone()
     ids[1, 2, 3] = ids[1, 2, 0]
-    with pytest.raises(ValueError, match=r"^teacher_ids: an id repeats"):
+    with pytest.raises(ValueError, match=r"^teacher\.ids: an id repeats"):
         topk_kl_loss(case.logits, TeacherTargets(ids, case.logprobs))
 
 
@@ -118,7 +118,7 @@ def test_duplicate_ids_are_rejected(case) -> None:
 def test_bad_teacher_logprobs_are_rejected(case, value: float, message: str) -> None:
     logprobs = case.logprobs.clone()
     logprobs[0, 1, 2] = value
-    with pytest.raises(ValueError, match=rf"^teacher_logprobs:.*{message}"):
+    with pytest.raises(ValueError, match=rf"^teacher\.logprobs:.*{message}"):
         topk_kl_loss(case.logits, TeacherTargets(case.ids, logprobs))
 
 

@@ -233,8 +233,8 @@ def test_empty_batch_and_nothing_counted() -> None:
         (lambda p: {**p, "bias": p["bias"][:5]}, "bias", "shape"),
         (lambda p: {**p, "bias": p["bias"].float()}, "bias", "dtype"),
         (lambda p: {**p, "hidden": p["hidden"].long()}, "hidden", "dtype"),
-        (lambda p: {**p, "ids": p["ids"][:2]}, "teacher_ids", "leading dims of hidden"),
-        (lambda p: {**p, "ids": p["ids"] + VOCAB}, "teacher_ids", r"\[0, 123\)"),
+        (lambda p: {**p, "ids": p["ids"][:2]}, "teacher\\.ids", "leading dims of hidden"),
+        (lambda p: {**p, "ids": p["ids"] + VOCAB}, "teacher\\.ids", r"\[0, 123\)"),
     ],
 )
 def test_invalid_inputs_name_the_argument(change, argument, message) -> None:

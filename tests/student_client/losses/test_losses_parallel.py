@@ -225,7 +225,7 @@ def test_vocab_parallel_rejects_ids_beyond_global_vocabulary(tmp_path: Path) -> 
     try:
         logits = torch.randn(2, 5)
         ids = torch.tensor([[0, 5], [1, 2]])
-        with pytest.raises(ValueError, match=r"^teacher_ids: ids must lie in \[0, 5\)"):
+        with pytest.raises(ValueError, match=r"^teacher\.ids: ids must lie in \[0, 5\)"):
             topk_kl_loss(
                 logits,
                 TeacherTargets(ids, torch.full((2, 2), -1.0)),
