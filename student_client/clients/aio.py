@@ -348,8 +348,12 @@ class AsyncTeacherClient(AsyncCloseable):
             checked against ``GetInfo`` the same way (None: any); a teacher serving
             another one raises TeacherMismatchError naming ``teacher_temperature``.
         record_to: record every answered sequence to this recording directory or URI
-            (``s3://bucket/prefix``; :mod:`topk_protocol.recording`; K and dtype of the
-            first request).
+            (``s3://bucket/prefix``; :mod:`topk_protocol.recording`). The recording holds
+            the options of the first request: K, dtype, encoding (packed and its bits)
+            and the sampling options (``samples``, ``seed``, ``proposal_temperature``); a
+            later request its answer could not be recorded under (a packed or sampled
+            one after a default one, a smaller K, ...) raises ``RecordingError`` naming
+            the option before it is sent.
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
         record_metadata: extra JSON metadata for the recording's ``metadata.json``.
 
@@ -498,9 +502,12 @@ class AsyncTeacherClient(AsyncCloseable):
         ScoreRequest with a new id (padding cut off) and the layout :meth:`decode` places
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
+        asked = item.request_options(options)
+        if self._recorder is not None:  # refused before the teacher works, by name
+            self._recorder.check_request(asked)
         request, layout = build_aligned_request(
             item.sequences,
-            item.request_options(options),
+            asked,
             attention_mask=item.attention_mask,
             positions=item.positions,
             request_id=next(self._ids),

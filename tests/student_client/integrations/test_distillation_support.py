@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -82,7 +83,7 @@ def test_candidates_reach_the_loss(student, support, fused) -> None:
     per_teacher = per_teacher_metrics(
         SimpleNamespace(logits=logits),
         batch,
-        config,
+        dataclasses.replace(config, fused=False),
         ["a", "b"],
     )
     assert set(per_teacher) >= {"kd_loss/a", "kd_loss/b"}
@@ -101,3 +102,49 @@ def test_a_batch_without_candidates_is_a_named_error(student) -> None:
         student, _batch(student.config.vocab_size), DistillationConfig(RequestOptions(K))
     )
     assert math.isfinite(float(loss.detach()))
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: DistillationConfig(request=16), r"^request: must be a RequestOptions"),  # type: ignore[arg-type]
+        (
+            lambda: DistillationConfig(
+                RequestOptions(8, samples=8, seed=0), loss=LossOptions(divergence="reverse")
+            ),
+            r"^divergence: the sampled loss supports 'forward' only",
+        ),
+        (
+            lambda: DistillationConfig(
+                RequestOptions(8, samples=8, seed=0),
+                loss=LossOptions(support="union"),
+                candidates=2,
+            ),
+            r"^support: 'union' does not apply to the sampled loss",
+        ),
+        (
+            lambda: DistillationConfig(
+                RequestOptions(8, include_sampled=False), loss=LossOptions(mode="tail_actual")
+            ),
+            r"^loss: mode 'tail_actual' needs .*include_sampled",
+        ),
+        (
+            lambda: DistillationConfig(loss=LossOptions(support="union")),
+            r"^candidates: support 'union' needs the student's candidates",
+        ),
+        (lambda: DistillationConfig(candidates=4), r"^candidates: 4 asked with support 'teacher'"),
+        (lambda: DistillationConfig(candidates=-1), r"^candidates: must be >= 0"),
+        (lambda: DistillationConfig(loss=LossOptions(reduction="sum")), r"^loss: reduction"),
+        (lambda: DistillationConfig(alpha=0.5, fused=True), r"^fused: needs alpha = 0"),
+    ],
+)
+def test_the_config_checks_every_option_at_construction(build: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_the_default_config_asks_what_the_default_loss_uses() -> None:
+    config = DistillationConfig()
+    assert config.request == RequestOptions(16)
+    assert config.request.include_sampled  # the one default (RequestOptions')
+    assert config.loss == LossOptions()

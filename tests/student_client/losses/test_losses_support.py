@@ -408,10 +408,9 @@ def test_errors_name_the_argument_and_the_limit() -> None:
         ValueError, match=r"^candidate_ids: support 'student' needs a torch.Tensor \[\.\.\., C\]"
     ):
         topk_kl_loss(logits, TeacherTargets(ids, logprobs), LossOptions(support="student"))
-    with pytest.raises(
-        ValueError, match=r"^candidate_ids: is used by support 'student' or 'union' only"
-    ):
-        topk_kl_loss(logits, *teacher_and_options(ids, logprobs, **good))
+    # support "teacher" ignores the candidates a teacher value carries
+    with_candidates = topk_kl_loss(logits, *teacher_and_options(ids, logprobs, **good))[0]
+    assert torch.equal(with_candidates, topk_kl_loss(logits, TeacherTargets(ids, logprobs))[0])
     with pytest.raises(ValueError, match=r"^candidate_ids: shape \[2, 3\] must equal \[2, 3, 3\]"):
         call(candidate_ids=candidates[..., 0])
     with pytest.raises(
@@ -470,15 +469,19 @@ def test_no_candidates_and_no_positions() -> None:
     """`C = 0`: the union is the teacher's support, the student's support only the tail
     (loss 0); an empty batch gives 0."""
     problem = _problem(10)
-    args = (problem["logits"].float(), problem["ids"], problem["logprobs"])
-    none = {
-        "candidate_ids": torch.zeros(*LEAD, 0, dtype=torch.long),
-        "candidate_logprobs": torch.zeros(*LEAD, 0),
-    }
-    want, _ = topk_kl_loss(*args, divergence="reverse", reduction="none")
-    union, _ = topk_kl_loss(*args, divergence="reverse", reduction="none", support="union", **none)
+    logits = problem["logits"].float()
+    teacher = TeacherTargets(
+        problem["ids"],
+        problem["logprobs"],
+        candidate_ids=torch.zeros(*LEAD, 0, dtype=torch.long),
+        candidate_logprobs=torch.zeros(*LEAD, 0),
+    )
+    reverse = LossOptions(divergence="reverse", reduction="none")
+    want, _ = topk_kl_loss(logits, teacher, reverse)
+    union, _ = topk_kl_loss(logits, teacher, dataclasses.replace(reverse, support="union"))
     torch.testing.assert_close(union, want, rtol=1e-6, atol=1e-7)
-    student, stats = topk_kl_loss(*args, divergence="reverse", support="student", **none)
+    options = LossOptions(divergence="reverse", support="student")
+    student, stats = topk_kl_loss(logits, teacher, options)
     assert float(student) == 0.0 and stats.teacher_mass == 0.0
     empty, _ = topk_kl_loss(
         torch.zeros(0, V),
