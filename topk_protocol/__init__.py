@@ -10,6 +10,13 @@ in ``pyproject.toml``). See ``docs/protocol.md``.
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
 from topk_protocol.arrays import SequenceArrays
+from topk_protocol.building import (
+    build_request,
+    normalize_sequences,
+    request_spans,
+    response_bytes,
+    sequence_span,
+)
 from topk_protocol.codec import (
     DTYPE_NAMES,
     ENCODING_NAMES,
@@ -32,13 +39,8 @@ from topk_protocol.requests import (
     RECORDED,
     RequestOptions,
     Span,
-    build_request,
     bytes_per_row,
     fits_one_message,
-    normalize_sequences,
-    request_spans,
-    response_bytes,
-    sequence_span,
 )
 from topk_protocol.temperature import (
     DEFAULT_TEACHER_TEMPERATURE,

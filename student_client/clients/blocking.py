@@ -27,7 +27,9 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 from typing_extensions import Unpack
 
-from student_client.clients.aio import Answer, AsyncTeacherClient, ClientOptions
+from student_client.clients.aio import AsyncTeacherClient
+from student_client.clients.channels import ClientOptions
+from student_client.clients.window import Answer
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable

@@ -39,15 +39,11 @@ from typing import Any
 import torch
 from typing_extensions import Unpack
 
-from student_client.clients.aio import (
-    AsyncTeacherClient,
-    ClientOptions,
-    ConnectionOptions,
-    _as_async,
-    decoded,
-)
+from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import BlockingFacade
+from student_client.clients.channels import ClientOptions, ConnectionOptions
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
+from student_client.clients.window import as_async, decoded
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
@@ -282,7 +278,7 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         and the request ``options``: as :meth:`AsyncTeacherClient.stream_answers`."""
         check_depth(depth)
         opts = RequestOptions.of(top_k, **options)
-        return self._run_stream(_as_async(batches), opts, depth, timeout_s)
+        return self._run_stream(as_async(batches), opts, depth, timeout_s)
 
     async def _run_stream(
         self,

@@ -29,8 +29,8 @@ import torch
 
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, Span, build_request, pb
+from topk_protocol.building import check_span
 from topk_protocol.errors import InvalidRequestError
-from topk_protocol.requests import check_span
 
 __all__ = [
     "PaddedLayout",

@@ -74,7 +74,11 @@ def _with(case, **changes):
         (lambda c: _with(c, ids=c.ids.float()), "teacher\\.ids", "integer"),
         (lambda c: _with(c, ids=c.ids.bool()), "teacher\\.ids", "integer"),
         (lambda c: _with(c, ids=c.ids[:3]), "teacher\\.ids", "shape"),
-        (lambda c: _with(c, ids=c.ids[..., :0], logprobs=c.logprobs[..., :0]), "teacher\\.ids", "K"),
+        (
+            lambda c: _with(c, ids=c.ids[..., :0], logprobs=c.logprobs[..., :0]),
+            "teacher\\.ids",
+            "K",
+        ),
         (lambda c: _with(c, ids=c.ids.reshape(20, 4)), "teacher\\.ids", "shape"),
         (lambda c: _with(c, logprobs=c.logprobs[..., :3]), "teacher\\.logprobs", "shape"),
         (lambda c: _with(c, logprobs=c.ids), "teacher\\.logprobs", "float"),
