@@ -209,15 +209,6 @@ def teacher_rows(
         )
     if teacher.is_sampled:
         opts = sampled_options(opts)
-        check_tensors(
-            student,
-            teacher.ids,
-            teacher.logprobs,
-            teacher.mask,
-            global_vocab=shard.global_vocab,
-            **names,
-        )
-        return opts, sampled_rows(student, teacher, opts, shard)
     check_tensors(
         student,
         teacher.ids,
@@ -226,6 +217,8 @@ def teacher_rows(
         global_vocab=shard.global_vocab,
         **names,
     )
+    if teacher.is_sampled:
+        return opts, sampled_rows(student, teacher, opts, shard)
     positions, device = student.shape[:-1], student.device
     check_sampled(opts.mode, teacher.sampled_ids, teacher.sampled_logprobs, positions, device)
     check_candidates(
