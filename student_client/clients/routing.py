@@ -225,6 +225,7 @@ def merge_payloads(
         candidate_logprobs=cand_lps,
         sample_counts=counts,
         proposal_log_normalizer=log_z,
+        proposal_temperature=first.proposal_temperature,
     )
 
 

@@ -19,6 +19,7 @@ from conftest import ServerProcess, start_server
 from sampling_checks import chi_square_p_value, equal_mass_chi_square
 
 from student_client.clients.blocking import TeacherClient
+from student_client.losses import TeacherTargets
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from teacher_server.backends.replay_backend import ReplayBackend
@@ -188,8 +189,12 @@ def test_a_sampled_request_needs_no_top_k(teacher: ServerProcess) -> None:
     with TeacherClient(teacher.target) as client:
         short = client.score(seqs, samples=N, seed=SEED, dtype="float32")
         long = client.score(seqs, N, samples=N, seed=SEED, dtype="float32")
+        tempered = client.score(seqs, samples=N, seed=SEED, proposal_temperature=1.5)
         with pytest.raises(InvalidRequestError, match=r"^top_k: required \(or samples=N"):
             client.score(seqs)
+    # the proposal temperature travels with the payload into the loss's teacher value
+    assert (short.proposal_temperature, tempered.proposal_temperature) == (1.0, 1.5)
+    assert TeacherTargets.from_payload(tempered).proposal_temperature == 1.5
     assert short.top_k == N and torch.equal(short.ids, long.ids)
     assert short.sample_counts is not None and long.sample_counts is not None
     assert torch.equal(short.sample_counts, long.sample_counts)
