@@ -25,7 +25,7 @@ weight `[V, H]`, both requiring grad, and every variant returns both gradients:
 
 - `logits-chunked`: the logits path, `logits = hidden @ weight.T` then `topk_kl_loss` (tail);
   backward through the loss (the logits' own gradient) and the matmul.
-- `fused`: `fused_topk_kl_loss(hidden, weight, ...)` (tail), gradients computed in forward.
+- `fused`: `lm_head_topk_kl_loss(weight, hidden, ...)` (tail), gradients computed in forward.
 - `fused-recompute`: the same with `grad_in_forward=False` (chunk logits recomputed in
   backward: four matmuls instead of three).
 - `fused-reverse`, `fused-jsd` (only with `--variants`): `fused` with the reverse KL / the
@@ -171,12 +171,18 @@ _ACCUMULATION: dict[str, GradAccumulation] = {
 
 
 def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor]:
-    from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+    from student_client.losses import (
+        LossOptions,
+        TeacherTargets,
+        lm_head_topk_kl_loss,
+        topk_kl_loss,
+    )
 
     def logits_path(
         hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor
     ) -> torch.Tensor:
-        loss, _ = topk_kl_loss(hidden @ weight.t(), ids, logprobs, chunk_size=chunk_size)
+        teacher = TeacherTargets(ids, logprobs)
+        loss, _ = topk_kl_loss(hidden @ weight.t(), teacher, LossOptions(chunk_size=chunk_size))
         return loss
 
     divergence = DIVERGENCE_VARIANTS.get(variant, ("forward", ""))[0]
@@ -184,16 +190,13 @@ def _lm_head_loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torc
     def fused(
         hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor
     ) -> torch.Tensor:
-        loss, _ = fused_topk_kl_loss(
-            hidden,
-            weight,
-            ids,
-            logprobs,
+        options = LossOptions(
             chunk_size=chunk_size,
             grad_in_forward=variant != "fused-recompute",
             grad_weight_accumulation=_ACCUMULATION.get(variant, "weight"),
             divergence=divergence,
         )
+        loss, _ = lm_head_topk_kl_loss(weight, hidden, TeacherTargets(ids, logprobs), options)
         return loss
 
     def logits_naive(
@@ -228,22 +231,21 @@ def _loss_fn(variant: str, chunk_size: int | None) -> Callable[..., torch.Tensor
         return _naive
     if variant == "rowchunk-autograd":
         return _rowchunk
-    from student_client.losses import LossMode, topk_kl_loss
+    from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
+    from student_client.losses.types import LossMode
 
     mode: LossMode = "truncated" if variant == "chunked-truncated" else "tail"
     overlap = variant == "chunked-tail-overlap"
     divergence = DIVERGENCE_VARIANTS.get(variant, ("forward", ""))[0]
 
     def chunked(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        loss, _ = topk_kl_loss(
-            logits,
-            ids,
-            logprobs,
+        options = LossOptions(
             mode=mode,
             chunk_size=chunk_size,
             overlap=overlap,
             divergence=divergence,
         )
+        loss, _ = topk_kl_loss(logits, TeacherTargets(ids, logprobs), options)
         return loss
 
     return chunked

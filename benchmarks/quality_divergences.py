@@ -7,7 +7,7 @@ Run from the repository root (builds the demo teacher first if it is not cached)
 
 Each run trains a fresh student (`examples.distill.student_model`, seed 0) on the same
 byte windows of the standard library's sources, with the fused lm_head loss
-(`fused_topk_kl_loss`) against the teacher's top-k of each window, and then measures, on
+(`lm_head_topk_kl_loss`) against the teacher's top-k of each window, and then measures, on
 held-out files, the full-vocabulary KL(teacher || student), KL(student || teacher) and the
 student's cross-entropy (`examples.distill.evaluate`). The teacher's payload is computed in
 this process from the teacher's transformers forward (`log_softmax`, `topk`, and the
@@ -33,12 +33,13 @@ from examples.data import WindowSampler, fixed_windows, load_stdlib_corpus
 from examples.distill import DistillConfig, EvalResult, evaluate, student_model
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR, build_default_teacher
 from student_client.losses import (
-    LossMode,
     LossOptions,
+    TeacherTargets,
     causal_lm_hidden_and_head,
-    fused_topk_kl_loss,
     get_divergence,
+    lm_head_topk_kl_loss,
 )
+from student_client.losses.types import LossMode
 
 __all__ = [
     "QualityRow",
@@ -123,7 +124,7 @@ def train_student(
 
 
 def train_one(
-    teacher: Any,
+    source: Any,
     batches: list[torch.Tensor],
     heldout: torch.Tensor,
     cfg: DistillConfig,
@@ -132,18 +133,16 @@ def train_one(
     """Train a fresh student on `batches` with `options`; held-out metrics and seconds."""
 
     def step_loss(student: Any, x: torch.Tensor) -> torch.Tensor:
-        payload = teacher_payload(teacher, x, cfg.top_k)
+        payload = teacher_payload(source, x, cfg.top_k)
         actual: dict[str, Any] = {}
         if options.mode == "tail_actual":
             actual = {"sampled_ids": payload["sampled_ids"], "sampled_logprobs": payload["sampled"]}
         head = causal_lm_hidden_and_head(student, input_ids=x)
-        loss, _ = fused_topk_kl_loss(
-            head.hidden, head.weight, payload["ids"], payload["logprobs"], bias=head.bias,
-            options=options, **actual,
-        )  # fmt: skip
+        teacher = TeacherTargets(payload["ids"], payload["logprobs"], **actual)
+        loss, _ = lm_head_topk_kl_loss((head.weight, head.bias), head.hidden, teacher, options)
         return loss
 
-    return train_student(teacher, batches, heldout, cfg, step_loss)
+    return train_student(source, batches, heldout, cfg, step_loss)
 
 
 def format_table(rows: list[QualityRow], before: EvalResult, steps: int, cfg: DistillConfig) -> str:

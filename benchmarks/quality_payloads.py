@@ -60,12 +60,12 @@ from examples.teacher_pretrain import (
 )
 from student_client.losses import (
     LMHeadInputs,
-    LossMode,
+    LossOptions,
+    TeacherTargets,
     causal_lm_hidden_and_head,
-    fused_sampled_kl_loss,
-    fused_topk_kl_loss,
-    sampled_target_weights,
+    lm_head_topk_kl_loss,
 )
+from student_client.losses.types import LossMode
 from topk_protocol import RequestOptions
 from topk_protocol.arrays import SequenceArrays
 from topk_protocol.codec import decode_sequence, encode_sequence
@@ -182,12 +182,14 @@ def _topk_loss(
 ) -> torch.Tensor:
     """The fused top-k forward KL in ``mode`` (``tail_actual``: with the next token)."""
     actual = mode == "tail_actual"
-    loss, _ = fused_topk_kl_loss(
-        head.hidden, head.weight, inputs["ids"], inputs["logprobs"], bias=head.bias, mode=mode,
+    teacher = TeacherTargets(
+        inputs["ids"],
+        inputs["logprobs"],
         sampled_ids=torch.roll(x, -1, dims=-1) if actual else None,
         sampled_logprobs=inputs["sampled"] if actual else None,
-        overlap=False,
-    )  # fmt: skip
+    )
+    head_pair = (head.weight, head.bias)
+    loss, _ = lm_head_topk_kl_loss(head_pair, head.hidden, teacher, LossOptions(mode=mode))
     return loss
 
 
@@ -259,10 +261,8 @@ def _sampled_loss(
     """The fused sampled loss: cross-entropy against the empirical target ``c_i / N``
     (the teacher's log-probs give the loss its KL offset; the gradient does not use
     them)."""
-    loss, _ = fused_sampled_kl_loss(
-        head.hidden, head.weight, inputs["ids"], sampled_target_weights(inputs["counts"]),
-        bias=head.bias, teacher_logprobs=inputs["logprobs"],
-    )  # fmt: skip
+    teacher = TeacherTargets(inputs["ids"], inputs["logprobs"], sample_counts=inputs["counts"])
+    loss, _ = lm_head_topk_kl_loss((head.weight, head.bias), head.hidden, teacher)
     return loss
 
 

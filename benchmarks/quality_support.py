@@ -32,12 +32,13 @@ from typing import Any
 from examples.distill import EvalResult
 from examples.onpolicy import OnPolicyConfig, OnPolicyResult, bytes_per_row, run_onpolicy
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
+from student_client.losses.types import Support
 
 __all__ = ["GRID", "format_table", "main"]
 
 #: (divergence, beta, support) of every run; the forward KL on the teacher's top-k is the
 #: baseline the others are measured against.
-GRID: list[tuple[str, float | None, str]] = [
+GRID: list[tuple[str, float | None, Support]] = [
     ("forward", None, "teacher"),
     ("reverse", None, "teacher"),
     ("reverse", None, "student"),

@@ -36,7 +36,7 @@ from student_client.integrations.distributed import (
     rank_client_options,
     rank_recordings,
 )
-from student_client.losses import topk_kl_loss
+from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 
 __all__ = ["main", "rank_batches", "train", "window_dataset"]
 
@@ -89,9 +89,8 @@ def train(
     losses, logged, step_seconds = [], [], []
     start = time.perf_counter()
     for step, (x, payload) in enumerate(zip(to_student, payloads, strict=True)):
-        loss, stats = topk_kl_loss(
-            model(x), payload.ids, payload.logprobs, mode="tail", mask=payload.mask
-        )
+        teacher = TeacherTargets.from_payload(payload)  # ids, log-probs, mask: [B, T, K]
+        loss, stats = topk_kl_loss(model(x), teacher, LossOptions(mode="tail"))
         opt.zero_grad(set_to_none=True)
         loss.backward()  # DDP: gradients averaged over the ranks here
         opt.step()

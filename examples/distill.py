@@ -6,7 +6,7 @@ comes through :class:`~student_client.clients.blocking.TeacherClient` with prefe
 minimises a divergence of the coarse-grained top-k distributions (``--divergence
 forward|reverse|jsd [--beta B]``, default the forward KL; ``--mode tail|truncated|
 tail_actual``, default the tail-aware K+1 categories; ``tail_actual`` gives the actual next
-byte its own category), by default through the fused lm_head loss (``fused_topk_kl_loss``
+byte its own category), by default through the fused lm_head loss (``lm_head_topk_kl_loss``
 on the last hidden states: the student's logits are never formed; ``--no-fused`` computes
 logits and uses ``topk_kl_loss``). Before and after, on held-out files, it
 measures the student's cross-entropy and the full-vocabulary KL(teacher || student) and
@@ -48,14 +48,15 @@ from examples.data import ByteCorpus, WindowSampler, fixed_windows, load_stdlib_
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
 from student_client.losses import (
     DIVERGENCES,
-    LossMode,
     LossOptions,
+    TeacherTargets,
     TopKKLStats,
     causal_lm_hidden_and_head,
-    fused_topk_kl_loss,
     get_divergence,
+    lm_head_topk_kl_loss,
     topk_kl_loss,
 )
+from student_client.losses.types import LossMode
 
 __all__ = ["DistillConfig", "evaluate", "heldout_table", "main", "run_distill", "student_model"]
 
@@ -159,19 +160,18 @@ def evaluate(student: Any, teacher: Any, windows: torch.Tensor, batch: int = 8) 
 
 def distill_loss(student: Any, x: torch.Tensor, payload: Any, cfg: DistillConfig) -> Any:
     """The step's loss and stats: fused on the last hidden states, or on the logits."""
-    options: dict[str, Any] = {
-        "options": loss_options(cfg),
-        "mask": payload.mask,
-        **actual_tokens(x, payload, cfg.loss_mode),
-    }
+    actual = cfg.loss_mode == "tail_actual"  # the next tokens come from x
+    if actual and payload.sampled_logprobs is None:
+        raise SystemExit("--mode tail_actual: the payload has no sampled log-probs")
+    teacher = TeacherTargets.from_payload(payload, input_ids=x if actual else None)
     if cfg.fused:
         head = causal_lm_hidden_and_head(student, input_ids=x)  # [B, T, H], [V, H]
-        result: tuple[torch.Tensor, TopKKLStats] = fused_topk_kl_loss(
-            head.hidden, head.weight, payload.ids, payload.logprobs, bias=head.bias, **options
+        result: tuple[torch.Tensor, TopKKLStats] = lm_head_topk_kl_loss(
+            (head.weight, head.bias), head.hidden, teacher, loss_options(cfg)
         )
         return result
     logits = student(input_ids=x).logits  # [B, T, V]
-    return topk_kl_loss(logits, payload.ids, payload.logprobs, **options)
+    return topk_kl_loss(logits, teacher, loss_options(cfg))
 
 
 def loss_options(cfg: DistillConfig) -> LossOptions:
@@ -183,16 +183,6 @@ def loss_options(cfg: DistillConfig) -> LossOptions:
         overlap=True,
         temperature=cfg.teacher_temperature,
     )
-
-
-def actual_tokens(x: torch.Tensor, payload: Any, mode: str) -> dict[str, torch.Tensor]:
-    """Mode ``tail_actual``: the next byte of each position (``x`` shifted left; the last
-    position has none, its sampled log-prob is NaN) and the teacher's log-prob of it."""
-    if mode != "tail_actual":
-        return {}
-    if payload.sampled_logprobs is None:
-        raise SystemExit("--mode tail_actual: the payload has no sampled log-probs")
-    return {"sampled_ids": torch.roll(x, -1, dims=-1), "sampled_logprobs": payload.sampled_logprobs}
 
 
 def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:

@@ -30,7 +30,7 @@ from examples.data import WindowSampler, fixed_windows
 from examples.distill import DistillConfig, evaluate, student_model
 from examples.mopd import DOMAINS, _corpora, mixture_kl
 from examples.teacher_pretrain import PretrainConfig, teacher_model_config
-from student_client.losses import topk_kl_loss
+from student_client.losses import TeacherTargets, topk_kl_loss
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--base-steps", type=int, default=300)
@@ -221,13 +221,13 @@ for student in a.only.split(",") if a.only else ("routed", "code only", "docs on
             logits = m(input_ids=x).logits
         if a.split_loss == "halves":
             loss = (
-                topk_kl_loss(logits[:half], ti[:half], tl[:half])[0]
-                + topk_kl_loss(logits[half:], ti[half:], tl[half:])[0]
+                topk_kl_loss(logits[:half], TeacherTargets(ti[:half], tl[:half]))[0]
+                + topk_kl_loss(logits[half:], TeacherTargets(ti[half:], tl[half:]))[0]
             ) / 2
         elif a.split_loss == "second":
-            loss = topk_kl_loss(logits[half:], ti[half:], tl[half:])[0]
+            loss = topk_kl_loss(logits[half:], TeacherTargets(ti[half:], tl[half:]))[0]
         elif a.split_loss == "first":
-            loss = topk_kl_loss(logits[:half], ti[:half], tl[:half])[0]
+            loss = topk_kl_loss(logits[:half], TeacherTargets(ti[:half], tl[:half]))[0]
         elif a.split_loss == "full":
             loss = (
                 tl.new_zeros(())
@@ -242,7 +242,7 @@ for student in a.only.split(",") if a.only else ("routed", "code only", "docs on
                 .mean()
             )
         else:
-            loss, _ = topk_kl_loss(logits, ti, tl)
+            loss, _ = topk_kl_loss(logits, TeacherTargets(ti, tl))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)

@@ -46,7 +46,14 @@ import torch
 from examples.data import PAD_ID, ByteCorpus, fixed_windows, load_stdlib_corpus
 from examples.distill import DistillConfig, EvalResult, evaluate, heldout_table, student_model
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
-from student_client.losses import DIVERGENCES, SUPPORTS, get_divergence, topk_kl_loss
+from student_client.losses import (
+    DIVERGENCES,
+    LossOptions,
+    TeacherTargets,
+    get_divergence,
+    topk_kl_loss,
+)
+from student_client.losses.types import SUPPORTS, Support
 from topk_protocol import build_request, response_bytes
 
 __all__ = ["OnPolicyConfig", "OnPolicyResult", "main", "run_onpolicy", "sample_prompts"]
@@ -75,7 +82,7 @@ class OnPolicyConfig:
     beta: float | None = None
     #: Where the divergence is computed: the teacher's top-k ("teacher"), the student's
     #: own top-C at each position ("student") or both ("union"); docs/losses.md.
-    support: str = "teacher"
+    support: Support = "teacher"
     #: C: how many of the student's most likely ids are sent as candidates (not "teacher").
     candidates: int = 16
 
@@ -131,17 +138,6 @@ def student_candidates(
     out = torch.full((ranked.shape[0], total, count), -1, dtype=torch.int64)
     out[:, first_row : first_row + ranked.shape[1]] = ranked
     return out
-
-
-def _support_arguments(cfg: OnPolicyConfig, payload: Any) -> dict[str, Any]:
-    """The loss's support arguments: none for the teacher's top-k (today's loss)."""
-    if cfg.support == "teacher":
-        return {}
-    return {
-        "support": cfg.support,
-        "candidate_ids": payload.candidate_ids,
-        "candidate_logprobs": payload.candidate_logprobs,
-    }
 
 
 def _traffic(
@@ -225,11 +221,8 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
         ).logits
         loss, _stats = topk_kl_loss(
             logits,
-            payload.ids,
-            payload.logprobs,
-            mask=payload.mask,
-            divergence=divergence,
-            **_support_arguments(cfg, payload),
+            TeacherTargets.from_payload(payload),  # with its candidates, when asked
+            LossOptions(divergence=divergence, support=cfg.support),
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()

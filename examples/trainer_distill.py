@@ -73,6 +73,7 @@ def train(
     from transformers import TrainingArguments
 
     from student_client.integrations.hf_trainer import DistillationConfig, TopKDistillationTrainer
+    from topk_protocol.requests import RequestOptions
 
     args = TrainingArguments(
         output_dir=str(out),
@@ -101,7 +102,7 @@ def train(
         train_dataset=window_examples(steps * batch_size * world, seq_len, vocab_size),
         data_collator=_collate,
         teacher=teacher,
-        distill=DistillationConfig(top_k=top_k, prefetch_depth=2, fused=fused),
+        distill=DistillationConfig(RequestOptions(top_k), prefetch_depth=2, fused=fused),
         teacher_kwargs=None if record is None else {"record_to": record},
     )
     try:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from student_client.clients.blocking import TeacherClient
-from student_client.losses import topk_kl_loss
+from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 
 __all__ = ["ToyStudent", "main", "token_batches", "train"]
 
@@ -64,13 +64,13 @@ def train(
     losses = []
     # --- the loop (docs/training_loop.md) ---------------------------------------------
     loader = token_batches(steps, batch_size, seq_len, vocab_size)
+    options = LossOptions(mode="tail")
     to_student, to_teacher = itertools.tee(loader)  # the teacher reads `depth` batches ahead
     payloads = client.stream(to_teacher, top_k, depth=depth)
     for x, payload in zip(to_student, payloads, strict=True):
         logits = student(x)  # [B, T, V]; payload.ids / .logprobs: [B, T, K]
-        loss, stats = topk_kl_loss(
-            logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
-        )
+        teacher = TeacherTargets.from_payload(payload)  # the one teacher value, with its mask
+        loss, stats = topk_kl_loss(logits, teacher, options)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -16,12 +16,10 @@ loads no grpc, pyarrow or transformers. The wire format and its rules live in
 :mod:`topk_protocol`.
 """
 
-from __future__ import annotations
+import importlib as _importlib
+import typing as _typing
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from student_client.clients.aio import AsyncTeacherClient
     from student_client.clients.blocking import TeacherClient
     from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
@@ -29,19 +27,20 @@ if TYPE_CHECKING:
     from student_client.data.batch import ScoreBatch
     from student_client.data.payload import TeacherPayload
     from student_client.losses import (
+        LossOptions,
+        TeacherTargets,
         TopKKLLoss,
         causal_lm_hidden_and_head,
         causal_lm_topk_kl_loss,
-        fused_sampled_kl_loss,
-        fused_topk_kl_loss,
-        sampled_kl_loss,
-        sampled_target_weights,
+        lm_head_topk_kl_loss,
         topk_kl_loss,
     )
     from student_client.offline.dataset import PayloadDataset
     from student_client.offline.multi_replay import MultiReplayClient
     from student_client.offline.replay import ReplayClient
     from topk_protocol import TeacherInfo
+    from topk_protocol.errors import TeacherError
+    from topk_protocol.requests import RequestOptions
 
 __version__ = "0.1.0"
 
@@ -50,22 +49,23 @@ _EXPORTS = {
     "AsyncMultiTeacherClient": "student_client.clients.multi",
     "AsyncTeacherClient": "student_client.clients.aio",
     "AsyncTeacherSource": "student_client.clients.protocol",
+    "LossOptions": "student_client.losses",
     "MultiReplayClient": "student_client.offline.multi_replay",
     "MultiTeacherClient": "student_client.clients.multi",
     "PayloadDataset": "student_client.offline.dataset",
     "ReplayClient": "student_client.offline.replay",
+    "RequestOptions": "topk_protocol.requests",
     "ScoreBatch": "student_client.data.batch",
     "TeacherClient": "student_client.clients.blocking",
+    "TeacherError": "topk_protocol.errors",
     "TeacherInfo": "topk_protocol",
     "TeacherPayload": "student_client.data.payload",
     "TeacherSource": "student_client.clients.protocol",
+    "TeacherTargets": "student_client.losses",
     "TopKKLLoss": "student_client.losses",
     "causal_lm_hidden_and_head": "student_client.losses",
     "causal_lm_topk_kl_loss": "student_client.losses",
-    "fused_sampled_kl_loss": "student_client.losses",
-    "fused_topk_kl_loss": "student_client.losses",
-    "sampled_kl_loss": "student_client.losses",
-    "sampled_target_weights": "student_client.losses",
+    "lm_head_topk_kl_loss": "student_client.losses",
     "topk_kl_loss": "student_client.losses",
 }
 
@@ -73,34 +73,35 @@ __all__ = [
     "AsyncMultiTeacherClient",
     "AsyncTeacherClient",
     "AsyncTeacherSource",
+    "LossOptions",
     "MultiReplayClient",
     "MultiTeacherClient",
     "PayloadDataset",
     "ReplayClient",
+    "RequestOptions",
     "ScoreBatch",
     "TeacherClient",
+    "TeacherError",
     "TeacherInfo",
     "TeacherPayload",
     "TeacherSource",
+    "TeacherTargets",
     "TopKKLLoss",
     "__version__",
     "causal_lm_hidden_and_head",
     "causal_lm_topk_kl_loss",
-    "fused_sampled_kl_loss",
-    "fused_topk_kl_loss",
-    "sampled_kl_loss",
-    "sampled_target_weights",
+    "lm_head_topk_kl_loss",
     "topk_kl_loss",
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'student_client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(_importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*__all__, "__doc__", "__file__", "__name__", "__path__"})

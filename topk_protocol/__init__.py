@@ -7,11 +7,16 @@ and ``student_client`` import it; it imports neither (checked by the import cont
 in ``pyproject.toml``). See ``docs/protocol.md``.
 """
 
-from topk_protocol import codec
-from topk_protocol._deprecation import deprecated_names
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
 from topk_protocol.arrays import SequenceArrays
+from topk_protocol.building import (
+    build_request,
+    normalize_sequences,
+    request_spans,
+    response_bytes,
+    sequence_span,
+)
 from topk_protocol.codec import (
     DTYPE_NAMES,
     ENCODING_NAMES,
@@ -34,13 +39,8 @@ from topk_protocol.requests import (
     RECORDED,
     RequestOptions,
     Span,
-    build_request,
     bytes_per_row,
     fits_one_message,
-    normalize_sequences,
-    request_spans,
-    response_bytes,
-    sequence_span,
 )
 from topk_protocol.temperature import (
     DEFAULT_TEACHER_TEMPERATURE,
@@ -84,5 +84,3 @@ __all__ = [
     "teacher_temperature",
     "temperature_mismatch",
 ]
-
-__getattr__ = deprecated_names(__name__, codec.DEPRECATED)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from topk_protocol._deprecation import deprecated_names
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.arrays import SequenceArrays
 from topk_protocol.floats import f32_to_bf16_bits
@@ -310,11 +309,3 @@ def _decode_candidates(
     if cand.shape != (s, c):
         raise ValueError(f"candidate_ids: expected [{s}, {c}], got {list(cand.shape)}")
     return cand, _decode_floats(msg.candidate_logprobs, enum, (s, c), "candidate_logprobs")
-
-
-#: Names this module (and ``topk_protocol``) exported before ``SequenceArrays``.
-DEPRECATED = {
-    "DecodedSequence": ("topk_protocol.SequenceArrays", SequenceArrays),
-    "concat_chunks": ("topk_protocol.SequenceArrays.concat", SequenceArrays.concat),
-}
-__getattr__ = deprecated_names(__name__, DEPRECATED)

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from topk_protocol._deprecation import deprecated_names
 from topk_protocol.arrays import SequenceArrays
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.recording import RecordingReader, can_serve_dtype
@@ -38,10 +37,6 @@ __all__ = [
     "serves_candidates",
     "serves_encodings",
 ]
-
-__getattr__ = deprecated_names(
-    __name__, {"RecordedArrays": ("topk_protocol.SequenceArrays", SequenceArrays)}
-)
 
 
 def describe_sequence(index: int, token_ids: bytes | npt.ArrayLike, max_tokens: int = 8) -> str:

@@ -13,33 +13,24 @@ its answers with them. Rules in ``docs/protocol.md``.
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
-import numpy.typing as npt
-import torch
 
-from topk_protocol import checks
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.checks import (
     MAX_SAMPLES,
     MAX_SEED,
-    check_candidates_unsampled,
     check_logprob_bits,
-    check_range,
-    check_sequence_count,
-    check_sequence_length,
 )
 from topk_protocol.codec import (
     DTYPE_NAMES,
     ENCODING_NAMES,
     dtype_from_name,
     dtype_name,
-    encode_token_ids,
     itemsize,
 )
 from topk_protocol.errors import InvalidRequestError
@@ -50,17 +41,11 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_MB",
     "FRAMING_BYTES",
     "RECORDED",
+    "RequestKeywords",
     "RequestOptions",
     "Span",
-    "build_request",
     "bytes_per_row",
-    "check_span",
-    "encode_candidates",
     "fits_one_message",
-    "normalize_sequences",
-    "request_spans",
-    "response_bytes",
-    "sequence_span",
 ]
 
 #: ``(position_start, position_end)`` of one sequence: rows ``[start, end)``.
@@ -85,6 +70,21 @@ RECORDED: Mapping[str, str] = MappingProxyType({"replay": "recorded"})
 
 def _is_recorded(f: Any) -> bool:
     return f.metadata.get("replay") == RECORDED["replay"]
+
+
+class RequestKeywords(TypedDict, total=False):
+    """The request options a client call takes by keyword (``score(seqs, 16, dtype=...)``),
+    the fields of :class:`RequestOptions` besides ``top_k``: one list that every client's
+    ``score`` / ``stream`` signature unpacks (``**options: Unpack[RequestKeywords]``), so an
+    IDE lists them and a type checker checks them."""
+
+    dtype: str
+    include_sampled: bool
+    encoding: str
+    logprob_bits: int | None
+    samples: int
+    seed: int | None
+    proposal_temperature: float
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,9 @@ class RequestOptions:
         return self.samples > 0 and self.proposal_temperature != 1.0
 
     @classmethod
-    def of(cls, top_k: int | RequestOptions, **options: Any) -> RequestOptions:
-        """The options of a call written ``(top_k, dtype=..., include_sampled=...)`` or
+    def of(cls, top_k: int | RequestOptions | None = None, **options: Any) -> RequestOptions:
+        """The options of a call written ``(top_k, dtype=..., include_sampled=...)``,
+        ``(samples=N, seed=S)`` (K is N: no ``top_k`` to repeat) or
         ``(RequestOptions(...), <overrides>)``; an unknown keyword raises ``TypeError``
         naming the options there are."""
         known = {f.name for f in fields(cls)}
@@ -227,6 +228,13 @@ class RequestOptions:
             )
         if isinstance(top_k, RequestOptions):
             return replace(top_k, **options) if options else top_k
+        if top_k is None:
+            samples = options.get("samples", 0)
+            if not samples:
+                raise InvalidRequestError(
+                    "top_k: required (or samples=N for a sampled payload, whose K is N)"
+                )
+            top_k = int(samples)
         return cls(top_k, **options)
 
     @property
@@ -336,175 +344,6 @@ class RequestOptions:
         )
 
 
-def _as_1d_array(seq: Any, i: int) -> npt.NDArray[Any]:
-    if isinstance(seq, torch.Tensor):
-        arr: npt.NDArray[Any] = seq.detach().cpu().numpy()
-    else:
-        arr = np.asarray(seq)
-    if arr.ndim != 1:
-        raise InvalidRequestError(
-            f"sequences[{i}]: expected a 1-D sequence of token ids, got shape {arr.shape}"
-        )
-    return arr
-
-
-def normalize_sequences(sequences: Any) -> list[bytes]:
-    """A batch of token sequences -> int32 little-endian bytes per sequence.
-
-    ``sequences`` is a 2-D tensor / array ``[B, L]`` or a list of 1-D sequences (lists of
-    ints, numpy arrays, 1-D tensors), ragged allowed. Raises :class:`InvalidRequestError`.
-    """
-    rows = _batch_items(sequences, "sequences", 2, "a 2-D [B, L] tensor or a list of 1-D sequences")
-    check_sequence_count(len(rows))
-    if isinstance(rows[0], int | np.integer):
-        raise InvalidRequestError(
-            "sequences: got a flat list of ints; pass a batch, e.g. [token_ids] for one sequence"
-        )
-    out: list[bytes] = []
-    for i, seq in enumerate(rows):
-        arr = _as_1d_array(seq, i)
-        check_sequence_length(arr.size, f"sequences[{i}]")
-        try:
-            out.append(encode_token_ids(arr))
-        except ValueError as e:
-            raise InvalidRequestError(f"sequences[{i}]: {e}") from None
-    return out
-
-
-def _check_positions(positions: Any, lengths: Sequence[int]) -> list[Span]:
-    spans = list(positions)
-    if len(spans) != len(lengths):
-        raise InvalidRequestError(
-            f"positions: {len(spans)} (start, end) pairs for {len(lengths)} sequences"
-        )
-    return [
-        check_span(pair, i, n, f"the sequence's {n} positions")
-        for i, (pair, n) in enumerate(zip(spans, lengths, strict=True))
-    ]
-
-
-def check_span(pair: Any, index: int, limit: int, inside: str) -> Span:
-    """``positions[index]`` as a ``(start, end)`` pair of ints, ``0 <= start <= end <=
-    limit``; ``inside`` names what the range must lie in (for the error message)."""
-    try:
-        start, end = (int(v) for v in pair)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(
-            f"positions[{index}]: expected a (start, end) pair of ints, got {pair!r}"
-        ) from None
-    check_range(start, end, limit, f"positions[{index}]", inside)
-    return start, end
-
-
-def _batch_items(value: Any, field: str, ndim: int, expected: str) -> list[Any]:
-    """A batch's items: the rows of an ``ndim``-D tensor / array, or the items of an
-    iterable (not a string). :class:`InvalidRequestError` naming ``field`` otherwise."""
-    if isinstance(value, torch.Tensor | np.ndarray):
-        if value.ndim != ndim:
-            raise InvalidRequestError(
-                f"{field}: expected {expected}, got shape {tuple(value.shape)}"
-            )
-        return list(value)
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise InvalidRequestError(f"{field}: expected {expected}, got {type(value).__name__}")
-    return list(value)
-
-
-def _candidate_rows(candidate_ids: Any, count: int) -> list[Any]:
-    """``[B, S', C]`` tensor / array, or ``B`` items (``[S'_i, C]`` or None) -> a list."""
-    rows = _batch_items(candidate_ids, "candidate_ids", 3, "[B, S, C] or one [S, C] per sequence")
-    if len(rows) != count:
-        raise InvalidRequestError(f"candidate_ids: {len(rows)} rows for {count} sequences")
-    return rows
-
-
-def encode_candidates(candidates: Any, rows: int, field: str) -> tuple[bytes, int]:
-    """One sequence's candidate ids for its ``rows`` requested positions -> ``(int32
-    little-endian bytes of [rows, C], C)``. ``candidates`` is ``[S', C]`` with ``S' >=
-    rows`` (the rows after ``rows`` are padding, dropped), ints in ``[-1, 2**31)``;
-    ``-1`` pads a row with fewer ids. None or ``C = 0``: no candidates (``(b"", 0)``).
-    Raises :class:`InvalidRequestError` naming ``field``; the teacher checks the
-    vocabulary and its ``max_candidates``."""
-    if candidates is None:
-        return b"", 0
-    arr = (
-        candidates.detach().cpu().numpy()
-        if isinstance(candidates, torch.Tensor)
-        else np.asarray(candidates)
-    )
-    if arr.ndim != 2:
-        raise InvalidRequestError(f"{field}: expected [S, C], got shape {arr.shape}")
-    if arr.shape[1] == 0:
-        return b"", 0
-    if arr.shape[0] < rows:
-        raise InvalidRequestError(
-            f"{field}: {arr.shape[0]} rows for the {rows} requested positions"
-        )
-    arr = arr[:rows]
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidRequestError(f"{field}: expected integer ids, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < -1 or int(arr.max()) > np.iinfo(np.int32).max):
-        raise InvalidRequestError(f"{field}: ids must lie in [-1, 2**31) (-1 pads a row)")
-    return np.ascontiguousarray(arr, dtype="<i4").tobytes(), int(arr.shape[1])
-
-
-def build_request(
-    sequences: Any,
-    top_k: int | RequestOptions,
-    *,
-    positions: Sequence[tuple[int, int]] | None = None,
-    request_id: str = "",
-    candidate_ids: Any = None,
-    **options: Any,
-) -> pb.ScoreRequest:
-    """Build a ``ScoreRequest`` for a batch (see :func:`normalize_sequences`).
-
-    ``top_k`` is K or a whole :class:`RequestOptions`; ``options`` are its other fields
-    by keyword (``dtype``, ``include_sampled``; see :meth:`RequestOptions.of`).
-    ``positions``: ``None`` (every position) or one ``(start, end)`` per sequence.
-    ``candidate_ids``: None, or ids to score at every requested position: ``[B, S, C]``
-    (a tensor or array) or one ``[S_i, C]`` (or None) per sequence, row ``j`` of
-    sequence ``b`` for position ``positions[b][0] + j`` (rows past a sequence's
-    requested positions are padding; ``-1`` pads a row; see :func:`encode_candidates`).
-    Client-side checks raise :class:`InvalidRequestError` naming the field; the server
-    checks the rest (vocabulary, limits).
-    """
-    opts = RequestOptions.of(top_k, **options)
-    token_bytes = normalize_sequences(sequences)
-    req = opts.to_proto(pb.ScoreRequest(request_id=request_id))
-    spans = (
-        _check_positions(positions, [len(b) // 4 for b in token_bytes])
-        if positions is not None
-        else None
-    )
-    cands = None if candidate_ids is None else _candidate_rows(candidate_ids, len(token_bytes))
-    for i, buf in enumerate(token_bytes):
-        seq = req.sequences.add(token_ids=buf)
-        if spans is not None:
-            seq.position_start, seq.position_end = spans[i]
-        if cands is not None:
-            start, end = sequence_span(seq)
-            raw, c = encode_candidates(cands[i], end - start, f"candidate_ids[{i}]")
-            if c:
-                check_candidates_unsampled(opts.samples, f"candidate_ids[{i}]")
-                seq.candidate_ids, seq.num_candidates = raw, c
-    return req
-
-
-# -- spans --------------------------------------------------------------------------------
-def sequence_span(seq: pb.SequenceRequest) -> Span:
-    """``[start, end)`` of one requested sequence: unset start is 0, unset end is its length."""
-    n = len(seq.token_ids) // 4
-    start = seq.position_start if seq.HasField("position_start") else 0
-    end = seq.position_end if seq.HasField("position_end") else n
-    return int(start), int(end)
-
-
-def request_spans(req: pb.ScoreRequest) -> list[Span]:
-    """``[start, end)`` of every sequence of a request (see :func:`sequence_span`)."""
-    return [sequence_span(seq) for seq in req.sequences]
-
-
 # -- sizes ---------------------------------------------------------------------------------
 def bytes_per_row(
     top_k: int,
@@ -524,43 +363,7 @@ def bytes_per_row(
     return top_k * per_column + per_row + num_candidates * size
 
 
-def response_bytes(req: pb.ScoreRequest, vocab_size: int = 0) -> int:
-    """Bytes of the payload arrays the answer to ``req`` carries (a packed answer's from
-    a teacher of ``vocab_size`` tokens; 0: unknown, an upper bound)."""
-    opts = RequestOptions.from_proto(req)
-    return sum(
-        (end - start) * opts.bytes_per_row(vocab_size, int(seq.num_candidates))
-        for seq, (start, end) in zip(req.sequences, request_spans(req), strict=True)
-    )
-
-
 def fits_one_message(payload_bytes: int, num_sequences: int, max_message_bytes: int) -> bool:
     """The one-message rule: a unary ``Score`` answer of ``payload_bytes`` array bytes over
     ``num_sequences`` sequences fits in ``max_message_bytes`` once framing is counted."""
     return payload_bytes + FRAMING_BYTES * (num_sequences + 1) <= max_message_bytes
-
-
-# -- moved: the request's rules live in topk_protocol.checks ------------------------------
-def _check_top_k(top_k: int, max_top_k: int, field: str = "top_k") -> None:
-    checks.check_top_k(top_k, checks.TeacherLimits(0, max_top_k), field)
-
-
-def _check_token_ids(ids: npt.NDArray[np.integer], vocab_size: int, field: str) -> None:
-    if len(ids):
-        checks.check_token_ids(ids, checks.TeacherLimits(vocab_size, 0), field)
-
-
-_MOVED = {"check_top_k": _check_top_k, "check_token_ids": _check_token_ids}
-
-
-def __getattr__(name: str) -> Any:
-    """``check_top_k`` / ``check_token_ids`` with their old signatures, for one release."""
-    if name in _MOVED:
-        warnings.warn(
-            f"topk_protocol.requests.{name} is deprecated; use topk_protocol.checks.{name} "
-            "(it takes a TeacherLimits)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _MOVED[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

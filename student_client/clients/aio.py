@@ -10,21 +10,17 @@ facade that runs it on a background event loop.
 - retries with backoff on UNAVAILABLE and on a connection lost mid-stream (unanswered
   requests are re-sent, to the next target when there are several; a batch is neither
   lost nor yielded twice); per-request deadline; typed exceptions
-  (:mod:`student_client.errors`);
+  (:mod:`topk_protocol.errors`);
 - ``record_to=`` records every answered request (:mod:`topk_protocol.recording`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import random
 import threading
 import time
 import uuid
-import warnings
-from collections import OrderedDict
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -34,15 +30,34 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import torch
+from typing_extensions import Unpack
 
 from student_client.clients.agreement import ReplicaAgreement, ReplicaDisagreesError
-from student_client.data.alignment import PaddedLayout, align, build_aligned_request
+from student_client.clients.channels import (
+    backoff_s,
+    channel_credentials,
+    clean_token,
+    give_up,
+    open_channel,
+    parse_targets,
+    positive,
+)
+from student_client.clients.window import (
+    END,
+    Answer,
+    Connection,
+    Outgoing,
+    RetryStream,
+    StreamWindow,
+    as_async,
+    decoded,
+)
+from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
@@ -65,229 +80,13 @@ from topk_protocol.errors import (
     TeacherUnavailableError,
 )
 from topk_protocol.recording import RecordingWriter
+from topk_protocol.requests import RequestKeywords
 from topk_protocol.status import error_from_rpc
 from topk_protocol.storage import location
 
-__all__ = ["Answer", "AsyncTeacherClient", "clean_token", "parse_targets"]
+__all__ = ["AsyncTeacherClient"]
 
 T = TypeVar("T")
-_END = object()  # the server closed the stream
-#: A request to send and the padded layout its answer goes back into (None: unpadded).
-_Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None]
-#: URL schemes people paste by habit; a gRPC target is host:port or a gRPC URI (dns:///...).
-_URL_SCHEMES = frozenset({"http", "https", "grpc", "grpcs"})
-
-
-def parse_targets(target: str | Sequence[str]) -> list[str]:
-    """``"host:port"``, ``"dns:///name:port"``, ``"h1:p1,h2:p2"`` or a list -> targets."""
-    if isinstance(target, str):
-        items = [target] if target.startswith("dns:") else target.split(",")
-    else:
-        items = list(target)
-    out = [t.strip() for t in items if isinstance(t, str) and t.strip()]
-    if not out or len(out) != len(items):
-        raise ValueError(f"target: expected host:port, dns:///name:port or a list, got {target!r}")
-    for t in out:
-        scheme = t.split("://", 1)[0].lower() if "://" in t else ""
-        if scheme in _URL_SCHEMES:
-            raise ValueError(
-                f"target: {t!r} is a URL; gRPC targets take no {scheme}:// prefix: pass "
-                f"{t.split('://', 1)[1].rstrip('/')!r} (TLS is the tls= argument)"
-            )
-    return out
-
-
-def clean_token(token: str | None) -> str | None:
-    """The bearer token as sent: surrounding whitespace (e.g. a token file's trailing
-    newline; the server strips its ``--token-file`` too) is removed with a warning."""
-    if token is None:
-        return None
-    stripped = token.strip()
-    if not stripped:
-        raise ValueError("token: empty (only whitespace)")
-    if len(stripped.split()) > 1 or not stripped.isprintable():
-        raise ValueError("token: holds whitespace or control characters inside")
-    if stripped != token:
-        warnings.warn("token: removed surrounding whitespace (a newline?)", stacklevel=4)
-    return stripped
-
-
-def _channel(target: str, credentials: Any, max_message_bytes: int, server_name: str | None) -> Any:
-    opts: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-    if target.startswith("dns:"):
-        # One subchannel per resolved address, calls spread over them.
-        opts.append(("grpc.lb_policy_name", "round_robin"))
-    if server_name:
-        opts.append(("grpc.ssl_target_name_override", server_name))
-    if credentials is None:
-        return grpc.aio.insecure_channel(target, options=opts)
-    return grpc.aio.secure_channel(target, credentials, options=opts)
-
-
-def _credentials(tls: bool | bytes | str | Path | None) -> grpc.ChannelCredentials | None:
-    if tls is None or tls is False:
-        return None
-    if tls is True:
-        return grpc.ssl_channel_credentials()
-    pem = tls if isinstance(tls, bytes) else Path(tls).read_bytes()
-    return grpc.ssl_channel_credentials(root_certificates=pem)
-
-
-def _is_retryable(err: TeacherError) -> bool:
-    return isinstance(err, TeacherUnavailableError)
-
-
-def _positive(name: str, value: float) -> float:
-    if value <= 0:
-        raise ValueError(f"{name}: must be > 0, got {value}")
-    return float(value)
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """The complete answer to one request, and where its rows go back: the batch's padded
-    ``[B, T]`` layout (None: the batch came unpadded). :meth:`AsyncTeacherClient.decode`
-    turns it into a :class:`TeacherPayload`."""
-
-    response: ResponseAssembler
-    layout: PaddedLayout | None = None
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A request of a stream that has been sent and not yet handed to the caller."""
-
-    assembler: ResponseAssembler
-    layout: PaddedLayout | None = None
-    sent_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def request(self) -> pb.ScoreRequest:
-        return self.assembler.request
-
-
-class _RetryStream(Exception):
-    """Internal: a request was refused with UNAVAILABLE inside a stream (server loading or
-    draining); reconnect and re-send."""
-
-    def __init__(self, error: TeacherError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-class _StreamWindow:
-    """The requests of one logical stream that are sent and not yet yielded, in order.
-
-    Sans-IO: the stream loop feeds it server messages with :meth:`route` and takes
-    completed requests from the head with :meth:`pop`.
-    """
-
-    def __init__(self) -> None:
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
-        self._local = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def add(self, request: pb.ScoreRequest, layout: PaddedLayout | None = None) -> _Pending:
-        if request.request_id in self._pending:
-            raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
-        pending = _Pending(ResponseAssembler(request), layout)
-        self._pending[request.request_id] = pending
-        return pending
-
-    def add_failed(self, error: TeacherError) -> None:
-        """A batch refused before sending: it fails when the caller reaches it."""
-        request = pb.ScoreRequest(request_id=f"!local-{next(self._local)}", top_k=1)
-        pending = _Pending(ResponseAssembler(request))
-        pending.assembler.error = error
-        pending.assembler.complete = True
-        self._pending[pending.request.request_id] = pending
-
-    def head(self) -> _Pending:
-        return next(iter(self._pending.values()))
-
-    def pop(self) -> _Pending:
-        return self._pending.popitem(last=False)[1]
-
-    def route(self, msg: pb.ScoreResponse) -> bool:
-        """Take one server message; True when it completed a request."""
-        pending = self._pending.get(msg.request_id)
-        if pending is None:
-            raise TeacherError(
-                f"teacher answered request_id {msg.request_id!r}, which is not in flight"
-            )
-        pending.assembler.add(msg)
-        err = pending.assembler.error
-        if err is not None and _is_retryable(err):
-            pending.assembler.reset()
-            raise _RetryStream(err)
-        return pending.assembler.complete
-
-    def unanswered(self) -> list[_Pending]:
-        """Requests not completely answered, in order, reset for sending again."""
-        out = [p for p in self._pending.values() if not p.assembler.complete]
-        for p in out:
-            p.assembler.reset()
-            p.sent_at = time.monotonic()
-        return out
-
-
-class _Connection:
-    """One ``ScoreStream`` call: ``send`` writes, a task reads answers into a queue."""
-
-    def __init__(self, stub: pb_grpc.TeacherStub, metadata: Sequence[tuple[str, str]]) -> None:
-        self._call = stub.ScoreStream(metadata=metadata)
-        self._out: asyncio.Queue[Any] = asyncio.Queue()
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:
-                self._out.put_nowait(msg)
-            self._out.put_nowait(_END)
-        except grpc.RpcError as e:
-            self._out.put_nowait(e)
-
-    async def send(self, request: pb.ScoreRequest) -> None:
-        with contextlib.suppress(Exception):  # the call is over; the reader reports why
-            await self._call.write(request)
-
-    async def get(self, timeout: float) -> Any:
-        """The next server message, ``_END`` or a ``grpc.RpcError``; TimeoutError."""
-        return await asyncio.wait_for(self._out.get(), max(timeout, 0.0))
-
-    async def close(self) -> None:
-        self._call.cancel()
-        self._reader.cancel()
-        with contextlib.suppress(BaseException):
-            await self._reader
-
-
-async def decoded(
-    answers: AsyncIterator[Any],
-    decode: Callable[[Any, torch.device | str], TeacherPayload],
-    device: torch.device | str,
-) -> AsyncIterator[TeacherPayload]:
-    """``answers`` (of ``stream_answers``) decoded one by one on ``device``; closing this
-    iterator closes ``answers``."""
-    try:
-        async for answer in answers:
-            yield decode(answer, device)
-    finally:
-        await answers.aclose()  # type: ignore[attr-defined]
-
-
-async def _as_async(batches: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
-    if isinstance(batches, AsyncIterable):
-        async for b in batches:
-            yield b
-    else:
-        for b in batches:
-            yield b
 
 
 class AsyncTeacherClient(AsyncCloseable):
@@ -312,8 +111,12 @@ class AsyncTeacherClient(AsyncCloseable):
             checked against ``GetInfo`` the same way (None: any); a teacher serving
             another one raises TeacherMismatchError naming ``teacher_temperature``.
         record_to: record every answered sequence to this recording directory or URI
-            (``s3://bucket/prefix``; :mod:`topk_protocol.recording`; K and dtype of the
-            first request).
+            (``s3://bucket/prefix``; :mod:`topk_protocol.recording`). The recording holds
+            the options of the first request: K, dtype, encoding (packed and its bits)
+            and the sampling options (``samples``, ``seed``, ``proposal_temperature``); a
+            later request its answer could not be recorded under (a packed or sampled
+            one after a default one, a smaller K, ...) raises ``RecordingError`` naming
+            the option before it is sent.
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
         record_metadata: extra JSON metadata for the recording's ``metadata.json``.
 
@@ -339,7 +142,7 @@ class AsyncTeacherClient(AsyncCloseable):
         record_metadata: dict[str, Any] | None = None,
         expect_temperature: float | None = None,
     ) -> None:
-        self._timeout_s = _positive("timeout_s", timeout_s)
+        self._timeout_s = positive("timeout_s", timeout_s)
         if retries < 0:
             raise ValueError(f"retries: must be >= 0, got {retries}")
         if max_message_mb < 1:
@@ -347,7 +150,7 @@ class AsyncTeacherClient(AsyncCloseable):
         self.targets = parse_targets(target)
         token = clean_token(token)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._credentials = _credentials(tls)
+        self._credentials = channel_credentials(tls)
         self._tls_server_name = tls_server_name
         self._max_message_bytes = int(max_message_mb) * 1024 * 1024
         self._tries = int(retries) + 1
@@ -393,7 +196,9 @@ class AsyncTeacherClient(AsyncCloseable):
             raise TeacherError("client: already closed")
         if not self._stubs:
             for t in self.targets:
-                ch = _channel(t, self._credentials, self._max_message_bytes, self._tls_server_name)
+                ch = open_channel(
+                    t, self._credentials, self._max_message_bytes, self._tls_server_name
+                )
                 self._channels.append(ch)
                 self._stubs.append(pb_grpc.TeacherStub(ch))
         return self._stubs[index]
@@ -433,22 +238,6 @@ class AsyncTeacherClient(AsyncCloseable):
                 )
         return self._agreement.usable(index)
 
-    def _wait(self, failures: int) -> float:
-        """Seconds to wait after ``failures`` failed tries (exponential, with jitter)."""
-        first, largest = self._backoff
-        return min(largest, first * (2 ** (failures - 1))) * (0.5 + random.random() / 2)
-
-    def _give_up(self, failures: int, last: TeacherError) -> None:
-        """Re-raise ``last`` unless it is retryable and tries are left; else wait."""
-        if not _is_retryable(last):
-            raise last from None
-        if failures >= self._tries:
-            raise TeacherUnavailableError(
-                f"teacher unavailable after {failures} tries ({', '.join(self.targets)}): "
-                f"{last.message}",
-                grpc.StatusCode.UNAVAILABLE,
-            )
-
     async def _call(self, fn: Callable[[int], Awaitable[T]], index: int) -> T:
         """Run ``fn(target_index)`` with retries on UNAVAILABLE, moving between targets."""
         failures = 0
@@ -460,8 +249,8 @@ class AsyncTeacherClient(AsyncCloseable):
                 continue  # refused now: _pick moves on
             except grpc.RpcError as e:
                 failures += 1
-                self._give_up(failures, error_from_rpc(e))
-            await asyncio.sleep(self._wait(failures))
+                give_up(failures, self._tries, error_from_rpc(e), self.targets)
+            await asyncio.sleep(backoff_s(failures, *self._backoff))
             index = (index + 1) % len(self.targets)
 
     async def info(self) -> TeacherInfo:
@@ -485,14 +274,17 @@ class AsyncTeacherClient(AsyncCloseable):
         self._recorder.write(asm.request, asm.merged_response())
 
     # -- score --------------------------------------------------------------------------
-    def _request(self, batch: Any, options: RequestOptions) -> _Outgoing:
+    def _request(self, batch: Any, options: RequestOptions) -> Outgoing:
         """A batch of sequences, a ``BatchEncoding`` / dict, or a :class:`ScoreBatch` ->
         ScoreRequest with a new id (padding cut off) and the layout :meth:`decode` places
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
+        asked = item.request_options(options)
+        if self._recorder is not None:  # refused before the teacher works, by name
+            self._recorder.check_request(asked)
         request, layout = build_aligned_request(
             item.sequences,
-            item.request_options(options),
+            asked,
             attention_mask=item.attention_mask,
             positions=item.positions,
             request_id=next(self._ids),
@@ -513,19 +305,20 @@ class AsyncTeacherClient(AsyncCloseable):
         return align(answer.response.payload(device), answer.layout)
 
     def _deadline(self, timeout_s: float | None) -> float:
-        return self._timeout_s if timeout_s is None else _positive("timeout_s", timeout_s)
+        return self._timeout_s if timeout_s is None else positive("timeout_s", timeout_s)
 
     async def score(
         self,
         sequences: Any,
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         positions: Sequence[tuple[int, int]] | None = None,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        teacher: Any = None,
         candidate_ids: Any = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
 
@@ -533,8 +326,10 @@ class AsyncTeacherClient(AsyncCloseable):
             sequences: ``[B, L]`` tensor/array, a list of 1-D token id sequences, or a
                 tokenizer's ``BatchEncoding`` / a dict with ``input_ids`` (and
                 ``attention_mask``).
-            top_k: K, or the whole :class:`~topk_protocol.RequestOptions`.
-            options: the other request options by keyword (``RequestOptions.of``):
+            top_k: K, or the whole :class:`~topk_protocol.RequestOptions`; None with
+                ``samples=N`` (a sampled payload's K is N).
+            options: the other request options by keyword
+                (:class:`~topk_protocol.requests.RequestKeywords`, ``RequestOptions.of``):
                 ``dtype``, the wire dtype of the log-probs (``float16`` by default,
                 ``bfloat16``, ``float32``; the payload holds them widened to float32),
                 and ``include_sampled`` (default True: also fetch the log-prob of the
@@ -543,6 +338,7 @@ class AsyncTeacherClient(AsyncCloseable):
                 attention mask: column ranges of the padded batch).
             device: where the tensors go.
             timeout_s: this call's deadline (default: the client's).
+            teacher: ignored (one teacher; a multi-teacher client routes by it).
             attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (right or left).
                 Padding is not sent; the payload comes back as ``[B, T, K]`` aligned to
                 the padded batch, ``mask`` False on padding (:mod:`student_client.data.alignment`).
@@ -574,7 +370,7 @@ class AsyncTeacherClient(AsyncCloseable):
         if not fits_one_message(
             response_bytes(request, info.vocab_size), len(request.sequences), limit
         ):
-            gen = self._run_stream(_as_async([(request, layout)]), 0, timeout)
+            gen = self._run_stream(as_async([(request, layout)]), 0, timeout)
             try:
                 return self.decode(await anext(gen), device)
             finally:
@@ -585,24 +381,27 @@ class AsyncTeacherClient(AsyncCloseable):
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         device: torch.device | str = "cpu",
-        **options: Any,
+        depth: int = 4,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
-        ``device``; ``options`` (``depth``, ``timeout_s`` and the request options such as
-        ``dtype``, ``include_sampled``) as :meth:`stream_answers`."""
-        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
+        ``device``; ``depth``, ``timeout_s`` and the request options (``dtype``,
+        ``include_sampled``, ...) as :meth:`stream_answers`."""
+        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
+        return decoded(answers, self.decode, device)
 
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         depth: int = 4,
         timeout_s: float | None = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[Answer]:
         """The complete answers to ``batches``, in input order, undecoded (each one's
         ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,
@@ -623,8 +422,8 @@ class AsyncTeacherClient(AsyncCloseable):
         timeout = self._deadline(timeout_s)
         opts = RequestOptions.of(top_k, **options)
 
-        async def requests() -> AsyncIterator[_Outgoing | TeacherError]:
-            async for batch in _as_async(batches):
+        async def requests() -> AsyncIterator[Outgoing | TeacherError]:
+            async for batch in as_async(batches):
                 try:
                     yield self._request(batch, opts)
                 except TeacherError as e:  # raised when the caller reaches this batch
@@ -634,17 +433,17 @@ class AsyncTeacherClient(AsyncCloseable):
 
     async def _run_stream(
         self,
-        requests: AsyncIterator[_Outgoing | TeacherError],
+        requests: AsyncIterator[Outgoing | TeacherError],
         depth: int,
         timeout_s: float,
     ) -> AsyncGenerator[Answer, None]:
-        window = _StreamWindow()
+        window = StreamWindow()
         index = next(self._rr) % len(self.targets)
-        conn: _Connection | None = None
+        conn: Connection | None = None
         exhausted = False
         failures = 0
 
-        async def fill(conn: _Connection, limit: int) -> None:
+        async def fill(conn: Connection, limit: int) -> None:
             nonlocal exhausted
             while not exhausted and len(window) < limit:
                 request = await anext(requests, None)
@@ -659,7 +458,7 @@ class AsyncTeacherClient(AsyncCloseable):
             while True:
                 if conn is None:
                     if failures:
-                        await asyncio.sleep(self._wait(failures))
+                        await asyncio.sleep(backoff_s(failures, *self._backoff))
                         index = (index + 1) % len(self.targets)
                     self._current = index = await self._pick(index)
                     try:
@@ -668,9 +467,9 @@ class AsyncTeacherClient(AsyncCloseable):
                         continue  # refused now: _pick moves on
                     except grpc.RpcError as e:
                         failures += 1
-                        self._give_up(failures, error_from_rpc(e))
+                        give_up(failures, self._tries, error_from_rpc(e), self.targets)
                         continue
-                    conn = _Connection(self._stub(index), self._metadata)
+                    conn = Connection(self._stub(index), self._metadata)
                     for pending in window.unanswered():
                         await conn.send(pending.request)
                 await fill(conn, max(depth, 1))
@@ -695,18 +494,18 @@ class AsyncTeacherClient(AsyncCloseable):
                     ) from None
                 if isinstance(item, grpc.RpcError):
                     last = error_from_rpc(item)
-                elif item is _END:
+                elif item is END:
                     last = TeacherUnavailableError("the teacher closed the stream early")
                 else:
                     try:
                         if window.route(item):
                             failures = 0
                         continue
-                    except _RetryStream as e:
+                    except RetryStream as e:
                         last = e.error
                 # Connection lost (or the teacher refused with UNAVAILABLE): reconnect.
                 failures += 1
-                self._give_up(failures, last)
+                give_up(failures, self._tries, last, self.targets)
                 await conn.close()
                 conn = None
         finally:

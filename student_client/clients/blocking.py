@@ -25,12 +25,16 @@ from collections.abc import (
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from typing_extensions import Unpack
 
-from student_client.clients.aio import Answer, AsyncTeacherClient
+from student_client.clients.aio import AsyncTeacherClient
+from student_client.clients.channels import ClientOptions
+from student_client.clients.window import Answer
 from student_client.data.payload import TeacherPayload
-from student_client.errors import TeacherError
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
+from topk_protocol.errors import TeacherError
+from topk_protocol.requests import RequestKeywords
 
 __all__ = ["BlockingFacade", "TeacherClient"]
 
@@ -45,11 +49,9 @@ class _AsyncCore(Protocol[AnswerT]):
 
     async def info(self) -> Any: ...
 
-    async def score(self, sequences: Any, top_k: Any, **options: Any) -> TeacherPayload: ...
+    async def score(self, *args: Any, **kwargs: Any) -> TeacherPayload: ...
 
-    def stream_answers(
-        self, batches: Iterable[Any] | AsyncIterable[Any], top_k: Any, **options: Any
-    ) -> AsyncIterator[AnswerT]: ...
+    def stream_answers(self, *args: Any, **kwargs: Any) -> AsyncIterator[AnswerT]: ...
 
     def decode(self, answer: AnswerT, device: torch.device | str) -> TeacherPayload: ...
 
@@ -76,17 +78,40 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
             raise TeacherError("client: already closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def score(self, sequences: Any, top_k: int | RequestOptions, **options: Any) -> TeacherPayload:
-        """Score one batch: see the asyncio client's ``score`` (same arguments)."""
-        return self._run(self._core.score(sequences, top_k, **options))
+    def score(
+        self,
+        sequences: Any,
+        top_k: int | RequestOptions | None = None,
+        *,
+        positions: Sequence[tuple[int, int]] | None = None,
+        device: torch.device | str = "cpu",
+        timeout_s: float | None = None,
+        attention_mask: Any = None,
+        teacher: Any = None,
+        candidate_ids: Any = None,
+        **options: Unpack[RequestKeywords],
+    ) -> TeacherPayload:
+        """Score one batch: see the asyncio client's ``score`` (same arguments; ``teacher``
+        routes the sequences of a multi-teacher client, a single teacher ignores it)."""
+        call = {"positions": positions, "device": device, "timeout_s": timeout_s}
+        call |= {"attention_mask": attention_mask, "candidate_ids": candidate_ids}
+        if teacher is not None:
+            call["teacher"] = teacher
+        return self._run(self._core.score(sequences, top_k, **call, **options))
 
     def stream(
-        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
+        self,
+        batches: Iterable[Any],
+        top_k: int | RequestOptions | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        depth: int = 4,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestKeywords],
     ) -> Iterator[TeacherPayload]:
         """Payloads of ``batches`` in input order, ``depth`` requests in flight: see the
         asyncio client's ``stream`` (same arguments)."""
-        device = options.pop("device", "cpu")
-        answers = self.stream_answers(batches, top_k, **options)
+        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
 
         def iterate() -> Iterator[TeacherPayload]:
             with contextlib.closing(answers):  # decoded here while the loop reads on
@@ -98,15 +123,20 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
-        **options: Any,
+        top_k: int | RequestOptions | None = None,
+        *,
+        depth: int = 4,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestKeywords],
     ) -> Generator[AnswerT, None, None]:
         """The complete answers to ``batches`` in input order, undecoded (:meth:`stream`
         decodes each one): for a caller that needs only that they arrived, such as a
         recorder whose client writes them (``record_to``)."""
         if self._loop.is_closed():
             raise TeacherError("client: already closed")
-        answers = self._core.stream_answers(batches, top_k, **options)
+        answers = self._core.stream_answers(
+            batches, top_k, depth=depth, timeout_s=timeout_s, **options
+        )
 
         async def step() -> Any:
             return await anext(answers, _DONE)
@@ -142,7 +172,7 @@ class TeacherClient(BlockingFacade[Answer]):
     :meth:`info`, :meth:`score` and :meth:`stream` behave as there, blocking.
     """
 
-    def __init__(self, target: str | Sequence[str], **options: Any) -> None:
+    def __init__(self, target: str | Sequence[str], **options: Unpack[ClientOptions]) -> None:
         self._aio = AsyncTeacherClient(target, **options)
         super().__init__(self._aio)
 

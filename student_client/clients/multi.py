@@ -37,21 +37,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
-from student_client.clients.aio import AsyncTeacherClient, _as_async, decoded
+from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import BlockingFacade
+from student_client.clients.channels import ClientOptions, ConnectionOptions
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
+from student_client.clients.window import as_async, decoded
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import TeacherError
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
+from topk_protocol.errors import TeacherError
 from topk_protocol.multi_recording import (
     check_teacher_name,
     teacher_recording_path,
     write_manifest,
 )
+from topk_protocol.requests import RequestKeywords
 
 __all__ = ["AsyncMultiTeacherClient", "MultiTeacherClient", "RoutedAnswer"]
 
@@ -103,7 +107,7 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         expect_vocab_size: int | None = None,
         expect_tokenizer_fingerprint: str | None = None,
         expect_temperature: float | None = None,
-        **options: Any,
+        **options: Unpack[ConnectionOptions],
     ) -> None:
         if not isinstance(teachers, Mapping) or not teachers:
             raise ValueError("teachers: expected a non-empty {name: target} mapping")
@@ -224,15 +228,15 @@ class AsyncMultiTeacherClient(AsyncCloseable):
     async def score(
         self,
         sequences: Any,
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
-        teacher: Any = None,
         positions: Sequence[tuple[int, int]] | None = None,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         attention_mask: Any = None,
+        teacher: Any = None,
         candidate_ids: Any = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> TeacherPayload:
         """Score one batch, each sequence by its ``teacher`` (a name per sequence, one
         name, or indices into :attr:`names`); the other arguments (the request options:
@@ -247,22 +251,25 @@ class AsyncMultiTeacherClient(AsyncCloseable):
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         device: torch.device | str = "cpu",
-        **options: Any,
+        depth: int = 4,
+        timeout_s: float | None = None,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches`` in input order (see :meth:`stream_answers`)."""
-        return decoded(self.stream_answers(batches, top_k, **options), self.decode, device)
+        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
+        return decoded(answers, self.decode, device)
 
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         depth: int = 4,
         timeout_s: float | None = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[RoutedAnswer]:
         """The answers to ``batches`` (:class:`ScoreBatch` items with ``teacher``; plain
         batches only with a single teacher), in input order, with ``depth`` batches in
@@ -271,7 +278,7 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         and the request ``options``: as :meth:`AsyncTeacherClient.stream_answers`."""
         check_depth(depth)
         opts = RequestOptions.of(top_k, **options)
-        return self._run_stream(_as_async(batches), opts, depth, timeout_s)
+        return self._run_stream(as_async(batches), opts, depth, timeout_s)
 
     async def _run_stream(
         self,
@@ -324,7 +331,9 @@ class MultiTeacherClient(BlockingFacade[RoutedAnswer]):
     ``{name: TeacherInfo}``.
     """
 
-    def __init__(self, teachers: Mapping[str, TeacherSpec], **options: Any) -> None:
+    def __init__(
+        self, teachers: Mapping[str, TeacherSpec], **options: Unpack[ClientOptions]
+    ) -> None:
         self._aio = AsyncMultiTeacherClient(teachers, **options)
         super().__init__(self._aio)
 

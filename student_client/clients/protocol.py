@@ -9,7 +9,7 @@ of a teacher: the blocking :class:`~student_client.clients.blocking.TeacherClien
 :class:`AsyncTeacherSource` is the same interface on asyncio
 (:class:`~student_client.clients.aio.AsyncTeacherClient`,
 :class:`~student_client.clients.multi.AsyncMultiTeacherClient`). mypy checks every class
-against its protocol (:mod:`student_client._conformance`).
+against its protocol (:mod:`student_client.offline.conformance`).
 
 ``names`` tells a single-teacher source (``[]``) from a multi-teacher one (its teachers'
 names, routed per sequence by ``teacher=`` / :attr:`ScoreBatch.teacher
@@ -19,11 +19,15 @@ names, routed per sequence by ``teacher=`` / :attr:`ScoreBatch.teacher
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+import torch
+from typing_extensions import Unpack
 
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
+from topk_protocol.requests import RequestKeywords
 
 __all__ = ["AsyncTeacherSource", "TeacherSource"]
 
@@ -49,13 +53,30 @@ class TeacherSource(Protocol):
         """The teacher's ``GetInfo`` (``{name: TeacherInfo}`` for several)."""
         ...
 
-    def score(self, sequences: Any, top_k: int | RequestOptions, **options: Any) -> TeacherPayload:
+    def score(
+        self,
+        sequences: Any,
+        top_k: int | RequestOptions | None = None,
+        *,
+        positions: Sequence[tuple[int, int]] | None = None,
+        device: torch.device | str = "cpu",
+        attention_mask: Any = None,
+        teacher: Any = None,
+        candidate_ids: Any = None,
+        **options: Unpack[RequestKeywords],
+    ) -> TeacherPayload:
         """Score one batch (``positions``, ``attention_mask``, ``teacher``, ``device`` and
         the request options by keyword)."""
         ...
 
     def stream(
-        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
+        self,
+        batches: Iterable[Any],
+        top_k: int | RequestOptions | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        depth: int = 4,
+        **options: Unpack[RequestKeywords],
     ) -> Iterator[TeacherPayload]:
         """Payloads of ``batches`` (batches or :class:`ScoreBatch` items), in order."""
         ...
@@ -80,7 +101,16 @@ class AsyncTeacherSource(Protocol):
         ...
 
     async def score(
-        self, sequences: Any, top_k: int | RequestOptions, **options: Any
+        self,
+        sequences: Any,
+        top_k: int | RequestOptions | None = None,
+        *,
+        positions: Sequence[tuple[int, int]] | None = None,
+        device: torch.device | str = "cpu",
+        attention_mask: Any = None,
+        teacher: Any = None,
+        candidate_ids: Any = None,
+        **options: Unpack[RequestKeywords],
     ) -> TeacherPayload:
         """Score one batch (see :meth:`TeacherSource.score`)."""
         ...
@@ -88,8 +118,11 @@ class AsyncTeacherSource(Protocol):
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions,
-        **options: Any,
+        top_k: int | RequestOptions | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        depth: int = 4,
+        **options: Unpack[RequestKeywords],
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches``, in order, ``depth`` requests ahead."""
         ...

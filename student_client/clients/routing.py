@@ -29,13 +29,13 @@ import torch
 from student_client.data.alignment import unpack_inputs
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import (
+from topk_protocol import TeacherInfo
+from topk_protocol.errors import (
     InvalidRequestError,
     TeacherError,
     TeacherMismatchError,
     VocabMismatchError,
 )
-from topk_protocol import TeacherInfo
 
 __all__ = [
     "Route",
@@ -225,6 +225,7 @@ def merge_payloads(
         candidate_logprobs=cand_lps,
         sample_counts=counts,
         proposal_log_normalizer=log_z,
+        proposal_temperature=first.proposal_temperature,
     )
 
 

@@ -28,9 +28,9 @@ import numpy.typing as npt
 import torch
 
 from student_client.data.payload import TeacherPayload
-from student_client.errors import InvalidRequestError
 from topk_protocol import RequestOptions, Span, build_request, pb
-from topk_protocol.requests import check_span
+from topk_protocol.building import check_span
+from topk_protocol.errors import InvalidRequestError
 
 __all__ = [
     "PaddedLayout",
@@ -296,6 +296,7 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
         teacher_seconds=payload.teacher_seconds,
         candidate_ids=None if cand_ids is None else place(cand_ids, -1),
         candidate_logprobs=None if cand_lps is None else place(cand_lps, float("nan")),
+        proposal_temperature=payload.proposal_temperature,
         sample_counts=None if payload.sample_counts is None else place(payload.sample_counts),
         proposal_log_normalizer=(
             None

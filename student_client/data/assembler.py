@@ -304,5 +304,6 @@ class ResponseAssembler:
             candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
             sample_counts=None if counts is None else torch.from_numpy(counts),
             proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
+            proposal_temperature=self.options.proposal_temperature,
         )
         return payload if str(device) == "cpu" else payload.to(device)

@@ -60,6 +60,9 @@ class TeacherPayload:
             ``student_client.losses.sampled_target_weights`` turns them into the target.
         proposal_log_normalizer: ``[B, S]`` float32 ``log Z`` of a tempered proposal
             (``proposal_temperature != 1``), else None.
+        proposal_temperature: ``tau`` a sampled payload was drawn at (the request's; 1:
+            from the teacher's ``p``), so that the loss's teacher value
+            (``TeacherTargets.from_payload``) weighs the draws without being told.
     """
 
     ids: torch.Tensor
@@ -77,6 +80,7 @@ class TeacherPayload:
     candidate_logprobs: torch.Tensor | None = None
     sample_counts: torch.Tensor | None = None
     proposal_log_normalizer: torch.Tensor | None = None
+    proposal_temperature: float = 1.0
 
     @property
     def batch_size(self) -> int:

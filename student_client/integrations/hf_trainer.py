@@ -54,21 +54,19 @@ from student_client.clients.routing import teacher_per_row
 from student_client.data.alignment import PaddedLayout, place_rows
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
+from student_client.integrations.config import DistillationConfig
 from student_client.integrations.distillation import (
-    PAYLOAD_KEYS,
-    DistillationConfig,
+    TEACHER_KEY,
     distillation_loss,
-    payload_columns,
     per_teacher_metrics,
 )
 from student_client.integrations.distributed import mean_over_ranks, rank_client_options
 
 __all__ = [
-    "PAYLOAD_KEYS",
+    "TEACHER_KEY",
     "DistillationConfig",
     "TopKDistillationTrainer",
     "distillation_loss",
-    "payload_columns",
     "payload_dataset_collator",
     "per_teacher_metrics",
     "teacher_column_collator",
@@ -80,8 +78,8 @@ TEACHER_COLUMN = "teacher_id"
 
 def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[str, Any]]:
     """A ``data_collator`` for a :class:`~student_client.offline.dataset.PayloadDataset`: its
-    batches as Trainer inputs (``input_ids``, ``attention_mask`` and
-    :data:`PAYLOAD_KEYS`, the payload placed at its positions of the ``[B, L]`` batch, so
+    batches as Trainer inputs (``input_ids``, ``attention_mask`` and, under
+    :data:`TEACHER_KEY`, the payload placed at its positions of the ``[B, L]`` batch, so
     sub-range recordings line up with the full logits). Train with ``teacher=None``."""
     from student_client.offline.dataset import collate_payloads
 
@@ -92,7 +90,7 @@ def payload_dataset_collator(pad_id: int = 0) -> Callable[[Sequence[Any]], dict[
         return {
             "input_ids": batch.token_ids,
             "attention_mask": batch.attention_mask.long(),
-            **payload_columns(payload),
+            TEACHER_KEY: payload,
         }
 
     return collate
@@ -122,36 +120,64 @@ def teacher_column_collator(
     return collate
 
 
+@torch.no_grad()
+def student_candidates(
+    model: torch.nn.Module, batch: Mapping[str, Any], count: int
+) -> torch.Tensor:
+    """The student's own top-``count`` ids at every position of ``batch``, ``[B, T, C]``
+    (``-1`` where ``attention_mask`` is 0): one forward without gradient, for supports
+    ``"student"`` / ``"union"`` (the candidates the teacher scores)."""
+    mask = batch.get("attention_mask")
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask).logits
+    ids = logits.topk(count, dim=-1).indices
+    if mask is not None:
+        ids = ids.masked_fill(~mask.bool().unsqueeze(-1), -1)
+    return ids.cpu()
+
+
+def _score_batch(
+    batch: Mapping[str, Any], teacher: Any, config: DistillationConfig, model: torch.nn.Module
+) -> ScoreBatch:
+    """What the teacher is asked for one training batch (with the student's candidates
+    when the config asks for them)."""
+    candidates = None
+    if config.candidates:
+        candidates = student_candidates(model, batch, config.candidates)
+    return ScoreBatch(
+        batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        teacher=teacher,
+        candidate_ids=candidates,
+    )
+
+
 class _Prefetcher:
-    """Wraps one epoch iterator: yields its batches with their payload columns added,
-    keeping ``depth`` batches with the teacher ahead of the one handed out."""
+    """Wraps one epoch iterator: yields its batches with their payload added (under
+    :data:`TEACHER_KEY`), keeping ``depth`` batches with the teacher ahead of the one
+    handed out."""
 
     def __init__(
         self,
         epoch_iterator: Iterator[Any],
         client: TeacherSource,
         config: DistillationConfig,
+        model: torch.nn.Module,
         teacher_column: str | None = None,
     ) -> None:
         self._pending: deque[Mapping[str, Any]] = deque()
         self._source = epoch_iterator
         self._column = teacher_column
+        self._config = config
+        self._model = model
         self._payloads = client.stream(
-            self._to_teacher(),
-            config.top_k,
-            depth=config.prefetch_depth,
-            dtype=config.dtype,
-            include_sampled=config.include_sampled,
+            self._to_teacher(), config.request, depth=config.prefetch_depth
         )
 
     def _to_teacher(self) -> Iterator[ScoreBatch]:
         for batch in self._source:
             self._pending.append(batch)
-            yield ScoreBatch(
-                batch["input_ids"],
-                attention_mask=batch.get("attention_mask"),
-                teacher=None if self._column is None else _teacher_column(batch, self._column),
-            )
+            teacher = None if self._column is None else _teacher_column(batch, self._column)
+            yield _score_batch(batch, teacher, self._config, self._model)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self
@@ -160,7 +186,7 @@ class _Prefetcher:
         payload: TeacherPayload = next(self._payloads)
         batch = self._pending.popleft()
         device = batch["input_ids"].device
-        return {**batch, **payload_columns(payload.to(device))}
+        return {**batch, TEACHER_KEY: payload.to(device)}
 
     def close(self) -> None:
         if isinstance(self._payloads, Generator):  # the clients' streams are generators
@@ -176,10 +202,12 @@ class TopKDistillationTrainer(Trainer):
             teachers ``{name: target, ...}`` (a ``MultiTeacherClient``; rows routed by
             ``teacher_column``), a client object with ``stream`` (``TeacherClient``,
             ``ReplayClient``, ``MultiTeacherClient``), or None when the batches already
-            carry :data:`PAYLOAD_KEYS` (a payload dataset).
+            carry their payload under :data:`TEACHER_KEY` (a payload dataset).
         teacher_column: the batch column naming each row's teacher, with several
             teachers (default ``"teacher_id"``).
-        distill: :class:`DistillationConfig` (K, mode, alpha, prefetch depth, ...).
+        distill: :class:`DistillationConfig` (the request options the teacher is asked
+            with, the loss options, candidates, alpha, prefetch depth, ...), checked when
+            it is built.
         teacher_kwargs: extra ``TeacherClient`` arguments when ``teacher`` is a target
             (``token``, ``tls``, ``expect_vocab_size``, ...).
         *args, **kwargs: ``transformers.Trainer``'s (model, args, train_dataset,
@@ -232,7 +260,7 @@ class TopKDistillationTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
         assert self._signature_columns is not None
-        keep = [*PAYLOAD_KEYS, self.teacher_column]
+        keep = [TEACHER_KEY, self.teacher_column]
         self._signature_columns += [k for k in keep if k not in self._signature_columns]
 
     @property
@@ -252,10 +280,17 @@ class TopKDistillationTrainer(Trainer):
                 # Keep the iterator alive with its wrapper so that its id stays unique.
                 column = self.teacher_column if self.teacher_names else None
                 self._prefetchers = {
-                    key: _Prefetcher(epoch_iterator, self.teacher_client, self.distill, column)
+                    key: _Prefetcher(
+                        epoch_iterator, self.teacher_client, self.distill, self._student(), column
+                    )
                 }
             epoch_iterator = self._prefetchers[key]
         return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _student(self) -> torch.nn.Module:
+        if self.model is None:
+            raise ValueError("model: the Trainer has no model to compute the candidates with")
+        return self.model
 
     # -- loss and logging ---------------------------------------------------------------
     def compute_loss(
@@ -272,19 +307,17 @@ class TopKDistillationTrainer(Trainer):
                 _teacher_column(inputs, self.teacher_column), len(inputs["input_ids"]), names
             )
             inputs = {k: v for k, v in inputs.items() if k != self.teacher_column}
-        if PAYLOAD_KEYS[0] not in inputs and self.teacher_client is not None:
+        if TEACHER_KEY not in inputs and self.teacher_client is not None:
             # Not prefetched (evaluation, prediction): fetch this batch's payload now.
-            cfg = self.distill
-            route = {} if teachers is None else {"teacher": teachers}
+            batch = _score_batch(inputs, teachers, self.distill, model)
             payload = self.teacher_client.score(
-                inputs["input_ids"],
-                cfg.top_k,
-                dtype=cfg.dtype,
-                include_sampled=cfg.include_sampled,
-                attention_mask=inputs.get("attention_mask"),
-                **route,
+                batch.sequences,
+                self.distill.request,
+                attention_mask=batch.attention_mask,
+                teacher=teachers,
+                candidate_ids=batch.candidate_ids,
             )
-            inputs = {**inputs, **payload_columns(payload.to(inputs["input_ids"].device))}
+            inputs = {**inputs, TEACHER_KEY: payload.to(inputs["input_ids"].device)}
         loss, metrics, outputs = distillation_loss(model, inputs, self.distill)
         if teachers is not None and len(set(teachers)) > 1:
             metrics.update(per_teacher_metrics(outputs, inputs, self.distill, teachers))

@@ -7,7 +7,7 @@ what TRL's own ``trl.generation.vllm_client.VLLMClient.get_sequence_logprobs`` (
 and later) returns, in TRL's alignment (:mod:`topk_protocol.trl_layout`), but fetches it
 from a topk-distill teacher over gRPC with :class:`~student_client.clients.blocking.TeacherClient`:
 binary payloads, only the completion rows, retries and fail-over between targets, typed
-errors (:mod:`student_client.errors`), several chunks in flight on one stream.
+errors (:mod:`topk_protocol.errors`), several chunks in flight on one stream.
 
     trainer.teacher_client = TRLTeacherClient("teacher-host:50051")
 
@@ -24,9 +24,10 @@ import numpy as np
 from student_client.clients.blocking import TeacherClient
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import InvalidRequestError, TeacherMismatchError
 from topk_protocol import temperature_mismatch
 from topk_protocol._closeable import Closeable
+from topk_protocol.errors import InvalidRequestError, TeacherMismatchError
+from topk_protocol.requests import RequestOptions
 from topk_protocol.trl_layout import (
     TRLRows,
     check_prompt_lengths,
@@ -97,20 +98,14 @@ class TRLTeacherClient(Closeable):
         size = chunk_size if chunk_size > 0 else len(sequences)
         starts = range(0, len(sequences), size)
         batches = [ScoreBatch(sequences[s : s + size], spans[s : s + size]) for s in starts]
-        options = {"dtype": self._dtype, "include_sampled": True}
+        options = RequestOptions(top_logprobs, dtype=self._dtype, include_sampled=True)
         payloads: Iterator[TeacherPayload]
         if len(batches) == 1:  # one unary call (a stream when the answer is too large)
             one = batches[0]
-            payloads = iter(
-                [
-                    self._client.score(
-                        one.sequences, top_logprobs, positions=one.positions, **options
-                    )
-                ]
-            )
+            payloads = iter([self._client.score(one.sequences, options, positions=one.positions)])
         else:
             payloads = self._client.stream(
-                batches, top_logprobs, depth=max(max_concurrent_requests - 1, 0), **options
+                batches, options, depth=max(max_concurrent_requests - 1, 0)
             )
         rows: list[TRLRows] = []
         for start, payload in zip(starts, payloads, strict=True):

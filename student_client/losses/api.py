@@ -1,9 +1,7 @@
-"""`topk_kl_loss` and `fused_topk_kl_loss`: validation, masking, clamping, reduction, stats
-around the chunked and the fused kernels."""
+"""`topk_kl_loss` (the logits path) and `linear_topk_kl_loss` (the lm_head path's kernel):
+validation, masking, clamping, reduction, stats around the chunked and the fused kernels."""
 
 from __future__ import annotations
-
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,11 +14,13 @@ from student_client.losses.chunked import (
 )
 from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings
 from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
-from student_client.losses.options import LossOptions
+from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.parallel import VocabShard
+from student_client.losses.sampled import sampled_options, sampled_rows
 from student_client.losses.sizing import auto_chunk_rows, fused_chunks
-from student_client.losses.support import support_columns
-from student_client.losses.types import LossMode, RowTerms, TopKKLStats
+from student_client.losses.support import TeacherRows, support_columns
+from student_client.losses.teacher import TeacherTargets
+from student_client.losses.types import RowTerms, TopKKLStats
 from student_client.losses.validation import (
     check_candidates,
     check_linear,
@@ -28,22 +28,11 @@ from student_client.losses.validation import (
     check_tensors,
 )
 
-__all__ = ["fused_topk_kl_loss", "topk_kl_loss"]
+__all__ = ["linear_topk_kl_loss", "teacher_rows", "topk_kl_loss"]
 
 
 def topk_kl_loss(
-    logits: Tensor,
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
-    mode: LossMode | None = None,
-    mask: Tensor | None = None,
-    *,
-    options: LossOptions | None = None,
-    sampled_ids: Tensor | None = None,
-    sampled_logprobs: Tensor | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    **overrides: Any,
+    logits: Tensor, teacher: TeacherTargets, options: LossOptions | None = None
 ) -> tuple[Tensor, TopKKLStats]:
     """Distillation loss of student logits against a teacher's top-k log-probs.
 
@@ -77,30 +66,20 @@ def topk_kl_loss(
         logits: student logits `[..., V_local]`: float32, bfloat16, float16 (float64 for
             checks). Leading dims that cannot be flattened without a copy (e.g. a strided
             slice) are copied once; pass contiguous logits.
-        teacher_ids: `[..., K]` global vocabulary ids, any integer dtype, distinct within a
-            position (a repeated id is a ValueError), `K <= V_local * world_size`.
-        teacher_logprobs: `[..., K]` teacher log-probs, any float dtype, `<= 0` (up to
-            1e-3 of rounding), no NaN (`-inf` allowed).
-        mode: overrides `options.mode` ("tail", "truncated", "tail_actual").
-        mask: `[...]` bool or 0/1: positions that count. Teacher rows of positions that do
-            not count are ignored (not validated).
-        options: a `LossOptions` (default `LossOptions()`): divergence, mode, reduction,
-            chunk size, temperature, guards, process group, validate, overlap.
-        sampled_ids: mode "tail_actual" only: `[...]` the actual next token of each
-            position (`input_ids[:, t + 1]`; any id where there is none).
-        sampled_logprobs: mode "tail_actual" only: `[...]` the teacher's log-prob of it
-            (the payload's `sampled_logprobs`, NaN at a sequence's last position).
-        candidate_ids: supports "student" / "union" only: `[..., C]` global ids the
-            student names per position (any integer dtype; -1 pads a row; a repeated id,
-            or one among the teacher's top-k, counts once).
-        candidate_logprobs: supports "student" / "union" only: `[..., C]` the teacher's
-            log-probs at `candidate_ids` (the payload's `candidate_logprobs`, any float
-            dtype; NaN where the id is -1).
-        **overrides: fields of `LossOptions` (`reduction="sum"`, `temperature=2.0`, ...),
-            replacing those of `options`. Under `process_group` every rank passes the same
-            teacher tensors and mask and gets the same loss and stats; the gradient it gets
-            is that of its own shard. With `validate=False` the call never waits for the
-            device (invalid values then give undefined results instead of an error).
+        teacher: a `TeacherTargets` (`TeacherTargets.from_payload(payload, ...)`): the
+            top-k `ids` `[..., K]` (global ids, distinct within a position,
+            `K <= V_local * world_size`) and `logprobs` `[..., K]` (`<= 0` up to 1e-3 of
+            rounding, no NaN), the `mask` `[...]` (teacher rows of positions that do not
+            count are ignored, not validated), mode "tail_actual"'s `sampled_ids` /
+            `sampled_logprobs` `[...]`, supports "student" / "union"'s `candidate_ids` /
+            `candidate_logprobs` `[..., C]`. With `sample_counts` the loss is the sampled
+            loss (`sampled.py`): the forward KL against the unbiased target of the draws.
+        options: a `LossOptions` (default `LossOptions()`): divergence, mode, support,
+            reduction, chunk size, temperature, guards, process group, validate,
+            overlap. Under `process_group` every rank passes the same teacher value and
+            gets the same loss and stats; the gradient it gets is that of its own shard.
+            With `validate=False` the call never waits for the device (invalid values
+            then give undefined results instead of an error).
 
     Returns:
         `(loss, stats)`: `loss` a scalar (or `[...]` for "none") in float32 (float64 for
@@ -110,36 +89,12 @@ def topk_kl_loss(
     Raises:
         ValueError: naming the argument, for any invalid input.
     """
-    opts = LossOptions.build(options, mode=mode, **overrides)
+    opts = loss_options(options)
     if not isinstance(logits, Tensor):
         raise ValueError(f"logits: must be a torch.Tensor, got {type(logits).__name__}")
     shard = VocabShard.from_group(opts.process_group, logits.shape[-1] if logits.dim() else 0)
-    check_tensors(logits, teacher_ids, teacher_logprobs, mask, global_vocab=shard.global_vocab)
-    rows = _loss_columns(
-        logits,
-        (teacher_ids, teacher_logprobs),
-        mask,
-        (sampled_ids, sampled_logprobs),
-        (candidate_ids, candidate_logprobs),
-        opts,
-        shard,
-    )
+    opts, rows = teacher_rows(logits, teacher, opts, shard, {})
     return chunked_loss(logits, rows, opts, shard)
-
-
-class TeacherRows(NamedTuple):
-    """Prepared columns of the flat positions: `ids` `[N, M]` global ids, `logprobs`
-    `[N, M]` (the target's log-weights), `counted` bool `[N]`, `present` bool `[N, M]` or
-    None (all), `offset` `[N]` or None: a constant (no gradient) added to each position's
-    loss value, and `teacher_columns`: how many leading columns are the teacher's top-k
-    (the overlap statistic's; None: all of them)."""
-
-    ids: Tensor
-    logprobs: Tensor
-    counted: Tensor
-    present: Tensor | None
-    offset: Tensor | None = None
-    teacher_columns: int | None = None
 
 
 def chunked_loss(
@@ -169,81 +124,26 @@ def chunked_loss(
     return loss, stats
 
 
-def fused_topk_kl_loss(
+def linear_topk_kl_loss(
     hidden: Tensor,
     weight: Tensor,
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
-    *,
-    mode: LossMode | None = None,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    options: LossOptions | None = None,
-    sampled_ids: Tensor | None = None,
-    sampled_logprobs: Tensor | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    **overrides: Any,
+    bias: Tensor | None,
+    teacher: TeacherTargets,
+    opts: LossOptions,
 ) -> tuple[Tensor, TopKKLStats]:
-    """`topk_kl_loss(hidden @ weight.T + bias, ...)` without ever forming the logits.
-
-    Same math, options, validation, statistics and return value as `topk_kl_loss` (see
-    there); the logits are computed chunk by chunk and multiplied straight into the
-    gradients of `hidden`, `weight` and `bias` (`fused.py`).
-
-    Args:
-        hidden: last hidden states `[..., H]`: float32, bfloat16, float16 (float64 for checks).
-        weight: the lm_head weight `[V_local, H]`, same dtype and device as `hidden`; under
-            `process_group`, this rank's vocabulary shard (rank `r`: rows for ids
-            `[r * V_local, (r + 1) * V_local)`).
-        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
-            candidate_ids, candidate_logprobs: as in `topk_kl_loss`.
-        bias: optional lm_head bias `[V_local]`.
-        **overrides: fields of `LossOptions`, as in `topk_kl_loss`. Here `chunk_size` is
-            the rows of one `[chunk, V_local]` logits block in the weight's dtype (None: the
-            rows in six equal chunks, each block within 64 MiB - 1 GiB,
-            `sizing.fused_chunks`; the loss math runs on fp32 sub-blocks of 16 MiB on CPU);
-            `grad_in_forward` (default True) computes the gradients during forward for
-            "mean" / "sum" (three matmuls per chunk; measured faster on CPU,
-            docs/losses.md); False recomputes the chunk logits in backward (four). "none"
-            always recomputes. `grad_weight_accumulation` (default "weight") says how a
-            bf16 / fp16 `grad_weight` is summed over the row chunks. Under `process_group`
-            every rank passes the same `hidden`, teacher tensors and mask; the gradient of
-            `hidden` is already summed over the ranks (do not all-reduce it again);
-            `weight.grad` / `bias.grad` are those of the rank's shard.
-
-    Returns:
-        `(loss, stats)` as `topk_kl_loss`; `loss` is differentiable w.r.t. `hidden`,
-        `weight` and `bias`. With gradients computed in forward, backward scales them by
-        the upstream gradient in place, so the graph cannot be backpropagated twice.
-
-    Raises:
-        ValueError: naming the argument, for any invalid input.
-    """
-    opts = LossOptions.build(options, mode=mode, **overrides)
+    """`topk_kl_loss(hidden @ weight.T + bias, teacher, opts)` without ever forming the
+    logits (`fused.py`): `hidden` `[..., H]`, `weight` `[V_local, H]` (this rank's
+    vocabulary shard under `process_group`), `bias` `[V_local]` or None. The lm_head
+    path's kernel (`lm_head_topk_kl_loss`)."""
     if not isinstance(hidden, Tensor):
         raise ValueError(f"hidden: must be a torch.Tensor, got {type(hidden).__name__}")
     check_linear(hidden, weight, bias)
     shard = VocabShard.from_group(opts.process_group, weight.shape[0])
-    check_tensors(
-        hidden,
-        teacher_ids,
-        teacher_logprobs,
-        mask,
-        global_vocab=shard.global_vocab,
-        student_name="hidden",
-        last_dim="H",
-    )
-    rows = _loss_columns(
-        hidden,
-        (teacher_ids, teacher_logprobs),
-        mask,
-        (sampled_ids, sampled_logprobs),
-        (candidate_ids, candidate_logprobs),
-        opts,
-        shard,
-    )
+    opts, rows = teacher_rows(hidden, teacher, opts, shard, _HIDDEN)
     return fused_loss(hidden, weight, bias, rows, opts, shard)
+
+
+_HIDDEN = {"student_name": "hidden", "last_dim": "H"}
 
 
 def fused_loss(
@@ -255,7 +155,7 @@ def fused_loss(
     shard: VocabShard,
 ) -> tuple[Tensor, TopKKLStats]:
     """The fused kernel, reduction and statistics of validated inputs (`hidden`
-    `[..., H]`); shared by `fused_topk_kl_loss` and the sampled loss."""
+    `[..., H]`) of `linear_topk_kl_loss`, top-k or sampled."""
     positions_shape = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     counted = rows_in.counted
@@ -292,59 +192,67 @@ def fused_loss(
     return loss, stats
 
 
-_Pair = tuple[Tensor | None, Tensor | None]
-"""`(ids, logprobs)` of an optional pair of loss arguments."""
-
-
-def _loss_columns(
+def teacher_rows(
     student: Tensor,
-    teacher: tuple[Tensor, Tensor],
-    mask: Tensor | None,
-    actual: _Pair,
-    candidates: _Pair,
+    teacher: TeacherTargets,
     opts: LossOptions,
     shard: VocabShard,
-) -> TeacherRows:
-    """Check the actual-token and candidate arguments against `student` (`[..., V_local]`
-    logits or `[..., H]` hidden states); the loss's columns `[N, M]` (`support.py`) and
-    the counted positions `[N]`."""
+    names: dict[str, str],
+) -> tuple[LossOptions, TeacherRows]:
+    """Check `teacher` against `student` (`[..., V_local]` logits or `[..., H]` hidden
+    states, named by `names`); the options the kernels run with and the loss's columns
+    `[N, M]` (`support.py`; a sampled teacher: `sampled.py`)."""
+    if not isinstance(teacher, TeacherTargets):
+        raise ValueError(
+            f"teacher: must be a TeacherTargets (TeacherTargets.from_payload(payload)), "
+            f"got {type(teacher).__name__}"
+        )
+    if teacher.is_sampled:
+        opts = sampled_options(opts)
+    check_tensors(
+        student,
+        teacher.ids,
+        teacher.logprobs,
+        teacher.mask,
+        global_vocab=shard.global_vocab,
+        **names,
+    )
+    if teacher.is_sampled:
+        return opts, sampled_rows(student, teacher, opts, shard)
     positions, device = student.shape[:-1], student.device
-    check_sampled(opts.mode, *actual, positions, device)
-    check_candidates(opts.support, *candidates, positions, device)
-    teacher_ids, teacher_logprobs = teacher
+    check_sampled(opts.mode, teacher.sampled_ids, teacher.sampled_logprobs, positions, device)
+    check_candidates(
+        opts.support, teacher.candidate_ids, teacher.candidate_logprobs, positions, device
+    )
     n_positions = student[..., 0].numel() if student.dim() else 0
     ids, logprobs, counted = prepare_teacher_rows(
-        teacher_ids,
-        teacher_logprobs,
-        mask,
+        teacher.ids,
+        teacher.logprobs,
+        teacher.mask,
         n_positions=n_positions,
         device=student.device,
         global_vocab=shard.global_vocab,
         validate=opts.validate,
     )
-    columns = support_columns(
+    candidates = None
+    if opts.support != "teacher":
+        assert teacher.candidate_ids is not None and teacher.candidate_logprobs is not None
+        candidates = (teacher.candidate_ids, teacher.candidate_logprobs)
+    actual = None
+    if opts.mode == "tail_actual":
+        assert teacher.sampled_ids is not None and teacher.sampled_logprobs is not None
+        actual = (teacher.sampled_ids, teacher.sampled_logprobs)
+    rows = support_columns(
         ids,
         logprobs,
         counted,
         support=opts.support,
-        candidates=_given(candidates),
-        actual=_given(actual) if opts.mode == "tail_actual" else None,
+        candidates=candidates,
+        actual=actual,
         global_vocab=shard.global_vocab,
         validate=opts.validate,
     )
-    return TeacherRows(
-        columns.ids,
-        columns.logprobs,
-        counted,
-        columns.present,
-        teacher_columns=columns.teacher_columns,
-    )
-
-
-def _given(pair: _Pair) -> tuple[Tensor, Tensor] | None:
-    """`pair` when both are given (checked by `_loss_columns`), else None."""
-    ids, logprobs = pair
-    return None if ids is None or logprobs is None else (ids, logprobs)
+    return opts, rows
 
 
 def _chunked_settings(

@@ -2,7 +2,7 @@
 
 `causal_lm_hidden_and_head(model, input_ids=...)` runs the model's decoder stack only
 (`model.base_model`, e.g. `Qwen2ForCausalLM.model`), never its lm_head, and returns the
-hidden states with the lm_head's weight and bias, ready for `fused_topk_kl_loss`.
+hidden states with the lm_head's weight and bias, ready for `lm_head_topk_kl_loss`.
 `causal_lm_topk_kl_loss(model, inputs, ...)` runs the decoder stack and the fused loss on
 the lm_head module (`lm_head_topk_kl_loss`), whatever shards the model: under FSDP2
 (`fully_shard` by hand, by accelerate's FSDP plugin, or by transformers'
@@ -19,11 +19,17 @@ from typing import Any, NamedTuple, cast
 
 from torch import Tensor, nn
 
-from student_client.losses.options import LossOptions
+from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.sharded_head import HeadCall, head_topk_kl_loss, in_fsdp_forward
-from student_client.losses.types import LossMode, TopKKLStats
+from student_client.losses.teacher import TeacherTargets
+from student_client.losses.types import TopKKLStats
 
-__all__ = ["LMHeadInputs", "causal_lm_hidden_and_head", "causal_lm_topk_kl_loss"]
+__all__ = [
+    "LMHeadInputs",
+    "causal_lm_hidden_and_head",
+    "causal_lm_loss_and_head",
+    "causal_lm_topk_kl_loss",
+]
 
 _LOSS_METHOD = "_topk_distill_causal_lm_loss"
 """Name of the loss method attached to an FSDP root model (registered as a forward method)."""
@@ -33,7 +39,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
 
 
 class LMHeadInputs(NamedTuple):
-    """What `fused_topk_kl_loss` needs instead of logits.
+    """What `lm_head_topk_kl_loss` needs instead of logits (`(weight, bias)` is its head).
 
     - `hidden`: last hidden states `[B, T, H]` (after the final norm).
     - `weight`: the lm_head weight `[V, H]`: the model's own parameter, so gradients land in
@@ -67,19 +73,10 @@ def causal_lm_hidden_and_head(model: Any, **forward_kwargs: Any) -> LMHeadInputs
 def causal_lm_topk_kl_loss(
     model: Any,
     inputs: Mapping[str, Any],
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
-    *,
-    mode: LossMode | None = None,
-    mask: Tensor | None = None,
+    teacher: TeacherTargets,
     options: LossOptions | None = None,
-    sampled_ids: Tensor | None = None,
-    sampled_logprobs: Tensor | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    **overrides: Any,
-) -> tuple[Tensor, TopKKLStats, LMHeadInputs]:
-    """The fused loss of a causal LM on a batch: its decoder stack on `inputs`, then
+) -> tuple[Tensor, TopKKLStats]:
+    """The lm_head path on a whole causal LM: its decoder stack on `inputs`, then
     `lm_head_topk_kl_loss` on its lm_head; the `[B, T, V]` logits never exist.
 
     Args:
@@ -87,30 +84,30 @@ def causal_lm_topk_kl_loss(
             `fully_shard`-ed: the call runs as a forward method of it, see the module
             docstring; an lm_head that is an FSDP unit itself runs the loss in its own).
         inputs: the base model's inputs (`input_ids` `[B, T]`, `attention_mask`, ...).
-        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
-            candidate_ids, candidate_logprobs, **overrides: as in `fused_topk_kl_loss`
-            (`[B, T, K]` / `[B, T, C]` rows aligned to `input_ids`).
+        teacher, options: as in `lm_head_topk_kl_loss` (`[B, T, K]` / `[B, T, C]` rows
+            aligned to `input_ids`).
 
     Returns:
-        `(loss, stats, head)`: as `fused_topk_kl_loss`'s, and the :class:`LMHeadInputs` the
-        loss used (`hidden` `[B, T, H]`; the head's `weight` / `bias` as read after the call:
-        a sharded `DTensor` under FSDP2 when its unit reshards after forward).
+        `(loss, stats)` as `lm_head_topk_kl_loss`.
 
     Raises:
         ValueError: as :func:`causal_lm_hidden_and_head`.
     """
+    loss, stats, _ = causal_lm_loss_and_head(model, inputs, teacher, options)
+    return loss, stats
+
+
+def causal_lm_loss_and_head(
+    model: Any,
+    inputs: Mapping[str, Any],
+    teacher: TeacherTargets,
+    options: LossOptions | None = None,
+) -> tuple[Tensor, TopKKLStats, LMHeadInputs]:
+    """`causal_lm_topk_kl_loss`, and the :class:`LMHeadInputs` the loss used (`hidden`
+    `[B, T, H]`; the head's `weight` / `bias` as read after the call: a sharded `DTensor`
+    under FSDP2 when its unit reshards after forward), e.g. for statistics per row group."""
     head = _output_head(model)
-    opts = LossOptions.build(options, mode=mode, **overrides)
-    call = HeadCall(
-        teacher_ids,
-        teacher_logprobs,
-        opts,
-        mask,
-        sampled_ids,
-        sampled_logprobs,
-        candidate_ids,
-        candidate_logprobs,
-    )
+    call = HeadCall(teacher, loss_options(options))
     loss, stats, hidden = in_fsdp_forward(model, _LOSS_METHOD, _loss_on_causal_lm)(call, **inputs)
     return loss, stats, _head_inputs(hidden, head)
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor, nn
 
 from student_client.losses.api import topk_kl_loss
-from student_client.losses.options import LossOptions
-from student_client.losses.types import LossMode, TopKKLStats
+from student_client.losses.options import LossOptions, loss_options
+from student_client.losses.teacher import TeacherTargets
+from student_client.losses.types import TopKKLStats
 
 __all__ = ["TopKKLLoss"]
 
@@ -16,44 +15,18 @@ __all__ = ["TopKKLLoss"]
 class TopKKLLoss(nn.Module):
     """Top-k distillation loss as a module; see `topk_kl_loss` for the math and arguments.
 
-    `TopKKLLoss(mode=None, *, options=None, **overrides)`: `options` a `LossOptions`, its
-    fields as keyword arguments overriding it (`TopKKLLoss("truncated", reduction="sum")`);
-    checked once, at construction, and kept as `self.options`.
+    `TopKKLLoss(options=None)`: `options` a `LossOptions`, checked once, at construction,
+    and kept as `self.options`.
 
-    `forward(logits [..., V_local], teacher_ids [..., K], teacher_logprobs [..., K],
-    mask [...] | None, *, sampled_ids [...] | None, sampled_logprobs [...] | None,
-    candidate_ids [..., C] | None, candidate_logprobs [..., C] | None) -> (loss, stats)`.
+    `forward(logits [..., V_local], teacher: TeacherTargets) -> (loss, stats)`.
     """
 
-    def __init__(
-        self, mode: LossMode | None = None, *, options: LossOptions | None = None, **overrides: Any
-    ) -> None:
+    def __init__(self, options: LossOptions | None = None) -> None:
         super().__init__()
-        self.options = LossOptions.build(options, mode=mode, **overrides)
+        self.options = loss_options(options)
 
-    def forward(
-        self,
-        logits: Tensor,
-        teacher_ids: Tensor,
-        teacher_logprobs: Tensor,
-        mask: Tensor | None = None,
-        *,
-        sampled_ids: Tensor | None = None,
-        sampled_logprobs: Tensor | None = None,
-        candidate_ids: Tensor | None = None,
-        candidate_logprobs: Tensor | None = None,
-    ) -> tuple[Tensor, TopKKLStats]:
-        return topk_kl_loss(
-            logits,
-            teacher_ids,
-            teacher_logprobs,
-            mask=mask,
-            options=self.options,
-            sampled_ids=sampled_ids,
-            sampled_logprobs=sampled_logprobs,
-            candidate_ids=candidate_ids,
-            candidate_logprobs=candidate_logprobs,
-        )
+    def forward(self, logits: Tensor, teacher: TeacherTargets) -> tuple[Tensor, TopKKLStats]:
+        return topk_kl_loss(logits, teacher, self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{name}={value!r}" for name, value in vars(self.options).items())

@@ -1,13 +1,13 @@
 """`LossOptions`: every option of the losses, written once.
 
-`topk_kl_loss`, `fused_topk_kl_loss`, `TopKKLLoss` and `hf_trainer.DistillationConfig` take
-one `LossOptions` (or its fields as keyword arguments, which override it); the value is
-checked when it is built.
+Every loss (`topk_kl_loss`, `lm_head_topk_kl_loss`, `causal_lm_topk_kl_loss`, `TopKKLLoss`,
+`topk_kl_reference`) and `DistillationConfig` take one `LossOptions` (`options=`), the only
+way options reach a loss; the value is checked when it is built (`dataclasses.replace`
+builds a variant, checked again).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from student_client.losses.types import (
 )
 from student_client.losses.validation import check_options
 
-__all__ = ["LossOptions"]
+__all__ = ["LossOptions", "loss_options"]
 
 
 @dataclass(frozen=True)
@@ -108,19 +108,11 @@ class LossOptions:
         assert not isinstance(divergence, str)  # resolved in __post_init__
         return divergence
 
-    @classmethod
-    def build(cls, options: LossOptions | None = None, /, **overrides: Any) -> LossOptions:
-        """`options` (default: `LossOptions()`) with `overrides` replacing fields; a keyword
-        that is no field is a ValueError naming it. None values of `mode` are ignored."""
-        names = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise ValueError(
-                f"{unknown[0]}: not a loss option; the options are {', '.join(sorted(names))}"
-            )
-        if overrides.get("mode", "") is None:
-            del overrides["mode"]
-        base = cls() if options is None else options
-        if not isinstance(base, LossOptions):
-            raise ValueError(f"options: must be a LossOptions, got {type(base).__name__}")
-        return dataclasses.replace(base, **overrides) if overrides else base
+
+def loss_options(options: LossOptions | None) -> LossOptions:
+    """`options`, or `LossOptions()` for None; anything else is a ValueError."""
+    if options is None:
+        return LossOptions()
+    if not isinstance(options, LossOptions):
+        raise ValueError(f"options: must be a LossOptions, got {type(options).__name__}")
+    return options

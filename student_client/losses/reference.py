@@ -15,48 +15,45 @@ import math
 import torch
 from torch import Tensor
 
-from student_client.losses.divergences import CoarseRows, Divergence, get_divergence
-from student_client.losses.types import LossMode, RowTerms, Support
+from student_client.losses.divergences import CoarseRows, get_divergence
+from student_client.losses.options import LossOptions, loss_options
+from student_client.losses.sampled import sampled_target_weights
+from student_client.losses.teacher import TeacherTargets
+from student_client.losses.types import RowTerms, Support
 
 __all__ = ["topk_kl_reference"]
 
 
 def topk_kl_reference(
     logits: Tensor,
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
+    teacher: TeacherTargets,
+    options: LossOptions | None = None,
     *,
-    mode: LossMode = "tail",
-    temperature: float = 1.0,
-    tail_mass_eps: float = 1e-6,
     dtype: torch.dtype = torch.float64,
-    divergence: str | Divergence = "forward",
-    support: Support = "teacher",
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    sampled_ids: Tensor | None = None,
-    sampled_logprobs: Tensor | None = None,
 ) -> RowTerms:
     """Per-position terms computed densely (no validation, no masking, no reduction).
 
     Args:
         logits: student logits `[..., V]`.
-        teacher_ids: `[..., K]` distinct vocabulary ids per position.
-        teacher_logprobs: `[..., K]`.
-        mode: "tail", "truncated" or "tail_actual" (see `topk_kl_loss`).
-        temperature: student temperature.
-        tail_mass_eps: guard of the student tail mass `1 - Q`.
+        teacher: a `TeacherTargets` as in `topk_kl_loss` (its `mask` is not used); with
+            `sample_counts`, the sampled loss's terms.
+        options: a `LossOptions`; its `mode`, `support`, `divergence`, `temperature` and
+            `tail_mass_eps` are used (single process: no `process_group`).
         dtype: dtype of the dense computation.
-        divergence: a registry name or a divergence object (`divergences`).
-        support: "teacher", "student" or "union" (docs/losses.md, "Supports").
-        candidate_ids, candidate_logprobs: `[..., C]` for supports "student" / "union"
-            (-1 pads; repeats and ids among the top-k count once).
-        sampled_ids, sampled_logprobs: `[...]`, mode "tail_actual" only (NaN: no next token).
 
     Returns:
         `RowTerms` of `[...]` tensors in `dtype`; `loss` carries the autograd graph.
-        `overlap` is NaN for support "student" (no teacher top-k among the categories).
+        `overlap` is NaN for support "student" and for a sampled teacher (no teacher
+        top-k among the categories).
     """
+    opts = loss_options(options)
+    if teacher.is_sampled:
+        return _sampled_reference(logits, teacher, opts.temperature, dtype)
+    mode, support, temperature = opts.mode, opts.support, opts.temperature
+    tail_mass_eps, divergence = opts.tail_mass_eps, opts.divergence
+    teacher_ids, teacher_logprobs = teacher.ids, teacher.logprobs
+    candidate_ids, candidate_logprobs = teacher.candidate_ids, teacher.candidate_logprobs
+    sampled_ids, sampled_logprobs = teacher.sampled_ids, teacher.sampled_logprobs
     resolved = get_divergence(divergence)
     positions = logits.shape[:-1]
     vocab = logits.shape[-1]
@@ -159,3 +156,39 @@ def _columns(
     logprobs = torch.cat([lp.reshape(n_rows, lp.shape[-1]).double() for _, lp in parts], -1)
     # (float64 here; the caller casts to the computation's dtype)
     return ids, logprobs, ids >= 0, ids.shape[1]
+
+
+def _sampled_reference(
+    logits: Tensor, teacher: TeacherTargets, temperature: float, dtype: torch.dtype
+) -> RowTerms:
+    """The sampled loss densely: per position `sum_i w_i (log p_i - log q_i)` over the drawn
+    ids (`w` the unbiased target weights); `head` is `sum_i w_i (log w_i - log q_i)`."""
+    positions, vocab = logits.shape[:-1], logits.shape[-1]
+    n_rows = math.prod(positions)
+    top_k = teacher.ids.shape[-1]
+    log_q = torch.log_softmax(logits.to(dtype).reshape(n_rows, vocab) / temperature, dim=-1)
+    lp = teacher.logprobs.reshape(n_rows, top_k).to(device=logits.device, dtype=dtype)
+    assert teacher.sample_counts is not None  # the caller's `is_sampled`
+    normalizer = teacher.proposal_log_normalizer
+    weights = sampled_target_weights(
+        teacher.sample_counts.reshape(n_rows, top_k).to(logits.device),
+        lp,
+        proposal_temperature=teacher.proposal_temperature,
+        proposal_log_normalizer=None if normalizer is None else normalizer.reshape(n_rows),
+    ).to(dtype)
+    drawn = weights > 0
+    ids = torch.where(drawn, teacher.ids.reshape(n_rows, top_k).to(logits.device).long(), 0)
+    log_q_drawn = log_q.gather(1, ids)
+    zero = torch.zeros((), dtype=dtype, device=logits.device)
+    log_w = torch.where(drawn, weights.clamp_min(1e-300).log(), zero)
+    loss = torch.where(drawn, weights * (lp - log_q_drawn), zero).sum(-1)
+    head = torch.where(drawn, weights * (log_w - log_q_drawn), zero).sum(-1)
+    terms = (
+        loss,
+        head.detach(),
+        torch.zeros_like(head),
+        weights.sum(-1),
+        torch.where(drawn, log_q_drawn.detach().exp(), zero).sum(-1),
+        torch.full((n_rows,), math.nan, dtype=dtype, device=logits.device),
+    )
+    return RowTerms(*(term.reshape(positions) for term in terms))

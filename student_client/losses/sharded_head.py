@@ -35,13 +35,15 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from student_client.losses.api import fused_topk_kl_loss
-from student_client.losses.options import LossOptions
-from student_client.losses.types import LossMode, TopKKLStats
+from student_client.losses.api import linear_topk_kl_loss
+from student_client.losses.options import LossOptions, loss_options
+from student_client.losses.teacher import TeacherTargets
+from student_client.losses.types import TopKKLStats
 from student_client.losses.validation import dtensor_type
 
 __all__ = [
     "HeadCall",
+    "LMHead",
     "head_topk_kl_loss",
     "in_fsdp_forward",
     "lm_head_topk_kl_loss",
@@ -119,63 +121,26 @@ def local_vocab_shard(tensor: Tensor, process_group: Any, *, name: str, dim: int
 
 
 class HeadCall:
-    """Everything of one loss call but the hidden states; `options` holds the TP group
-    (`options.process_group`). A plain class, not a dataclass or a tuple: FSDP's forward
-    hooks look into those and cast their float tensors under a mixed-precision policy, and
-    the teacher's log-probs must reach the loss as given."""
+    """The teacher value and options of one loss call, handed through an FSDP forward
+    method. A plain class, not a dataclass or a tuple: FSDP's forward hooks look into
+    those and cast their float tensors under a mixed-precision policy, and the teacher's
+    log-probs must reach the loss as given (`TeacherTargets` is a plain class too)."""
 
-    __slots__ = (
-        "candidate_ids",
-        "candidate_logprobs",
-        "mask",
-        "options",
-        "sampled_ids",
-        "sampled_logprobs",
-        "teacher_ids",
-        "teacher_logprobs",
-    )
+    __slots__ = ("options", "teacher")
 
-    def __init__(
-        self,
-        teacher_ids: Tensor,
-        teacher_logprobs: Tensor,
-        options: LossOptions,
-        mask: Tensor | None = None,
-        sampled_ids: Tensor | None = None,
-        sampled_logprobs: Tensor | None = None,
-        candidate_ids: Tensor | None = None,
-        candidate_logprobs: Tensor | None = None,
-    ) -> None:
-        self.teacher_ids = teacher_ids
-        self.teacher_logprobs = teacher_logprobs
+    def __init__(self, teacher: TeacherTargets, options: LossOptions) -> None:
+        self.teacher = teacher
         self.options = options
-        self.mask = mask
-        self.sampled_ids = sampled_ids
-        self.sampled_logprobs = sampled_logprobs
-        self.candidate_ids = candidate_ids
-        self.candidate_logprobs = candidate_logprobs
 
 
 def _fused_loss_on(head: nn.Module, hidden: Tensor, call: HeadCall) -> tuple[Tensor, TopKKLStats]:
-    """`fused_topk_kl_loss` on `head`'s (local, unsharded) weight and bias."""
+    """The fused loss on `head`'s (local, unsharded) weight and bias."""
     group = call.options.process_group
     weight = local_vocab_shard(cast(Tensor, head.weight), group, name="weight", dim=0)
     bias = getattr(head, "bias", None)
     if bias is not None:
         bias = local_vocab_shard(bias, group, name="bias", dim=0)
-    return fused_topk_kl_loss(
-        hidden,
-        weight,
-        call.teacher_ids,
-        call.teacher_logprobs,
-        bias=bias,
-        mask=call.mask,
-        options=call.options,
-        sampled_ids=call.sampled_ids,
-        sampled_logprobs=call.sampled_logprobs,
-        candidate_ids=call.candidate_ids,
-        candidate_logprobs=call.candidate_logprobs,
-    )
+    return linear_topk_kl_loss(hidden, weight, bias, call.teacher, call.options)
 
 
 def _fsdp_module_type() -> type | None:
@@ -213,52 +178,59 @@ def head_topk_kl_loss(
     return in_fsdp_forward(head, _LOSS_METHOD, _fused_loss_on)(hidden, call)
 
 
+LMHead = nn.Module | Tensor | tuple[Tensor, Tensor | None]
+"""The lm_head path's head: a linear module (plain, FSDP2, TP), its `[V_local, H]` weight,
+or `(weight, bias)`."""
+
+
 def lm_head_topk_kl_loss(
-    head: nn.Module,
+    head: LMHead,
     hidden: Tensor,
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
-    *,
-    mode: LossMode | None = None,
-    mask: Tensor | None = None,
+    teacher: TeacherTargets,
     options: LossOptions | None = None,
-    sampled_ids: Tensor | None = None,
-    sampled_logprobs: Tensor | None = None,
-    candidate_ids: Tensor | None = None,
-    candidate_logprobs: Tensor | None = None,
-    **overrides: Any,
 ) -> tuple[Tensor, TopKKLStats]:
-    """`fused_topk_kl_loss` on an lm_head module, whatever shards its weight.
+    """`topk_kl_loss(hidden @ weight.T + bias, teacher, options)` without ever forming the
+    logits: the same math, options, validation, statistics and return value, with the
+    logits computed chunk by chunk and multiplied straight into the gradients of
+    `hidden`, `weight` and `bias` (`fused.py`).
 
     Args:
-        head: the lm_head, a linear layer (`weight` `[V, H]`, optional `bias` `[V]`): plain,
-            `fully_shard`-ed itself (FSDP2: the loss runs inside its forward, see the
-            module docstring), `ColwiseParallel`-ed (TP), or both.
-        hidden: last hidden states `[..., H]`, the same on every rank of `process_group`.
-        teacher_ids, teacher_logprobs, mode, mask, options, sampled_ids, sampled_logprobs,
-            candidate_ids, candidate_logprobs, **overrides: as in `fused_topk_kl_loss`.
-            `process_group` (an option): the tensor-parallel group over which the head's
-            vocabulary is sharded
+        head: the lm_head: a linear layer (`weight` `[V, H]`, optional `bias` `[V]`),
+            plain, `fully_shard`-ed itself (FSDP2: the loss runs inside its forward, see
+            the module docstring), `ColwiseParallel`-ed (TP), or both; or its weight
+            `[V_local, H]` as a tensor, or `(weight, bias)` (`bias` `[V_local]` or None).
+            Under `process_group` a tensor weight is this rank's vocabulary shard (rank
+            `r`: rows for ids `[r * V_local, (r + 1) * V_local)`).
+        hidden: last hidden states `[..., H]`: float32, bfloat16, float16 (float64 for
+            checks), same dtype and device as the weight; the same on every rank of
+            `process_group`.
+        teacher: a `TeacherTargets`, as in `topk_kl_loss` (top-k or sampled).
+        options: a `LossOptions`, as in `topk_kl_loss`. Here `chunk_size` is the rows of
+            one `[chunk, V_local]` logits block in the weight's dtype (None: the rows in
+            six equal chunks, each block within 64 MiB - 1 GiB, `sizing.fused_chunks`;
+            the loss math runs on fp32 sub-blocks of 16 MiB on CPU); `grad_in_forward`
+            (default True) computes the gradients during forward for "mean" / "sum"
+            (three matmuls per chunk); False recomputes the chunk logits in backward
+            (four); "none" always recomputes. `grad_weight_accumulation` says how a bf16
+            / fp16 `grad_weight` is summed over the row chunks. `process_group`: the
+            tensor-parallel group over which the head's vocabulary is sharded
             (`tp_mesh.get_group()`); None without tensor parallelism.
 
     Returns:
-        `(loss, stats)` as `fused_topk_kl_loss`. Gradients: `hidden`'s is complete on
-        every TP rank; the weight's goes to the head's parameter (its TP shard; under
-        FSDP2, reduce-scattered by FSDP as for any module).
+        `(loss, stats)` as `topk_kl_loss`; `loss` is differentiable w.r.t. `hidden`,
+        `weight` and `bias`. `hidden`'s gradient is complete on every TP rank (do not
+        all-reduce it again); the weight's goes to the head's parameter (its TP shard;
+        under FSDP2, reduce-scattered by FSDP as for any module). With gradients computed
+        in forward, backward scales them by the upstream gradient in place, so the graph
+        cannot be backpropagated twice.
 
     Raises:
-        ValueError: a sharded weight this cannot use (no TP group; FSDP on an ancestor
-            module only, so the head's forward does not unshard it), naming the fix.
+        ValueError: naming the argument, for any invalid input; a sharded weight this
+            cannot use (no TP group; FSDP on an ancestor module only, so the head's
+            forward does not unshard it), naming the fix.
     """
-    opts = LossOptions.build(options, mode=mode, **overrides)
-    call = HeadCall(
-        teacher_ids,
-        teacher_logprobs,
-        opts,
-        mask,
-        sampled_ids,
-        sampled_logprobs,
-        candidate_ids,
-        candidate_logprobs,
-    )
-    return head_topk_kl_loss(head, hidden, call)
+    opts = loss_options(options)
+    if isinstance(head, nn.Module):
+        return head_topk_kl_loss(head, hidden, HeadCall(teacher, opts))
+    weight, bias = (head, None) if isinstance(head, Tensor) else head
+    return linear_topk_kl_loss(hidden, weight, bias, teacher, opts)

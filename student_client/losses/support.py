@@ -28,23 +28,27 @@ from torch import Tensor
 from student_client.losses.types import Support
 from student_client.losses.validation import check_candidate_values, check_sampled_values
 
-__all__: list[str] = []
+__all__ = ["TeacherRows", "first_occurrences", "support_columns"]
 
 
-class SupportColumns(NamedTuple):
-    """The loss's columns for the kernels.
+class TeacherRows(NamedTuple):
+    """The loss's columns for the kernels, over the flat positions `N`.
 
-    - `ids`: `[N, M]` global ids (0 where absent).
-    - `logprobs`: `[N, M]` teacher log-probs (`-inf` where absent).
+    - `ids`: `[N, M]` global ids (0, or a stand-in, where absent).
+    - `logprobs`: `[N, M]` the target's log-weights (teacher log-probs; `-inf` where absent).
+    - `counted`: bool `[N]`, the positions that count.
     - `present`: bool `[N, M]`, the columns that are categories; None: all of them.
+    - `offset`: `[N]` or None, a constant (no gradient) added to each position's loss.
     - `teacher_columns`: how many leading columns are the teacher's top-k (K, or 0 for
-      support "student"): the overlap statistic's.
+      support "student"; None: all): the overlap statistic's.
     """
 
     ids: Tensor
     logprobs: Tensor
+    counted: Tensor
     present: Tensor | None
-    teacher_columns: int
+    offset: Tensor | None = None
+    teacher_columns: int | None = None
 
 
 def first_occurrences(keys: Tensor) -> Tensor:
@@ -67,7 +71,7 @@ def support_columns(
     actual: tuple[Tensor, Tensor] | None,
     global_vocab: int,
     validate: bool,
-) -> SupportColumns:
+) -> TeacherRows:
     """The columns of `support` (and of the actual token) for the kernels.
 
     Args:
@@ -100,7 +104,7 @@ def support_columns(
         parts.append((ids, logprobs, logprobs.isfinite() & counted.unsqueeze(-1)))
     teacher_columns = teacher_ids.shape[1] if support != "student" else 0
     if len(parts) == 1 and parts[0][2] is None:
-        return SupportColumns(teacher_ids, teacher_logprobs, None, teacher_columns)
+        return TeacherRows(teacher_ids, teacher_logprobs, counted, None, None, teacher_columns)
 
     id_dtype = torch.int64
     dtype = teacher_logprobs.dtype
@@ -119,9 +123,10 @@ def support_columns(
     present = given & first_occurrences(torch.where(given, ids, none))
     zero_id = torch.zeros((), dtype=id_dtype, device=device)
     impossible = torch.full((), float("-inf"), dtype=dtype, device=device)
-    return SupportColumns(
+    return TeacherRows(
         ids=torch.where(present, ids, zero_id),
         logprobs=torch.where(present, logprobs, impossible),
+        counted=counted,
         present=present,
         teacher_columns=teacher_columns,
     )

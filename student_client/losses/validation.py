@@ -97,15 +97,15 @@ def check_tensors(
     global_vocab: int,
     student_name: str = "logits",
     last_dim: str = "V_local",
-    ids_name: str = "teacher_ids",
-    values_name: str = "teacher_logprobs",
+    ids_name: str = "teacher.ids",
+    values_name: str = "teacher.logprobs",
 ) -> None:
     """Check types, dtypes, devices and shapes (no value checks: nothing syncs).
 
     Expected: `logits` `[..., V_local]` (for the fused loss: `hidden` `[..., H]`, named by
     `student_name` / `last_dim`), `teacher_ids` and `teacher_logprobs` `[..., K]` with
     `1 <= K <= global_vocab`, `mask` `[...]` or None. `ids_name` / `values_name` name the
-    two teacher tensors in messages (the sampled loss's `sample_ids` / `sample_weights`).
+    two teacher tensors in messages.
     """
     for name, value in (
         (student_name, logits),
@@ -233,12 +233,10 @@ def check_sampled(
     device: torch.device,
 ) -> None:
     """Mode "tail_actual" needs `sampled_ids` (int) and `sampled_logprobs` (float), both
-    `[...]` (the positions' shape) on the student's device; other modes take neither."""
+    `[...]` (the positions' shape) on the student's device; other modes do not use them
+    (a teacher value carries what its payload holds; the options choose what counts)."""
     given = {"sampled_ids": sampled_ids, "sampled_logprobs": sampled_logprobs}
     if mode != "tail_actual":
-        for name, value in given.items():
-            if value is not None:
-                raise _fail(name, f"is used by mode 'tail_actual' only, not {mode!r}")
         return
     for name, value in given.items():
         _check_aligned(name, value, positions, device, "mode 'tail_actual'", "(the positions)")
@@ -256,16 +254,9 @@ def check_candidates(
 ) -> None:
     """Supports "student" and "union" need `candidate_ids` (int) and `candidate_logprobs`
     (float), both `[..., C]` (`[...]` the positions' shape) on the student's device;
-    support "teacher" takes neither."""
+    support "teacher" does not use them."""
     given = {"candidate_ids": candidate_ids, "candidate_logprobs": candidate_logprobs}
     if support == "teacher":
-        for name, value in given.items():
-            if value is not None:
-                raise _fail(
-                    name,
-                    "is used by support 'student' or 'union' only, not 'teacher' "
-                    "(pass support='student' or 'union')",
-                )
         return
     if not isinstance(candidate_ids, Tensor):
         raise _fail(
@@ -322,21 +313,21 @@ def _check_id_range(name: str, ids: Tensor, global_vocab: int, *, padding: bool 
 
 
 def check_sample_values(sample_ids: Tensor, sample_weights: Tensor, global_vocab: int) -> None:
-    """The counted rows of a sampled target: weights finite and `>= 0`; the ids of the
-    columns with weight > 0 in `[0, global_vocab)` and distinct within a row (a column of
-    weight 0 is padding and may hold anything)."""
+    """The counted rows of a sampled teacher: counts finite and `>= 0`; the ids of the
+    columns with count > 0 in `[0, global_vocab)` and distinct within a row (a column of
+    count 0 is padding and may hold anything)."""
     if sample_ids.numel() == 0:
         return
     if not bool(sample_weights.isfinite().all()) or bool((sample_weights < 0).any()):
-        raise _fail("sample_weights", "must be finite and >= 0")
+        raise _fail("teacher.sample_counts", "must be finite and >= 0")
     drawn = sample_weights > 0
     if bool(drawn.any()):
-        _check_id_range("sample_ids", sample_ids[drawn], global_vocab)
+        _check_id_range("teacher.ids", sample_ids[drawn], global_vocab)
     # padding columns get distinct negative stand-ins, so only drawn ids can collide
     column = torch.arange(sample_ids.shape[-1], device=sample_ids.device)
     ordered = torch.where(drawn, sample_ids.to(torch.int64), -1 - column).sort(dim=-1).values
     if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-        raise _fail("sample_ids", "an id with weight > 0 repeats within a position")
+        raise _fail("teacher.ids", "a drawn id (count > 0) repeats within a position")
 
 
 def _check_at_most_zero(name: str, logprobs: Tensor, also: str = "") -> None:
@@ -370,17 +361,17 @@ def check_teacher_values(teacher_ids: Tensor, teacher_logprobs: Tensor, global_v
     """
     if teacher_ids.numel() == 0:
         return
-    _check_id_range("teacher_ids", teacher_ids, global_vocab)
+    _check_id_range("teacher.ids", teacher_ids, global_vocab)
     ordered = teacher_ids.sort(dim=-1).values
     if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
         raise _fail(
-            "teacher_ids",
+            "teacher.ids",
             "an id repeats within a position; ids must be distinct (the padding rows of a "
-            "ragged or padded batch's payload hold ids 0: pass mask=payload.mask)",
+            "ragged or padded batch's payload hold ids 0: the teacher value needs its mask)",
         )
     if bool(teacher_logprobs.isnan().any()):
-        raise _fail("teacher_logprobs", "contains NaN")
-    _check_at_most_zero("teacher_logprobs", teacher_logprobs)
+        raise _fail("teacher.logprobs", "contains NaN")
+    _check_at_most_zero("teacher.logprobs", teacher_logprobs)
 
 
 def _shape(tensor: Tensor) -> list[int]:

@@ -37,9 +37,8 @@ import torch
 from torch.utils.data import Dataset
 
 from student_client.data.payload import TeacherPayload
-from student_client.errors import NotRecordedError
 from topk_protocol import RequestOptions, SequenceArrays, TeacherInfo
-from topk_protocol._deprecation import deprecated_names
+from topk_protocol.errors import NotRecordedError
 from topk_protocol.multi_recording import (
     read_manifest,
     recorded_teachers,
@@ -315,9 +314,3 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
         proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)
-
-
-__getattr__ = deprecated_names(
-    __name__,
-    {"SequencePayload": ("topk_protocol.SequenceArrays (items: PayloadItem)", SequenceArrays)},
-)

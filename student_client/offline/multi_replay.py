@@ -14,15 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import NotRecordedError, TeacherError
 from student_client.offline.replay import ReplayClient, replay_stream
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
+from topk_protocol.errors import NotRecordedError, TeacherError
 from topk_protocol.multi_recording import read_manifest, recorded_teachers
+from topk_protocol.requests import RequestKeywords
 
 __all__ = ["MultiReplayClient"]
 
@@ -95,14 +97,14 @@ class MultiReplayClient(Closeable):
     def score(
         self,
         sequences: Any,
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
-        teacher: Any = None,
         positions: Sequence[tuple[int, int]] | None = None,
         device: torch.device | str = "cpu",
         attention_mask: Any = None,
+        teacher: Any = None,
         candidate_ids: Any = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> TeacherPayload:
         """The recorded payload of this batch, each sequence from its ``teacher``'s rows
         (arguments as ``MultiTeacherClient.score``)."""
@@ -128,11 +130,17 @@ class MultiReplayClient(Closeable):
         return merged if str(device) == "cpu" else merged.to(device)
 
     def stream(
-        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
+        self,
+        batches: Iterable[Any],
+        top_k: int | RequestOptions | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        depth: int = 4,
+        **options: Unpack[RequestKeywords],
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order (see
         :func:`~student_client.offline.replay.replay_stream`)."""
-        return replay_stream(self.score, batches, top_k, **options)
+        return replay_stream(self.score, batches, top_k, depth=depth, device=device, **options)
 
     def close(self) -> None:
         for c in self._teachers.values():

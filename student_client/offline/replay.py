@@ -5,7 +5,7 @@ is the recorded row's prefix), any position sub-range inside a recorded one, and
 dtype the teacher would have cast from the recorded values (see
 :func:`~topk_protocol.recording.can_serve_dtype`) are answered byte-identically to the
 live teacher: the recorded values go through the teacher's own encoding and the client's
-own decoding. Anything else raises :class:`~student_client.errors.NotRecordedError`
+own decoding. Anything else raises :class:`~topk_protocol.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
 
 A multi-teacher recording (:mod:`topk_protocol.multi_recording`) replays through
@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import Unpack
 
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import NotRecordedError
 from topk_protocol import (
     RequestOptions,
     TeacherInfo,
@@ -45,6 +45,7 @@ from topk_protocol.checks import (
     check_token_ids,
     check_top_k,
 )
+from topk_protocol.errors import NotRecordedError
 from topk_protocol.multi_recording import (
     read_manifest,
     recorded_teachers,
@@ -52,6 +53,7 @@ from topk_protocol.multi_recording import (
 )
 from topk_protocol.recording import RecordingReader
 from topk_protocol.replay import find_rows, recorded_arrays, serves_encodings
+from topk_protocol.requests import RequestKeywords
 
 __all__ = ["ReplayClient", "replay_response", "replay_stream"]
 
@@ -88,11 +90,11 @@ def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.Sco
 def replay_stream(
     score: Callable[..., TeacherPayload],
     batches: Iterable[Any],
-    top_k: int | RequestOptions,
+    top_k: int | RequestOptions | None = None,
     *,
     depth: int = 4,
     device: torch.device | str = "cpu",
-    **options: Any,
+    **options: Unpack[RequestKeywords],
 ) -> Iterator[TeacherPayload]:
     """``score`` of each of ``batches`` (batches or :class:`ScoreBatch` items), in order,
     read lazily: a replay client's ``stream``. ``depth`` is accepted for interface parity
@@ -219,20 +221,20 @@ class ReplayClient(Closeable):
     def score(
         self,
         sequences: Any,
-        top_k: int | RequestOptions,
+        top_k: int | RequestOptions | None = None,
         *,
         positions: Sequence[tuple[int, int]] | None = None,
         device: torch.device | str = "cpu",
         attention_mask: Any = None,
         teacher: Any = None,
         candidate_ids: Any = None,
-        **options: Any,
+        **options: Unpack[RequestKeywords],
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``;
         ``teacher`` is ignored, as by a single-teacher client)."""
         request, layout = build_aligned_request(
             sequences,
-            top_k,
+            RequestOptions.of(top_k, **options),
             attention_mask=attention_mask,
             positions=positions,
             candidate_ids=candidate_ids,
@@ -241,10 +243,16 @@ class ReplayClient(Closeable):
         return align(self._answer(request, device), layout)
 
     def stream(
-        self, batches: Iterable[Any], top_k: int | RequestOptions, **options: Any
+        self,
+        batches: Iterable[Any],
+        top_k: int | RequestOptions | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        depth: int = 4,
+        **options: Unpack[RequestKeywords],
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order (see :func:`replay_stream`)."""
-        return replay_stream(self.score, batches, top_k, **options)
+        return replay_stream(self.score, batches, top_k, depth=depth, device=device, **options)
 
     def close(self) -> None:
         if hasattr(self, "_reader"):

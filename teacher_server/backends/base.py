@@ -20,7 +20,6 @@ from topk_protocol import (
     RequestOptions,
     SequenceArrays,
 )
-from topk_protocol._deprecation import deprecated_names
 from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.sampling import SampledRows, sample_rows, sequence_sample_key
 
@@ -258,8 +257,3 @@ def sampled_arrays(
             else drawn.log_normalizer.cpu().numpy().astype(np.float32)
         ),
     )
-
-
-#: Names this module (and ``teacher_server.backends``) exported before ``SequenceArrays``.
-DEPRECATED = {"ScoredSequence": ("topk_protocol.SequenceArrays", SequenceArrays)}
-__getattr__ = deprecated_names(__name__, DEPRECATED)

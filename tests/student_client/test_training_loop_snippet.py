@@ -29,14 +29,16 @@ def test_training_loop_snippet_learns(
 
 def test_training_loop_backprop_reaches_the_student(vllm_teacher: ServerProcess) -> None:
     from student_client.clients.blocking import TeacherClient
-    from student_client.losses import topk_kl_loss
+    from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 
     student = training_loop.ToyStudent(512)
     x = next(training_loop.token_batches(1, 2, 16, 512))
     with TeacherClient(vllm_teacher.target, expect_vocab_size=512) as client:
         payload = next(client.stream([x], 8, depth=1))
     loss, _ = topk_kl_loss(
-        student(x), payload.ids, payload.logprobs, mode="tail", mask=payload.mask
+        student(x),
+        TeacherTargets(payload.ids, payload.logprobs, mask=payload.mask),
+        LossOptions(mode="tail"),
     )
     loss.backward()
     grads = [p.grad for p in student.parameters()]

@@ -108,8 +108,8 @@ def test_full_queue_answers_unavailable_and_the_client_retries(  # type: ignore[
     import torch
 
     from student_client.clients.blocking import TeacherClient
-    from student_client.errors import ResourceExhaustedError
     from topk_protocol import encode_token_ids, pb, pb_grpc
+    from topk_protocol.errors import ResourceExhaustedError
 
     server = teacher_factory(
         [

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
-
-import pytest
 
 # Makes ``import uvicorn`` fail as in an environment where it is not installed.
 HIDE_UVICORN = (
@@ -24,15 +21,3 @@ def test_missing_server_extra_is_one_line() -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert "pip install 'topk-distill[server]'" in lines[0] and "uvicorn" in lines[0]
-
-
-def test_the_old_entry_point_warns_and_is_the_same_function() -> None:
-    sys.modules.pop("teacher_server.entry", None)
-    with pytest.warns(DeprecationWarning, match=r"teacher_server\.__main__:main"):
-        import teacher_server.entry as entry
-    from teacher_server.__main__ import main
-
-    assert entry.main is main
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        import teacher_server.__main__  # noqa: F401 - the new path warns of nothing

@@ -20,11 +20,11 @@ from hypothesis_profiles import examples
 from recording_fakes import assert_bit_equal
 
 from student_client.clients.blocking import TeacherClient
-from student_client.errors import NotRecordedError
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from topk_protocol import build_request, pb, pb_grpc
 from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
+from topk_protocol.errors import NotRecordedError
 from topk_protocol.packing import error_bound
 
 pytestmark = pytest.mark.vllm

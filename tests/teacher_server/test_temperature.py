@@ -27,7 +27,6 @@ from test_vllm_server import (
 
 from devtools.tiny_model import TINY_SERVE_ARGS
 from student_client.clients.blocking import TeacherClient
-from student_client.errors import TeacherMismatchError, VocabMismatchError
 from student_client.offline.replay import ReplayClient
 from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprobs
 from teacher_server.backends.replay_backend import ReplayBackend
@@ -35,6 +34,7 @@ from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.servicer import teacher_info_message
 from teacher_server.validation import Limits, ParsedSequence
 from topk_protocol import RequestOptions, decode_sequence, pb, pb_grpc
+from topk_protocol.errors import TeacherMismatchError, VocabMismatchError
 from topk_protocol.recording import RecordingReader
 
 

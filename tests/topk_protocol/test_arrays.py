@@ -123,25 +123,3 @@ def test_without_sampled_and_pickling() -> None:
     b = pickle.loads(pickle.dumps(_arrays()))
     np.testing.assert_array_equal(b.logprobs, _arrays().logprobs)
     assert b.position_start == 3
-
-
-@pytest.mark.parametrize(
-    ("module", "name"),
-    [
-        ("topk_protocol", "DecodedSequence"),
-        ("topk_protocol.codec", "DecodedSequence"),
-        ("topk_protocol.recording", "RecordedSequence"),
-        ("topk_protocol.replay", "RecordedArrays"),
-        ("teacher_server.backends", "ScoredSequence"),
-        ("teacher_server.backends.base", "ScoredSequence"),
-        ("student_client.offline.dataset", "SequencePayload"),
-    ],
-)
-def test_the_old_type_names_warn_naming_the_new_one(module: str, name: str) -> None:
-    import importlib
-
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=rf"{module}\.{name} is deprecated.*SequenceArrays"):
-        assert getattr(mod, name) is SequenceArrays
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
-        mod.NoSuchName  # noqa: B018

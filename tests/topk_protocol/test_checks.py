@@ -77,19 +77,3 @@ def test_limits_of_a_teachers_info() -> None:
         vocab_size=512, max_top_k=64, max_tokens_per_request=100, max_sequence_length=10
     )
     assert TeacherLimits.of_info(info) == LIMITS
-
-
-def test_the_old_names_in_requests_warn_and_keep_their_signature() -> None:
-    from topk_protocol import requests
-
-    with pytest.warns(DeprecationWarning, match=r"topk_protocol\.checks\.check_top_k"):
-        old_top_k = requests.check_top_k
-    with pytest.raises(InvalidRequestError, match=r"^top_k: 9 is outside \[1, 8\]"):
-        old_top_k(9, 8)
-    with pytest.warns(DeprecationWarning, match=r"topk_protocol\.checks\.check_token_ids"):
-        old_ids = requests.check_token_ids
-    old_ids(np.zeros(0, np.int32), 4, "s")  # the old rule: an empty sequence passes
-    with pytest.raises(InvalidRequestError, match=r"^s\[0\]: 4 is outside the vocabulary"):
-        old_ids(np.array([4]), 4, "s")
-    with pytest.raises(AttributeError):
-        requests.check_nothing  # noqa: B018

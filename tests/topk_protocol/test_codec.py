@@ -130,15 +130,3 @@ def test_streamed_chunks_concat_to_the_whole() -> None:
     np.testing.assert_array_equal(joined.logprobs, whole.logprobs)
     assert joined.sampled_logprobs is not None
     np.testing.assert_array_equal(joined.sampled_logprobs, whole.sampled_logprobs)
-
-
-def test_old_names_warn_and_still_work() -> None:
-    import topk_protocol
-    from topk_protocol import codec
-
-    for module in (topk_protocol, codec):
-        with pytest.warns(DeprecationWarning, match="use topk_protocol.SequenceArrays"):
-            assert module.DecodedSequence is SequenceArrays
-        with pytest.warns(DeprecationWarning, match="SequenceArrays.concat"):
-            concat = module.concat_chunks
-        assert len(concat([_arrays(3, 2)])) == 3

@@ -20,7 +20,6 @@ import pytest
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.data.assembler import ResponseAssembler
-from student_client.errors import NotRecordedError, RecordingError, VocabMismatchError
 from student_client.offline.replay import ReplayClient
 from topk_protocol import (
     SequenceArrays,
@@ -28,6 +27,7 @@ from topk_protocol import (
     encode_sequence,
     pb,
 )
+from topk_protocol.errors import NotRecordedError, RecordingError, VocabMismatchError
 from topk_protocol.recording import (
     RecordingReader,
     RecordingWriter,

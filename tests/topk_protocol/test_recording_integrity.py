@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from recording_fakes import INFO, K, teacher_answer
 
-from student_client.errors import DataLossError, RecordingDamagedError, RecordingError
 from student_client.offline.replay import ReplayClient
 from topk_protocol import SequenceArrays
+from topk_protocol.errors import DataLossError, RecordingDamagedError, RecordingError
 from topk_protocol.integrity import CHECKSUM_COLUMN
 from topk_protocol.recording import (
     METADATA_FILE,

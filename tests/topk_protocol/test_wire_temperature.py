@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from student_client.errors import TeacherMismatchError, VocabMismatchError
 from teacher_server.cli import build_parser
 from topk_protocol import SCHEMA_VERSION, TeacherInfo, check_temperature, pb, teacher_temperature
+from topk_protocol.errors import TeacherMismatchError, VocabMismatchError
 
 
 def _info(**fields: object) -> pb.TeacherInfo:

@@ -34,8 +34,6 @@ when the upload completes, so no reader ever sees part of a batch; the reader st
 such a recording, a few batches in memory (``docs/datasets.md``, "Object storage").
 """
 
-from topk_protocol._deprecation import deprecated_names
-from topk_protocol.arrays import SequenceArrays
 from topk_protocol.recording.format import (
     COMPRESSIONS,
     DEFAULT_FLUSH_INTERVAL_S,
@@ -68,8 +66,3 @@ __all__ = [
     "recording_schema",
     "sequence_key",
 ]
-
-__getattr__ = deprecated_names(
-    __name__,
-    {"RecordedSequence": ("topk_protocol.SequenceArrays", SequenceArrays)},
-)

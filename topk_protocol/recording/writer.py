@@ -1,8 +1,7 @@
 """Write a recording: scored sequences appended as Arrow record batches, crash-safe.
 
-The writer buffers rows and writes them as one record batch every ``flush_interval_s``
-seconds (a background thread flushes even when no new row comes), so a killed writer
-loses at most that interval's rows; the reader keeps every complete batch.
+Rows are buffered and written as one record batch every ``flush_interval_s`` seconds (a
+background thread flushes too), so a killed writer loses at most that interval's rows.
 """
 
 from __future__ import annotations
@@ -254,41 +253,47 @@ class RecordingWriter(Closeable):
             self.packing, self._packing_fixed = packing, True
         if not self._has_metadata:
             self._write_metadata()
-        if self.packing is not None or packing is not None:
-            self._check_packing(top_k, dtype, packing)
-            return
-        if top_k < self.top_k:
-            raise RecordingError(
-                self._root, None, f"top_k: {top_k} is less than the recorded {self.top_k}"
-            )
-        if not can_serve_dtype(dtype, self.dtype):
-            raise RecordingError(
-                self._root,
-                None,
-                f"dtype: {dtype} log-probs cannot give the recorded {self.dtype} exactly",
-            )
+        problem = self._format_problem(top_k, dtype, packing)
+        if problem is not None:
+            raise RecordingError(self._root, None, problem)
 
-    def _check_packing(self, top_k: int, dtype: str, packing: Packing | None) -> None:
-        """Values of a (``packing``, ``dtype``, ``top_k``) answer give this packed
-        recording's bytes exactly, or a default recording's values (RecordingError)."""
-        if self.packing is None:
-            raise RecordingError(
-                self._root,
-                None,
-                "encoding: a packed answer cannot give the recorded default-encoding "
-                "values exactly",
-            )
-        same = packing == self.packing and dtype == self.dtype and top_k == self.top_k
-        from_float32 = packing is None and dtype == "float32" and top_k >= (self.top_k or 0)
-        if not (same or from_float32):
-            raise RecordingError(
-                self._root,
-                None,
+    def _format_problem(self, top_k: int, dtype: str, packing: Packing | None) -> str | None:
+        """Why an answer of (``top_k``, ``dtype``, ``packing``) cannot give this recording's
+        values exactly (None: it can)."""
+        if self.packing is None and packing is not None:
+            return "encoding: a packed answer cannot give the recorded default-encoding values"
+        if self.packing is not None:
+            same = packing == self.packing and dtype == self.dtype and top_k == self.top_k
+            if same or (packing is None and dtype == "float32" and top_k >= (self.top_k or 0)):
+                return None
+            how = f"packed at {packing.logprob_bits} bits" if packing else "unpacked"
+            return (
                 f"encoding: the recording packs K {self.top_k} {self.dtype} at "
-                f"{self.packing.logprob_bits} bits; an answer of K {top_k} {dtype} "
-                f"{'packed at ' + str(packing.logprob_bits) + ' bits' if packing else 'unpacked'} "
-                "cannot give its bytes exactly (it takes the same packing, or float32 values)",
+                f"{self.packing.logprob_bits} bits; an answer of K {top_k} {dtype} {how} "
+                "cannot give its bytes exactly (it takes the same packing, or float32 values)"
             )
+        if top_k < (self.top_k or 0):
+            return f"top_k: {top_k} is less than the recorded {self.top_k}"
+        if self.dtype is not None and not can_serve_dtype(dtype, self.dtype):
+            return f"dtype: {dtype} log-probs cannot give the recorded {self.dtype} exactly"
+        return None
+
+    def check_request(self, options: RequestOptions) -> None:
+        """Before a request is sent: RecordingError naming the option when its answer
+        could not be recorded here (a recording holds the K, dtype, encoding and sampling
+        options of its first request; ``docs/datasets.md``)."""
+        with self._lock:
+            if self.top_k is None or self.dtype is None:
+                return
+            recorded = options.recorded()
+            if self.options is not None and recorded != self.options:
+                raise RecordingError(
+                    self._root, None, f"options: recorded {self.options}, this request {recorded}"
+                )
+            packing = options.packing(int(self.info.vocab_size))
+            problem = self._format_problem(options.top_k, options.dtype, packing)
+        if problem is not None:
+            raise RecordingError(self._root, None, problem)
 
     def add(
         self,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from student_client.clients.aio import clean_token, parse_targets
 from student_client.clients.blocking import TeacherClient
+from student_client.clients.channels import clean_token, parse_targets
 
 
 @pytest.mark.parametrize(

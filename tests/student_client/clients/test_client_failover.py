@@ -14,7 +14,7 @@ import torch
 from conftest import ServerProcess, start_server
 from test_client_live import requests_ok
 
-from student_client.clients import aio as client_mod
+from student_client.clients import window as window_mod
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import TeacherClient
 from student_client.data.payload import TeacherPayload
@@ -49,14 +49,14 @@ def _batches(seed: int) -> list[list[np.ndarray]]:
 def resent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many requests each (re)connection of a stream sent again (spy)."""
     counts: list[int] = []
-    unanswered = client_mod._StreamWindow.unanswered
+    unanswered = window_mod.StreamWindow.unanswered
 
-    def spy(self: client_mod._StreamWindow) -> list[object]:
+    def spy(self: window_mod.StreamWindow) -> list[object]:
         out = unanswered(self)
         counts.append(len(out))
         return out  # type: ignore[return-value]
 
-    monkeypatch.setattr(client_mod._StreamWindow, "unanswered", spy)
+    monkeypatch.setattr(window_mod.StreamWindow, "unanswered", spy)
     return counts
 
 

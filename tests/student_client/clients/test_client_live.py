@@ -18,16 +18,16 @@ from conftest import ServerProcess, free_port, start_server
 
 from student_client.clients.blocking import TeacherClient
 from student_client.data.batch import ScoreBatch
-from student_client.errors import (
+from teacher_server.backends.transformers_backend import TransformersBackend
+from teacher_server.validation import ParsedSequence
+from topk_protocol import RequestOptions
+from topk_protocol.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     TeacherUnavailableError,
     UnauthenticatedError,
     VocabMismatchError,
 )
-from teacher_server.backends.transformers_backend import TransformersBackend
-from teacher_server.validation import ParsedSequence
-from topk_protocol import RequestOptions
 
 K = 8
 

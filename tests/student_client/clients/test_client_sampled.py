@@ -19,7 +19,7 @@ from conftest import ServerProcess, start_server
 from sampling_checks import chi_square_p_value, equal_mass_chi_square
 
 from student_client.clients.blocking import TeacherClient
-from student_client.errors import InvalidRequestError, NotRecordedError
+from student_client.losses import TeacherTargets
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from teacher_server.backends.replay_backend import ReplayBackend
@@ -28,6 +28,7 @@ from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, build_request, pb
 from topk_protocol._generated import teacher_pb2_grpc as pb_grpc
 from topk_protocol.checks import MAX_SAMPLES
+from topk_protocol.errors import InvalidRequestError, NotRecordedError, RecordingError
 
 N, SEED, VOCAB = 64, 1234, 512
 ALPHA = 1e-3
@@ -180,3 +181,44 @@ def test_bad_sampled_requests_are_refused_and_the_server_keeps_serving(
     answer = stub.Score(good, timeout=30)  # still serving
     assert len(answer.sequences) == 3 and answer.sequences[0].sample_counts
     channel.close()
+
+
+def test_a_sampled_request_needs_no_top_k(teacher: ServerProcess) -> None:
+    """``score(seqs, samples=N, seed=S)``: K is N, not repeated."""
+    seqs = _sequences()
+    with TeacherClient(teacher.target) as client:
+        short = client.score(seqs, samples=N, seed=SEED, dtype="float32")
+        long = client.score(seqs, N, samples=N, seed=SEED, dtype="float32")
+        tempered = client.score(seqs, samples=N, seed=SEED, proposal_temperature=1.5)
+        with pytest.raises(InvalidRequestError, match=r"^top_k: required \(or samples=N"):
+            client.score(seqs)
+    # the proposal temperature travels with the payload into the loss's teacher value
+    assert (short.proposal_temperature, tempered.proposal_temperature) == (1.0, 1.5)
+    assert TeacherTargets.from_payload(tempered).proposal_temperature == 1.5
+    assert short.top_k == N and torch.equal(short.ids, long.ids)
+    assert short.sample_counts is not None and long.sample_counts is not None
+    assert torch.equal(short.sample_counts, long.sample_counts)
+
+
+def test_a_recording_client_refuses_what_it_cannot_record_before_sending(
+    teacher: ServerProcess, tmp_path: Path
+) -> None:
+    """A ``record_to=`` client holds the options of its first request: a sampled or a
+    packed request after a default one is refused by name before it is sent (no answer is
+    lost), the client keeps serving, and the recording replays byte-identically."""
+    seqs = _sequences()
+    rec = tmp_path / "rec"
+    with TeacherClient(teacher.target, record_to=rec) as client:
+        first = client.score(seqs, N, dtype="float32")
+        with pytest.raises(RecordingError, match=r"options: recorded .*'samples': 0"):
+            client.score(seqs, samples=N, seed=SEED, dtype="float32")
+        with pytest.raises(RecordingError, match=r"encoding: a packed answer"):
+            client.score(seqs, N, dtype="float32", encoding="packed")
+        with pytest.raises(RecordingError, match=r"top_k: 2 is less than the recorded"):
+            next(iter(client.stream([seqs], 2, dtype="float32")))
+        again = client.score(seqs, N, dtype="float32")
+    assert torch.equal(again.logprobs, first.logprobs)
+    with ReplayClient(rec) as replay:
+        replayed = replay.score(seqs, N, dtype="float32")
+    assert replayed.logprobs.numpy().tobytes() == first.logprobs.numpy().tobytes()
+    assert torch.equal(replayed.ids, first.ids)

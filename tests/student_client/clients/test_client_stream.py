@@ -16,17 +16,17 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from student_client.clients import aio as client_mod
+from student_client.clients import window as window_mod
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import TeacherClient
 from student_client.data.alignment import PaddedLayout
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import DeadlineExceededError, InvalidRequestError
 from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays
+from topk_protocol.errors import DeadlineExceededError, InvalidRequestError
 
 
 class EchoBackend(Backend):
@@ -138,15 +138,15 @@ def make_batches(n: int, seed: int) -> list[tuple[list[list[int]], list[tuple[in
 def completion_order(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """request_ids in the order their answers completed (spy on the stream window)."""
     order: list[str] = []
-    route = client_mod._StreamWindow.route
+    route = window_mod.StreamWindow.route
 
-    def spy(self: client_mod._StreamWindow, msg: object) -> bool:
+    def spy(self: window_mod.StreamWindow, msg: object) -> bool:
         done = route(self, msg)  # type: ignore[arg-type]
         if done:
             order.append(msg.request_id)  # type: ignore[attr-defined]
         return done
 
-    monkeypatch.setattr(client_mod._StreamWindow, "route", spy)
+    monkeypatch.setattr(window_mod.StreamWindow, "route", spy)
     return order
 
 

@@ -31,18 +31,18 @@ from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherCl
 from student_client.clients.routing import check_agreement
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.errors import (
+from student_client.offline.dataset import PayloadDataset, collate_payloads
+from student_client.offline.multi_replay import MultiReplayClient
+from student_client.offline.record_cli import main as record_main
+from student_client.offline.replay import ReplayClient
+from topk_protocol import RequestOptions, TeacherInfo
+from topk_protocol.errors import (
     InvalidRequestError,
     NotRecordedError,
     TeacherMismatchError,
     TeacherUnavailableError,
     VocabMismatchError,
 )
-from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.multi_replay import MultiReplayClient
-from student_client.offline.record_cli import main as record_main
-from student_client.offline.replay import ReplayClient
-from topk_protocol import RequestOptions, TeacherInfo
 
 pytestmark = pytest.mark.vllm
 
@@ -474,7 +474,7 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
         TopKDistillationTrainer,
         teacher_column_collator,
     )
-    from student_client.losses import topk_kl_loss
+    from student_client.losses import TeacherTargets, topk_kl_loss
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.padding_side = "right"
@@ -512,7 +512,7 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
         data_collator=pad,
         teacher=targets,
         teacher_column="domain",
-        distill=DistillationConfig(top_k=K, prefetch_depth=2),
+        distill=DistillationConfig(RequestOptions(K), prefetch_depth=2),
     )
     trainer.train()
     trainer.close()
@@ -531,7 +531,8 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
 
     def loss(rows: list[int]) -> float:
         value, _ = topk_kl_loss(
-            logits[rows], payload.ids[rows], payload.logprobs[rows], mask=payload.mask[rows]
+            logits[rows],
+            TeacherTargets(payload.ids[rows], payload.logprobs[rows], mask=payload.mask[rows]),
         )
         return float(value)
 

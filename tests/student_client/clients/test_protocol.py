@@ -1,7 +1,7 @@
 """Every client satisfies the one client interface (``student_client.clients.protocol``):
 the blocking ones ``TeacherSource``, the asyncio ones ``AsyncTeacherSource``; ``names``
 tells one teacher (``[]``) from several. mypy checks the signatures
-(``student_client/_conformance.py``); this checks the objects users get at run time, and
+(``student_client/offline/conformance.py``); this checks the objects users get at run time, and
 that the Trainer refuses what is not a client."""
 
 from __future__ import annotations

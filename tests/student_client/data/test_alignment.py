@@ -8,7 +8,7 @@ import torch
 
 from student_client.data.alignment import PaddedLayout, place_rows, prepare_inputs, unpad
 from student_client.data.payload import TeacherPayload
-from student_client.errors import InvalidRequestError
+from topk_protocol.errors import InvalidRequestError
 
 PAD = 257
 
@@ -117,13 +117,13 @@ def test_without_a_mask_inputs_pass_through() -> None:
 
 
 def test_forgetting_the_mask_on_a_padded_payload_suggests_mask() -> None:
-    from student_client.losses import topk_kl_loss
+    from student_client.losses import TeacherTargets, topk_kl_loss
 
     ids, mask = _padded(SEQS, "right")
     _, layout = unpad(ids, mask)
     payload = place_rows(_fake_payload(SEQS, [(0, len(s)) for s in SEQS], 2), layout)
     logits = torch.zeros(3, 5, 300_000)
-    with pytest.raises(ValueError, match=r"pass mask=payload\.mask"):
-        topk_kl_loss(logits, payload.ids, payload.logprobs)
-    loss, _ = topk_kl_loss(logits, payload.ids, payload.logprobs, mask=payload.mask)
+    with pytest.raises(ValueError, match=r"the teacher value needs its mask"):
+        topk_kl_loss(logits, TeacherTargets(payload.ids, payload.logprobs))
+    loss, _ = topk_kl_loss(logits, TeacherTargets(payload.ids, payload.logprobs, mask=payload.mask))
     assert torch.isfinite(loss)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from student_client.data.assembler import ResponseAssembler
-from student_client.errors import (
+from teacher_server.answers import encode_scored, iter_stream_responses
+from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
+from topk_protocol.errors import (
     InvalidRequestError,
     TeacherError,
 )
-from teacher_server.answers import encode_scored, iter_stream_responses
-from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
 
 
 def _scored(rng: np.random.Generator, n: int, k: int, start: int, last: bool) -> SequenceArrays:

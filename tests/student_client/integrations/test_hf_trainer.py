@@ -24,9 +24,10 @@ from student_client.integrations.hf_trainer import (
     TopKDistillationTrainer,
     payload_dataset_collator,
 )
-from student_client.losses import topk_kl_loss
+from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.replay import ReplayClient
+from topk_protocol.requests import RequestOptions
 
 pytestmark = pytest.mark.vllm
 
@@ -95,7 +96,9 @@ def _manual_losses(
     for x, payload in zip(to_student, payloads, strict=True):
         logits = model(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).logits
         loss, _ = topk_kl_loss(
-            logits, payload.ids, payload.logprobs, mode="tail", mask=payload.mask
+            logits,
+            TeacherTargets(payload.ids, payload.logprobs, mask=payload.mask),
+            LossOptions(mode="tail"),
         )
         (loss / accumulation).backward()
         step_losses.append(loss.item())
@@ -121,7 +124,7 @@ def _train(
         args=_trainer_args(tmp, accumulation),
         train_dataset=_examples(STEPS * BATCH * accumulation),
         data_collator=lambda feats: tokenizer.pad(feats, return_tensors="pt"),
-        distill=DistillationConfig(top_k=K, prefetch_depth=4),
+        distill=DistillationConfig(RequestOptions(K, include_sampled=False), prefetch_depth=4),
         **kwargs,
     )
     trainer.train()
@@ -199,7 +202,7 @@ def test_payload_dataset_trains_without_a_client(
         args=_trainer_args(tmp_path / "ds", 1, steps=3),
         train_dataset=PayloadDataset(scored),
         data_collator=payload_dataset_collator(pad_id=tokenizer.pad_token_id),
-        distill=DistillationConfig(top_k=K),
+        distill=DistillationConfig(RequestOptions(K, include_sampled=False)),
     )
     trainer.train()
     ds_losses = _logged(trainer, "kd_loss")
@@ -222,9 +225,103 @@ def test_fused_trainer_matches_the_logits_path(
                 train_dataset=_examples(4 * BATCH),
                 data_collator=lambda feats: tokenizer.pad(feats, return_tensors="pt"),
                 teacher=client,
-                distill=DistillationConfig(top_k=K, fused=fused),
+                distill=DistillationConfig(RequestOptions(K), fused=fused),
             )
             trainer.train()
             losses.append(_logged(trainer, "kd_loss"))
     assert len(losses[1]) == 4
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+
+
+class _Watching:
+    """A ``TeacherSource`` around a client that keeps what the Trainer asked with and what
+    came back (the request options, whether candidates were sent, the payloads' kinds)."""
+
+    def __init__(self, client: TeacherClient) -> None:
+        self.client = client
+        self.asked: list[Any] = []
+        self.candidates_sent: list[bool] = []
+        self.payloads: list[Any] = []
+
+    @property
+    def names(self) -> list[str]:
+        return []
+
+    def info(self) -> Any:
+        return self.client.info()
+
+    def score(self, sequences: Any, top_k: Any = None, **kw: Any) -> Any:
+        self.asked.append(top_k)
+        self.candidates_sent.append(kw.get("candidate_ids") is not None)
+        payload = self.client.score(sequences, top_k, **kw)
+        self.payloads.append(payload)
+        return payload
+
+    def stream(self, batches: Any, top_k: Any = None, **kw: Any) -> Any:
+        self.asked.append(top_k)
+
+        def seen(items: Any) -> Any:
+            for item in items:
+                self.candidates_sent.append(item.candidate_ids is not None)
+                yield item
+
+        for payload in self.client.stream(seen(batches), top_k, **kw):
+            self.payloads.append(payload)
+            yield payload
+
+    def close(self) -> None:
+        self.client.close()
+
+
+@pytest.mark.parametrize(
+    "distill",
+    [
+        DistillationConfig(RequestOptions(K, encoding="packed", include_sampled=False)),
+        DistillationConfig(RequestOptions(K, samples=K, seed=3, include_sampled=False)),
+        DistillationConfig(
+            RequestOptions(K, include_sampled=False),
+            loss=LossOptions(support="union", divergence="reverse"),
+            candidates=4,
+        ),
+    ],
+    ids=["packed", "sampled", "union"],
+)
+def test_trainer_asks_with_the_configs_request_options(
+    vllm_teacher: ServerProcess,
+    student: Any,
+    tokenizer: Any,
+    tmp_path: Path,
+    distill: DistillationConfig,
+) -> None:
+    """Packed, sampled and candidate requests reach the Trainer: every teacher call is made
+    with the config's ``RequestOptions`` (the prefetcher's), the payloads are of that kind,
+    the student's own top-C candidates reach the teacher for ``support="union"``, and the
+    Trainer trains (finite losses logged every step)."""
+    tokenizer.padding_side = "right"
+    steps = 4
+    with TeacherClient(vllm_teacher.target) as client:
+        watching = _Watching(client)
+        trainer = TopKDistillationTrainer(
+            model=copy.deepcopy(student),
+            args=_trainer_args(tmp_path, 1, steps=steps),
+            train_dataset=_examples(steps * BATCH),
+            data_collator=lambda feats: tokenizer.pad(feats, return_tensors="pt"),
+            distill=distill,
+            teacher=watching,
+        )
+        trainer.train()
+        trainer.close()
+    assert watching.asked and all(asked == distill.request for asked in watching.asked)
+    assert len(watching.payloads) >= steps
+    losses = _logged(trainer, "kd_loss")
+    assert len(losses) == steps and all(np.isfinite(losses)), losses
+    payload = watching.payloads[0]
+    if distill.request.sampled:
+        assert payload.sample_counts is not None
+        assert int(payload.sample_counts[payload.mask].sum(-1).unique()[0]) == K
+    if distill.candidates:
+        assert all(watching.candidates_sent)
+        assert payload.candidate_ids is not None and payload.candidate_ids.shape[-1] == 4
+        assert bool(payload.candidate_logprobs[payload.candidate_ids >= 0].isfinite().all())
+    else:
+        assert not any(watching.candidates_sent)

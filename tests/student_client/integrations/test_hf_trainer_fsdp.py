@@ -37,6 +37,7 @@ from student_client.integrations.hf_trainer import DistillationConfig, TopKDisti
 from student_client.offline.replay import ReplayClient
 from topk_protocol import SequenceArrays, pb
 from topk_protocol.recording import RecordingWriter
+from topk_protocol.requests import RequestOptions
 
 VOCAB, K, SEQ, BATCH, WORLD, STEPS, LR = 320, 8, 12, 2, 2, 3, 1.0
 TOLERANCE = 1e-5
@@ -98,7 +99,7 @@ def _train(model: Any, root: Path, out: str, batch_size: int) -> TopKDistillatio
             train_dataset=_examples(),
             data_collator=default_data_collator,
             teacher=replay,
-            distill=DistillationConfig(top_k=K, fused=True, dtype="float32"),
+            distill=DistillationConfig(RequestOptions(K, dtype="float32"), fused=True),
         )
         trainer.train()
         trainer.close()

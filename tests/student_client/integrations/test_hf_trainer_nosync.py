@@ -13,6 +13,7 @@ package's."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +21,13 @@ import torch
 from host_sync import NoHostSync
 
 from devtools.tiny_model import tiny_qwen2_config
-from student_client.integrations.hf_trainer import DistillationConfig, TopKDistillationTrainer
-from student_client.losses import LossOptions, topk_kl_loss
+from student_client.integrations.hf_trainer import (
+    TEACHER_KEY,
+    DistillationConfig,
+    TopKDistillationTrainer,
+)
+from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
+from topk_protocol.requests import RequestOptions
 
 K, VOCAB = 6, 300
 
@@ -37,27 +43,22 @@ def _student() -> Any:
     return Qwen2ForCausalLM(config)
 
 
-def _batch(seed: int, mode: str = "tail") -> dict[str, torch.Tensor]:
-    """A ``[2, 9]`` batch with its payload columns; the second row's last 3 are padding."""
+def _batch(seed: int, mode: str = "tail") -> dict[str, Any]:
+    """A ``[2, 9]`` batch with its payload; the second row's last 3 are padding."""
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, VOCAB, (2, 9), generator=generator)
     teacher = torch.log_softmax(torch.randn(2, 9, VOCAB, generator=generator) * 3, -1)
     logprobs, ids = teacher.topk(K, dim=-1)
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[1, 6:] = False
-    batch = {
-        "input_ids": input_ids,
-        "attention_mask": mask.long(),
-        "teacher_ids": ids,
-        "teacher_logprobs": logprobs.half().float(),
-        "teacher_mask": mask,
-    }
+    payload = SimpleNamespace(ids=ids, logprobs=logprobs.half().float(), mask=mask)
+    payload.sampled_logprobs = None
     if mode == "tail_actual":
         following = torch.roll(input_ids, -1, dims=-1)
         sampled = teacher.gather(-1, following.unsqueeze(-1)).squeeze(-1)
         sampled[:, -1] = float("nan")
-        batch["teacher_sampled_logprobs"] = sampled
-    return batch
+        payload.sampled_logprobs = sampled
+    return {"input_ids": input_ids, "attention_mask": mask.long(), TEACHER_KEY: payload}
 
 
 def _trainer(tmp_path: Path, fused: bool, loss: LossOptions) -> TopKDistillationTrainer:
@@ -77,7 +78,7 @@ def _trainer(tmp_path: Path, fused: bool, loss: LossOptions) -> TopKDistillation
         model=_student(),
         args=args,
         train_dataset=[_batch(0)],
-        distill=DistillationConfig(top_k=K, fused=fused, loss=loss),
+        distill=DistillationConfig(RequestOptions(K), fused=fused, loss=loss),
     )
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop
     return trainer
@@ -121,13 +122,8 @@ def test_logged_statistics_equal_the_host_means(tmp_path: Path, fused: bool) -> 
             logits = model(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
             ).logits
-        _, stats = topk_kl_loss(
-            logits,
-            batch["teacher_ids"],
-            batch["teacher_logprobs"],
-            mask=batch["teacher_mask"],
-            options=options,
-        )
+        teacher = TeacherTargets.from_payload(batch[TEACHER_KEY])
+        _, stats = topk_kl_loss(logits, teacher, options)
         for name, value in stats.as_dict().items():
             expected.setdefault(f"kd_{name}", []).append(value)
         trainer.compute_loss(model, batch)  # model.training: accumulates; no update

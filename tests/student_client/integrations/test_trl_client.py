@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from student_client.errors import InvalidRequestError, TeacherMismatchError
 from student_client.integrations.trl_client import TRLTeacherClient
 from tests.conftest import ServerProcess
+from topk_protocol.errors import InvalidRequestError, TeacherMismatchError
 
 pytestmark = pytest.mark.vllm
 

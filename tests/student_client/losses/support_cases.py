@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from student_client.losses import SUPPORTS
+from student_client.losses.types import SUPPORTS
 
 __all__ = ["ROW_KINDS", "SUPPORTS", "make_candidates"]
 

@@ -8,8 +8,15 @@ import pytest
 import torch
 from losses_oracle import make_case, oracle_loss, oracle_rows
 
-from student_client.losses import TopKKLLoss, TopKKLStats, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    TopKKLLoss,
+    TopKKLStats,
+    topk_kl_loss,
+)
 from student_client.losses.types import STAT_FIELDS, LossMode, Reduction
+from tests.student_client.losses.calls import teacher_and_options
 
 MODES: tuple[LossMode, ...] = ("tail", "truncated")
 
@@ -42,14 +49,14 @@ def case():
 )
 def test_invalid_options_name_the_argument(case, kwargs, argument) -> None:
     with pytest.raises(ValueError, match=rf"^{argument}:"):
-        topk_kl_loss(case.logits, case.ids, case.logprobs, **kwargs)
+        topk_kl_loss(case.logits, *teacher_and_options(case.ids, case.logprobs, **kwargs))
 
 
 def test_invalid_options_rejected_by_module_constructor() -> None:
     with pytest.raises(ValueError, match=r"^clamp_min:"):
-        TopKKLLoss("tail", clamp_min=0.0)
+        TopKKLLoss(LossOptions(mode="tail", clamp_min=0.0))
     with pytest.raises(ValueError, match=r"^mode:"):
-        TopKKLLoss("full")  # type: ignore[arg-type]
+        TopKKLLoss(LossOptions(mode="full"))  # type: ignore[arg-type]
 
 
 def _with(case, **changes):
@@ -64,13 +71,17 @@ def _with(case, **changes):
         (lambda c: _with(c, logits=c.logits.long()), "logits", "dtype"),
         (lambda c: _with(c, logits=torch.tensor(1.0)), "logits", "shape"),
         (lambda c: _with(c, logits=c.logits[..., :0]), "logits", "V_local >= 1"),
-        (lambda c: _with(c, ids=c.ids.float()), "teacher_ids", "integer"),
-        (lambda c: _with(c, ids=c.ids.bool()), "teacher_ids", "integer"),
-        (lambda c: _with(c, ids=c.ids[:3]), "teacher_ids", "shape"),
-        (lambda c: _with(c, ids=c.ids[..., :0], logprobs=c.logprobs[..., :0]), "teacher_ids", "K"),
-        (lambda c: _with(c, ids=c.ids.reshape(20, 4)), "teacher_ids", "shape"),
-        (lambda c: _with(c, logprobs=c.logprobs[..., :3]), "teacher_logprobs", "shape"),
-        (lambda c: _with(c, logprobs=c.ids), "teacher_logprobs", "float"),
+        (lambda c: _with(c, ids=c.ids.float()), "teacher\\.ids", "integer"),
+        (lambda c: _with(c, ids=c.ids.bool()), "teacher\\.ids", "integer"),
+        (lambda c: _with(c, ids=c.ids[:3]), "teacher\\.ids", "shape"),
+        (
+            lambda c: _with(c, ids=c.ids[..., :0], logprobs=c.logprobs[..., :0]),
+            "teacher\\.ids",
+            "K",
+        ),
+        (lambda c: _with(c, ids=c.ids.reshape(20, 4)), "teacher\\.ids", "shape"),
+        (lambda c: _with(c, logprobs=c.logprobs[..., :3]), "teacher\\.logprobs", "shape"),
+        (lambda c: _with(c, logprobs=c.ids), "teacher\\.logprobs", "float"),
         (lambda c: _with(c, mask=torch.ones(4, 4, dtype=torch.bool)), "mask", "shape"),
         (lambda c: _with(c, mask=torch.full((4, 5), 2)), "mask", "0 and 1"),
         (lambda c: _with(c, logits=[1.0]), "logits", "torch.Tensor"),
@@ -80,37 +91,39 @@ def _with(case, **changes):
 def test_invalid_tensors_name_the_argument(case, change, argument, message) -> None:
     values = change(case)
     with pytest.raises(ValueError, match=rf"^{argument}:.*{message}"):
-        topk_kl_loss(values["logits"], values["ids"], values["logprobs"], mask=values["mask"])
+        topk_kl_loss(
+            values["logits"], TeacherTargets(values["ids"], values["logprobs"], mask=values["mask"])
+        )
 
 
 def test_k_larger_than_vocabulary_is_rejected() -> None:
     logits = torch.randn(2, 3)
     ids = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 0]])
-    with pytest.raises(ValueError, match=r"^teacher_ids: K = 4"):
-        topk_kl_loss(logits, ids, torch.full((2, 4), -1.0))
+    with pytest.raises(ValueError, match=r"^teacher\.ids: K = 4"):
+        topk_kl_loss(logits, TeacherTargets(ids, torch.full((2, 4), -1.0)))
 
 
 @pytest.mark.parametrize("bad_id", [-1, 33, 10**6])
 def test_ids_outside_vocabulary_are_rejected(case, bad_id: int) -> None:
     ids = case.ids.clone()
     ids[2, 3, 1] = bad_id
-    with pytest.raises(ValueError, match=r"^teacher_ids: ids must lie in \[0, 33\)"):
-        topk_kl_loss(case.logits, ids, case.logprobs)
+    with pytest.raises(ValueError, match=r"^teacher\.ids: ids must lie in \[0, 33\)"):
+        topk_kl_loss(case.logits, TeacherTargets(ids, case.logprobs))
 
 
 def test_duplicate_ids_are_rejected(case) -> None:
     ids = case.ids.clone()
     ids[1, 2, 3] = ids[1, 2, 0]
-    with pytest.raises(ValueError, match=r"^teacher_ids: an id repeats"):
-        topk_kl_loss(case.logits, ids, case.logprobs)
+    with pytest.raises(ValueError, match=r"^teacher\.ids: an id repeats"):
+        topk_kl_loss(case.logits, TeacherTargets(ids, case.logprobs))
 
 
 @pytest.mark.parametrize(("value", "message"), [(math.nan, "NaN"), (0.01, "<= 0"), (5.0, "<= 0")])
 def test_bad_teacher_logprobs_are_rejected(case, value: float, message: str) -> None:
     logprobs = case.logprobs.clone()
     logprobs[0, 1, 2] = value
-    with pytest.raises(ValueError, match=rf"^teacher_logprobs:.*{message}"):
-        topk_kl_loss(case.logits, case.ids, logprobs)
+    with pytest.raises(ValueError, match=rf"^teacher\.logprobs:.*{message}"):
+        topk_kl_loss(case.logits, TeacherTargets(case.ids, logprobs))
 
 
 def test_logprobs_slightly_above_zero_and_minus_inf_are_accepted() -> None:
@@ -118,7 +131,9 @@ def test_logprobs_slightly_above_zero_and_minus_inf_are_accepted() -> None:
     ids = torch.tensor([[0, 1, 2]] * 3)
     logprobs = torch.tensor([[5e-4, -math.inf, -math.inf]] * 3)
     for mode in MODES:
-        loss, stats = topk_kl_loss(logits, ids, logprobs, mode=mode, reduction="none")
+        loss, stats = topk_kl_loss(
+            logits, TeacherTargets(ids, logprobs), LossOptions(mode=mode, reduction="none")
+        )
         want = oracle_rows(logits, ids[:, :1], logprobs[:, :1], mode=mode)
         torch.testing.assert_close(loss.double(), want["loss"], rtol=1e-5, atol=1e-6)
         assert math.isfinite(stats.loss)
@@ -133,7 +148,7 @@ def test_uncounted_positions_are_not_validated(case) -> None:
     logprobs[3, 4] = 0.0
     ids[3, 4, 0] = -7
     logprobs[3, 4, 1] = math.nan
-    loss, stats = topk_kl_loss(case.logits, ids, logprobs, mask=mask)
+    loss, stats = topk_kl_loss(case.logits, TeacherTargets(ids, logprobs, mask=mask))
     want = oracle_loss(case.logits, case.ids, case.logprobs, mode="tail", mask=mask)
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
     assert stats.positions == 19
@@ -150,12 +165,8 @@ def test_masks_and_reductions_match_oracle(case, mode, reduction, mask_dtype) ->
     logits = case.logits.clone().requires_grad_(True)
     loss, _ = topk_kl_loss(
         logits,
-        case.ids,
-        case.logprobs,
-        mode=mode,
-        mask=mask.to(mask_dtype),
-        reduction=reduction,
-        chunk_size=3,
+        TeacherTargets(case.ids, case.logprobs, mask=mask.to(mask_dtype)),
+        LossOptions(mode=mode, reduction=reduction, chunk_size=3),
     )
     reference = case.logits.double().requires_grad_(True)
     want = oracle_loss(
@@ -174,7 +185,9 @@ def test_masks_and_reductions_match_oracle(case, mode, reduction, mask_dtype) ->
 def test_mask_with_no_counted_position_gives_zero(case, reduction: Reduction) -> None:
     logits = case.logits.clone().requires_grad_(True)
     mask = torch.zeros(4, 5, dtype=torch.bool)
-    loss, stats = topk_kl_loss(logits, case.ids, case.logprobs, mask=mask, reduction=reduction)
+    loss, stats = topk_kl_loss(
+        logits, TeacherTargets(case.ids, case.logprobs, mask=mask), LossOptions(reduction=reduction)
+    )
     assert float(loss.detach()) == 0.0
     loss.backward()
     assert logits.grad is not None
@@ -191,7 +204,9 @@ def test_clamp_min_matches_verl_clamp_and_reports_fraction() -> None:
     logits[:20].scatter_(1, case.ids[:20], 8.0)  # Q > P on half the rows: negative loss
     leaf = logits.clone().requires_grad_(True)
     loss, stats = topk_kl_loss(
-        leaf, case.ids, case.logprobs, mode="truncated", clamp_min=0.0, reduction="sum"
+        leaf,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode="truncated", clamp_min=0.0, reduction="sum"),
     )
     loss.backward()
     reference = logits.double().requires_grad_(True)
@@ -211,7 +226,11 @@ def test_clamp_min_matches_verl_clamp_and_reports_fraction() -> None:
 def test_truncated_without_clamp_keeps_negative_losses_and_their_gradient() -> None:
     case = make_case((10,), 60, 6, seed=23, teacher_scale=0.5)
     logits = case.logits.clone().scatter_(1, case.ids, 8.0).requires_grad_(True)
-    loss, stats = topk_kl_loss(logits, case.ids, case.logprobs, mode="truncated", reduction="none")
+    loss, stats = topk_kl_loss(
+        logits,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode="truncated", reduction="none"),
+    )
     assert bool((loss < 0).all())
     assert stats.clamped_fraction == 0.0
     loss.sum().backward()
@@ -223,57 +242,64 @@ def test_truncated_without_clamp_keeps_negative_losses_and_their_gradient() -> N
 
 
 def test_integer_id_dtypes_and_logprob_dtypes(case) -> None:
-    want, _ = topk_kl_loss(case.logits, case.ids, case.logprobs)
+    want, _ = topk_kl_loss(case.logits, TeacherTargets(case.ids, case.logprobs))
     for id_dtype in (torch.int32, torch.int64, torch.int16):
         for lp_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             logprobs = case.logprobs.to(lp_dtype)
-            loss, _ = topk_kl_loss(case.logits, case.ids.to(id_dtype), logprobs)
-            exact, _ = topk_kl_loss(case.logits, case.ids, logprobs.double())
+            loss, _ = topk_kl_loss(case.logits, TeacherTargets(case.ids.to(id_dtype), logprobs))
+            exact, _ = topk_kl_loss(case.logits, TeacherTargets(case.ids, logprobs.double()))
             torch.testing.assert_close(loss, exact)
     torch.testing.assert_close(
-        topk_kl_loss(case.logits, case.ids.int(), case.logprobs)[0], want, rtol=0, atol=0
+        topk_kl_loss(case.logits, TeacherTargets(case.ids.int(), case.logprobs))[0],
+        want,
+        rtol=0,
+        atol=0,
     )
 
 
 def test_no_gradient_flows_to_teacher_logprobs(case) -> None:
     logprobs = case.logprobs.clone().requires_grad_(True)
     logits = case.logits.clone().requires_grad_(True)
-    loss, _ = topk_kl_loss(logits, case.ids, logprobs)
+    loss, _ = topk_kl_loss(logits, TeacherTargets(case.ids, logprobs))
     loss.backward()
     assert logprobs.grad is None
     assert logits.grad is not None
 
 
 def test_module_wrapper_matches_function(case) -> None:
-    module = TopKKLLoss("truncated", reduction="sum", chunk_size=3, temperature=0.8, clamp_min=0.0)
+    module = TopKKLLoss(
+        LossOptions(mode="truncated", reduction="sum", chunk_size=3, temperature=0.8, clamp_min=0.0)
+    )
     assert "truncated" in repr(module)
     mask = torch.ones(4, 5, dtype=torch.bool)
     mask[0] = False
-    got, got_stats = module(case.logits, case.ids, case.logprobs, mask)
+    got, got_stats = module(case.logits, TeacherTargets(case.ids, case.logprobs, mask=mask))
     want, want_stats = topk_kl_loss(
         case.logits,
-        case.ids,
-        case.logprobs,
-        mode="truncated",
-        mask=mask,
-        reduction="sum",
-        chunk_size=3,
-        temperature=0.8,
-        clamp_min=0.0,
+        TeacherTargets(case.ids, case.logprobs, mask=mask),
+        LossOptions(
+            mode="truncated", reduction="sum", chunk_size=3, temperature=0.8, clamp_min=0.0
+        ),
     )
     assert torch.equal(got, want)
     assert got_stats == want_stats
 
 
 def test_stats_are_plain_python_numbers(case) -> None:
-    _, stats = topk_kl_loss(case.logits, case.ids, case.logprobs, mode="truncated", overlap=True)
+    _, stats = topk_kl_loss(
+        case.logits,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode="truncated", overlap=True),
+    )
     values = stats.as_dict()
     assert set(values) == {*STAT_FIELDS, "positions"}
     assert all(type(value) is float for value in values.values())
     assert type(stats.positions) is int and stats.positions == 20
     assert type(stats.loss) is float
     assert 0.0 <= stats.overlap <= 1.0
-    _, without_overlap = topk_kl_loss(case.logits, case.ids, case.logprobs, mode="truncated")
+    _, without_overlap = topk_kl_loss(
+        case.logits, TeacherTargets(case.ids, case.logprobs), LossOptions(mode="truncated")
+    )
     assert math.isnan(without_overlap.overlap)  # not computed unless asked for
     assert without_overlap.loss == stats.loss
     assert 0.0 < stats.teacher_mass <= 1.0 + 1e-6

@@ -6,17 +6,19 @@ import pytest
 import torch
 from losses_oracle import make_case, oracle_loss
 
-from student_client.losses import DEFAULT_CHUNK_BYTES, auto_chunk_rows, topk_kl_loss
+from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 from student_client.losses.chunked import ChunkedSettings, chunked_topk_kl_rows
 from student_client.losses.parallel import VocabShard
+from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import LossMode, Reduction
+from tests.student_client.losses.calls import teacher_and_options
 
 MODES: tuple[LossMode, ...] = ("tail", "truncated")
 
 
 def _run(logits: torch.Tensor, ids, logprobs, **kwargs):
     leaf = logits.detach().clone().requires_grad_(True)
-    loss, stats = topk_kl_loss(leaf, ids, logprobs, **kwargs)
+    loss, stats = topk_kl_loss(leaf, *teacher_and_options(ids, logprobs, **kwargs))
     loss.sum().backward()
     assert leaf.grad is not None
     return loss.detach(), leaf.grad, stats
@@ -76,7 +78,9 @@ def test_empty_input_gives_zero_loss_that_backpropagates(
     logits = torch.randn(0, 50, dtype=torch.bfloat16, requires_grad=True)
     ids = torch.zeros(0, 4, dtype=torch.int32)
     logprobs = torch.zeros(0, 4)
-    loss, stats = topk_kl_loss(logits, ids, logprobs, mode=mode, reduction=reduction)
+    loss, stats = topk_kl_loss(
+        logits, TeacherTargets(ids, logprobs), LossOptions(mode=mode, reduction=reduction)
+    )
     assert loss.requires_grad
     assert loss.shape == (() if reduction != "none" else (0,))
     assert float(loss.detach().sum()) == 0.0
@@ -89,7 +93,9 @@ def test_empty_input_gives_zero_loss_that_backpropagates(
 
 def test_empty_batch_dimension_with_positions_shape() -> None:
     logits = torch.randn(2, 0, 30, requires_grad=True)
-    loss, _ = topk_kl_loss(logits, torch.zeros(2, 0, 3, dtype=torch.long), torch.zeros(2, 0, 3))
+    loss, _ = topk_kl_loss(
+        logits, TeacherTargets(torch.zeros(2, 0, 3, dtype=torch.long), torch.zeros(2, 0, 3))
+    )
     loss.backward()
     assert logits.grad is not None
     assert logits.grad.shape == (2, 0, 30)
@@ -105,7 +111,7 @@ def test_auto_chunk_rows_follows_budget() -> None:
 def test_gradient_has_logits_dtype_and_no_graph_through_vocab() -> None:
     case = make_case((5,), 40, 4, seed=13, dtype=torch.bfloat16)
     logits = case.logits.clone().requires_grad_(True)
-    loss, _ = topk_kl_loss(logits, case.ids, case.logprobs)
+    loss, _ = topk_kl_loss(logits, TeacherTargets(case.ids, case.logprobs))
     # One custom node between the logits and the loss; nothing of [N, V] size is saved by
     # autograd except the logits themselves.
     saved: list[torch.Tensor] = []
@@ -115,7 +121,7 @@ def test_gradient_has_logits_dtype_and_no_graph_through_vocab() -> None:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss, _ = topk_kl_loss(logits, case.ids, case.logprobs)
+        loss, _ = topk_kl_loss(logits, TeacherTargets(case.ids, case.logprobs))
     big = [t for t in saved if t.numel() >= logits.numel()]
     assert len(big) == 1
     assert big[0].dtype == torch.bfloat16

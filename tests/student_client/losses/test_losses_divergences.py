@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 from test_losses_nosync import _problem as nosync_problem
 
-from student_client.losses import LossOptions, fused_topk_kl_loss, get_divergence, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    get_divergence,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
+from tests.student_client.losses.calls import teacher_and_options
 
 LEAD, V, H, K = (3, 47), 123, 37, 7
 N = LEAD[0] * LEAD[1]
@@ -103,11 +110,13 @@ def test_logits_path_matches_the_oracle(name, params, mode, chunk_size, temperat
     )
     loss, stats = topk_kl_loss(
         logits,
-        problem["ids"],
-        problem["logprobs"],
-        mask=problem["mask"],
-        options=options,
-        **_actual(problem, mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            options=options,
+            **_actual(problem, mode),
+        ),
     )
     loss.backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=1e-7)
@@ -115,12 +124,14 @@ def test_logits_path_matches_the_oracle(name, params, mode, chunk_size, temperat
     assert stats.loss == pytest.approx(float(want.detach()), rel=2e-6)
     per_position, _ = topk_kl_loss(
         logits.detach(),
-        problem["ids"],
-        problem["logprobs"],
-        mask=problem["mask"],
-        options=options,
-        reduction="none",
-        **_actual(problem, mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            options=options,
+            reduction="none",
+            **_actual(problem, mode),
+        ),
     )
     kept = problem["mask"]
     torch.testing.assert_close(
@@ -151,11 +162,13 @@ def _check_against_oracle(
     want.backward()
     loss, _ = topk_kl_loss(
         leaf,
-        problem["ids"],
-        problem["logprobs"],
-        mask=problem["mask"],
-        options=options,
-        **_actual(problem, options.mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            options=options,
+            **_actual(problem, options.mode),
+        ),
     )
     loss.backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-7)
@@ -191,19 +204,20 @@ def test_fused_path_matches_the_oracle(
     want, _ = _reference_mean(logits64, problem, name, params, mode, temperature)
     want.backward()
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    loss, stats = fused_topk_kl_loss(
+    loss, stats = lm_head_topk_kl_loss(
+        (leaves[1], leaves[2]),
         leaves[0],
-        leaves[1],
-        problem["ids"],
-        problem["logprobs"],
-        bias=leaves[2],
-        mask=problem["mask"],
-        divergence=get_divergence(name, **params),
-        mode=mode,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        grad_in_forward=grad_in_forward,
-        **_actual(problem, mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            divergence=get_divergence(name, **params),
+            mode=mode,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            grad_in_forward=grad_in_forward,
+            **_actual(problem, mode),
+        ),
     )
     loss.backward()
     if dtype == torch.float32:
@@ -231,26 +245,29 @@ def test_fused_equals_the_logits_path(name, params, mode) -> None:
         divergence=get_divergence(name, **params), mode=mode, chunk_size=5, overlap=True
     )
     fused_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    fused, fused_stats = fused_topk_kl_loss(
+    fused, fused_stats = lm_head_topk_kl_loss(
+        (fused_leaves[1], fused_leaves[2]),
         fused_leaves[0],
-        fused_leaves[1],
-        problem["ids"],
-        problem["logprobs"],
-        bias=fused_leaves[2],
-        mask=problem["mask"],
-        options=options,
-        **_actual(problem, mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            options=options,
+            **_actual(problem, mode),
+        ),
     )
     fused.backward()
     plain_leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
     logits = plain_leaves[0] @ plain_leaves[1].T + plain_leaves[2]
     plain, plain_stats = topk_kl_loss(
         logits,
-        problem["ids"],
-        problem["logprobs"],
-        mask=problem["mask"],
-        options=options,
-        **_actual(problem, mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            options=options,
+            **_actual(problem, mode),
+        ),
     )
     plain.backward()
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
@@ -297,13 +314,15 @@ def test_coarse_divergence_is_at_most_the_full_one(
         }
     coarse, _ = topk_kl_loss(
         log_q,
-        ids,
-        logprobs,
-        divergence=get_divergence(name, **params),
-        mode=mode,
-        reduction="none",
-        tail_mass_eps=1e-12,
-        **extra,
+        *teacher_and_options(
+            ids,
+            logprobs,
+            divergence=get_divergence(name, **params),
+            mode=mode,
+            reduction="none",
+            tail_mass_eps=1e-12,
+            **extra,
+        ),
     )
     full = dense_divergence(name, params, log_p, log_q)
     # float64 rounding grows with the values compared: the slack is relative.
@@ -344,18 +363,22 @@ def test_no_host_sync(name, params, mode, fused) -> None:
     guard = NoHostSync()
     with guard:
         if fused:
-            loss, stats = fused_topk_kl_loss(
-                hidden, weight, ids, logprobs, mask=mask, options=options, **actual
+            loss, stats = lm_head_topk_kl_loss(
+                weight,
+                hidden,
+                *teacher_and_options(ids, logprobs, mask=mask, options=options, **actual),
             )
         else:
             loss, stats = topk_kl_loss(
-                hidden @ weight.T, ids, logprobs, mask=mask, options=options, **actual
+                hidden @ weight.T,
+                *teacher_and_options(ids, logprobs, mask=mask, options=options, **actual),
             )
         loss.backward()
     assert guard.ops > 0
     checked = LossOptions(divergence=options.divergence, mode=mode, chunk_size=5)
     want, want_stats = topk_kl_loss(
-        (hidden @ weight.T).detach(), ids, logprobs, mask=mask, options=checked, **actual
+        (hidden @ weight.T).detach(),
+        *teacher_and_options(ids, logprobs, mask=mask, options=checked, **actual),
     )
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
     assert stats.positions == want_stats.positions
@@ -369,42 +392,49 @@ def test_option_errors_name_the_field() -> None:
         LossOptions(divergence="hellinger")
     with pytest.raises(ValueError, match=r"^divergence: 'reverse' does not take \['beta'\]"):
         get_divergence("reverse", beta=0.5)
-    with pytest.raises(ValueError, match=r"^reductio: not a loss option"):
+    with pytest.raises(TypeError, match="reductio"):
+        LossOptions(reductio="sum")  # type: ignore[call-arg]  # no field of that name
+    with pytest.raises(ValueError, match=r"^options: must be a LossOptions, got dict"):
         topk_kl_loss(
             torch.zeros(2, 5),
-            torch.zeros(2, 1, dtype=torch.long),
-            torch.zeros(2, 1),
-            reductio="sum",
+            TeacherTargets(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1)),
+            {"reduction": "sum"},  # type: ignore[arg-type]
         )
     logits, ids, logprobs = torch.zeros(2, 5), torch.tensor([[0], [1]]), torch.full((2, 1), -1.0)
     with pytest.raises(ValueError, match=r"^sampled_ids: mode 'tail_actual' needs a torch.Tensor"):
-        topk_kl_loss(logits, ids, logprobs, mode="tail_actual")
-    with pytest.raises(ValueError, match=r"^sampled_ids: is used by mode 'tail_actual' only"):
-        topk_kl_loss(logits, ids, logprobs, sampled_ids=torch.zeros(2, dtype=torch.long))
+        topk_kl_loss(logits, TeacherTargets(ids, logprobs), LossOptions(mode="tail_actual"))
+    # fields the options do not use are ignored (a teacher value carries what it holds)
+    unused = TeacherTargets(ids, logprobs, sampled_ids=torch.zeros(2, dtype=torch.long))
+    assert torch.equal(
+        topk_kl_loss(logits, unused)[0], topk_kl_loss(logits, TeacherTargets(ids, logprobs))[0]
+    )
     with pytest.raises(ValueError, match=r"^sampled_logprobs: shape \[3\] must equal"):
         topk_kl_loss(
             logits,
-            ids,
-            logprobs,
-            mode="tail_actual",
-            sampled_ids=torch.zeros(2, dtype=torch.long),
-            sampled_logprobs=torch.zeros(3),
+            TeacherTargets(
+                ids,
+                logprobs,
+                sampled_ids=torch.zeros(2, dtype=torch.long),
+                sampled_logprobs=torch.zeros(3),
+            ),
+            LossOptions(mode="tail_actual"),
         )
     with pytest.raises(ValueError, match=r"^sampled_ids: ids must lie in \[0, 5\)"):
         topk_kl_loss(
             logits,
-            ids,
-            logprobs,
-            mode="tail_actual",
-            sampled_ids=torch.tensor([0, 5]),
-            sampled_logprobs=torch.zeros(2),
+            TeacherTargets(
+                ids, logprobs, sampled_ids=torch.tensor([0, 5]), sampled_logprobs=torch.zeros(2)
+            ),
+            LossOptions(mode="tail_actual"),
         )
     with pytest.raises(ValueError, match=r"^sampled_logprobs: log-probs must be <= 0"):
         topk_kl_loss(
             logits,
-            ids,
-            logprobs,
-            mode="tail_actual",
-            sampled_ids=torch.tensor([0, 4]),
-            sampled_logprobs=torch.tensor([0.5, math.nan]),
+            TeacherTargets(
+                ids,
+                logprobs,
+                sampled_ids=torch.tensor([0, 4]),
+                sampled_logprobs=torch.tensor([0.5, math.nan]),
+            ),
+            LossOptions(mode="tail_actual"),
         )

@@ -14,8 +14,14 @@ import pytest
 import torch
 from losses_oracle import oracle_loss, oracle_rows
 
-from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
 from student_client.losses.types import LossMode, Reduction
+from tests.student_client.losses.calls import teacher_and_options
 
 LEAD, HIDDEN, VOCAB, TOP_K = (3, 47), 37, 123, 7  # N = 141: odd everywhere
 
@@ -46,7 +52,9 @@ def _problem(seed: int, dtype: torch.dtype = torch.float64, lead=LEAD, vocab=VOC
 
 def _fused_grads(hidden, weight, bias, ids, logprobs, **kwargs):
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    loss, stats = fused_topk_kl_loss(leaves[0], leaves[1], ids, logprobs, bias=leaves[2], **kwargs)
+    loss, stats = lm_head_topk_kl_loss(
+        (leaves[1], leaves[2]), leaves[0], *teacher_and_options(ids, logprobs, **kwargs)
+    )
     loss.sum().backward()
     return loss.detach(), stats, [leaf.grad for leaf in leaves]
 
@@ -138,7 +146,9 @@ def test_equals_topk_kl_loss_on_the_same_logits(reduction) -> None:
     options = {"mode": "tail", "reduction": reduction, "mask": mask, "overlap": True}
     loss, stats, grads = _fused_grads(hidden, weight, bias, ids, logprobs, chunk_size=9, **options)
     leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    want, want_stats = topk_kl_loss(leaves[0] @ leaves[1].T + leaves[2], ids, logprobs, **options)
+    want, want_stats = topk_kl_loss(
+        leaves[0] @ leaves[1].T + leaves[2], *teacher_and_options(ids, logprobs, **options)
+    )
     want.sum().backward()
     torch.testing.assert_close(loss, want.detach(), rtol=2e-6, atol=1e-7)
     for got, leaf in zip(grads, leaves, strict=True):
@@ -151,9 +161,11 @@ def test_equals_topk_kl_loss_on_the_same_logits(reduction) -> None:
 
 def test_overlap_is_nan_unless_asked_and_matches_oracle_when_asked() -> None:
     hidden, weight, bias, ids, logprobs, _ = _problem(seed=5)
-    _, stats = fused_topk_kl_loss(hidden, weight, ids, logprobs, bias=bias)
+    _, stats = lm_head_topk_kl_loss((weight, bias), hidden, TeacherTargets(ids, logprobs))
     assert math.isnan(stats.overlap)
-    _, stats = fused_topk_kl_loss(hidden, weight, ids, logprobs, bias=bias, overlap=True)
+    _, stats = lm_head_topk_kl_loss(
+        (weight, bias), hidden, TeacherTargets(ids, logprobs), LossOptions(overlap=True)
+    )
     rows = oracle_rows(hidden @ weight.T + bias, ids, logprobs, mode="tail")
     assert stats.overlap == pytest.approx(float(rows["overlap"].mean()), rel=1e-12)
 
@@ -161,11 +173,13 @@ def test_overlap_is_nan_unless_asked_and_matches_oracle_when_asked() -> None:
 def test_no_bias_no_grad_and_partial_requires_grad() -> None:
     hidden, weight, _, ids, logprobs, _ = _problem(seed=6)
     with torch.no_grad():
-        loss, _ = fused_topk_kl_loss(hidden, weight, ids, logprobs)
+        loss, _ = lm_head_topk_kl_loss(weight, hidden, TeacherTargets(ids, logprobs))
     assert not loss.requires_grad
     # Only the weight trains (e.g. a frozen trunk): hidden gets no gradient.
     leaf = weight.clone().requires_grad_(True)
-    loss, _ = fused_topk_kl_loss(hidden, leaf, ids, logprobs, chunk_size=10)
+    loss, _ = lm_head_topk_kl_loss(
+        leaf, hidden, TeacherTargets(ids, logprobs), LossOptions(chunk_size=10)
+    )
     loss.backward()
     reference = weight.clone().requires_grad_(True)
     oracle_loss(hidden @ reference.T, ids, logprobs, mode="tail").backward()
@@ -175,7 +189,9 @@ def test_no_bias_no_grad_and_partial_requires_grad() -> None:
 def test_upstream_gradient_scales_precomputed_gradients() -> None:
     hidden, weight, _, ids, logprobs, _ = _problem(seed=7)
     leaf = hidden.clone().requires_grad_(True)
-    loss, _ = fused_topk_kl_loss(leaf, weight, ids, logprobs, reduction="sum")
+    loss, _ = lm_head_topk_kl_loss(
+        weight, leaf, TeacherTargets(ids, logprobs), LossOptions(reduction="sum")
+    )
     (3.5 * loss).backward()
     reference = hidden.clone().requires_grad_(True)
     (
@@ -187,7 +203,7 @@ def test_upstream_gradient_scales_precomputed_gradients() -> None:
 def test_second_backward_through_precomputed_gradients_is_refused() -> None:
     hidden, weight, _, ids, logprobs, _ = _problem(seed=8)
     leaf = hidden.clone().requires_grad_(True)
-    loss, _ = fused_topk_kl_loss(leaf, weight, ids, logprobs)
+    loss, _ = lm_head_topk_kl_loss(weight, leaf, TeacherTargets(ids, logprobs))
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
@@ -196,11 +212,13 @@ def test_second_backward_through_precomputed_gradients_is_refused() -> None:
 def test_empty_batch_and_nothing_counted() -> None:
     hidden, weight, _, ids, logprobs, mask = _problem(seed=9)
     leaf = hidden[:0].clone().requires_grad_(True)
-    loss, stats = fused_topk_kl_loss(leaf, weight, ids[:0], logprobs[:0])
+    loss, stats = lm_head_topk_kl_loss(weight, leaf, TeacherTargets(ids[:0], logprobs[:0]))
     loss.backward()
     assert float(loss.detach()) == 0.0 and stats.positions == 0
     leaf = hidden.clone().requires_grad_(True)
-    loss, stats = fused_topk_kl_loss(leaf, weight, ids, logprobs, mask=torch.zeros_like(mask))
+    loss, stats = lm_head_topk_kl_loss(
+        weight, leaf, TeacherTargets(ids, logprobs, mask=torch.zeros_like(mask))
+    )
     loss.backward()
     assert float(loss.detach()) == 0.0 and stats.positions == 0
     assert leaf.grad is not None and bool((leaf.grad == 0).all())
@@ -215,8 +233,8 @@ def test_empty_batch_and_nothing_counted() -> None:
         (lambda p: {**p, "bias": p["bias"][:5]}, "bias", "shape"),
         (lambda p: {**p, "bias": p["bias"].float()}, "bias", "dtype"),
         (lambda p: {**p, "hidden": p["hidden"].long()}, "hidden", "dtype"),
-        (lambda p: {**p, "ids": p["ids"][:2]}, "teacher_ids", "leading dims of hidden"),
-        (lambda p: {**p, "ids": p["ids"] + VOCAB}, "teacher_ids", r"\[0, 123\)"),
+        (lambda p: {**p, "ids": p["ids"][:2]}, "teacher\\.ids", "leading dims of hidden"),
+        (lambda p: {**p, "ids": p["ids"] + VOCAB}, "teacher\\.ids", r"\[0, 123\)"),
     ],
 )
 def test_invalid_inputs_name_the_argument(change, argument, message) -> None:
@@ -225,12 +243,10 @@ def test_invalid_inputs_name_the_argument(change, argument, message) -> None:
         {"hidden": hidden, "weight": weight, "bias": bias, "ids": ids, "logprobs": logprobs}
     )
     with pytest.raises(ValueError, match=rf"^{argument}:.*{message}"):
-        fused_topk_kl_loss(
+        lm_head_topk_kl_loss(
+            (values["weight"], values["bias"]),
             values["hidden"],
-            values["weight"],
-            values["ids"],
-            values["logprobs"],
-            bias=values["bias"],
+            TeacherTargets(values["ids"], values["logprobs"]),
         )
 
 

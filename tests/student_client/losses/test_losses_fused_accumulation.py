@@ -11,7 +11,13 @@ import pytest
 import torch
 from losses_oracle import oracle_loss
 
-from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
+from tests.student_client.losses.calls import teacher_and_options
 
 ACCUMULATIONS = ("weight", "compensated", "float32")
 N_ROWS, HIDDEN, VOCAB, TOP_K = 256, 48, 300, 8
@@ -28,7 +34,7 @@ def _problem(dtype: torch.dtype):
 
 def _grad_weight(hidden, weight, ids, logprobs, **options) -> torch.Tensor:
     leaf = weight.clone().requires_grad_(True)
-    loss, _ = fused_topk_kl_loss(hidden, leaf, ids, logprobs, **options)
+    loss, _ = lm_head_topk_kl_loss(leaf, hidden, *teacher_and_options(ids, logprobs, **options))
     loss.backward()
     assert leaf.grad is not None and leaf.grad.dtype == weight.dtype
     return leaf.grad
@@ -45,7 +51,7 @@ def test_compensated_and_float32_lose_less_than_the_weight_dtype_sum() -> None:
     assert leaf.grad is not None
     want = leaf.grad
     logits_leaf = weight.clone().requires_grad_(True)
-    topk_kl_loss(hidden @ logits_leaf.T, ids, logprobs)[0].backward()
+    topk_kl_loss(hidden @ logits_leaf.T, TeacherTargets(ids, logprobs))[0].backward()
     assert logits_leaf.grad is not None
     logits_error = _relative_error(logits_leaf.grad, want)  # one rounding of the sum
     errors = {
@@ -91,4 +97,9 @@ def test_float32_weight_ignores_the_choice() -> None:
 def test_unknown_accumulation_names_the_argument() -> None:
     hidden, weight, ids, logprobs = _problem(torch.bfloat16)
     with pytest.raises(ValueError, match=r"^grad_weight_accumulation: .*'weight'"):
-        fused_topk_kl_loss(hidden, weight, ids, logprobs, grad_weight_accumulation="fp8")
+        lm_head_topk_kl_loss(
+            weight,
+            hidden,
+            TeacherTargets(ids, logprobs),
+            LossOptions(grad_weight_accumulation="fp8"),
+        )

@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from student_client.losses import LossOptions, get_divergence, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    get_divergence,
+    topk_kl_loss,
+)
 
 
 def _case():
@@ -24,7 +29,11 @@ def _case():
 def _loss(divergence, mode="tail"):
     logits, ids, logprobs = _case()
     leaf = logits.clone().requires_grad_(True)
-    loss, _ = topk_kl_loss(leaf, ids, logprobs, divergence=divergence, reduction="none", mode=mode)
+    loss, _ = topk_kl_loss(
+        leaf,
+        TeacherTargets(ids, logprobs),
+        LossOptions(divergence=divergence, reduction="none", mode=mode),
+    )
     loss.sum().backward()
     return loss.detach(), leaf.grad
 
@@ -56,8 +65,12 @@ def test_beta_in_between_is_symmetric_at_one_half() -> None:
     log_a = torch.log_softmax(torch.randn(3, 8, generator=generator, dtype=torch.float64), -1)
     log_b = torch.log_softmax(torch.randn(3, 8, generator=generator, dtype=torch.float64), -1)
     full = torch.arange(8).expand(3, 8)
-    one = topk_kl_loss(log_a, full, log_b, divergence="jsd", reduction="none")[0]
-    other = topk_kl_loss(log_b, full, log_a, divergence="jsd", reduction="none")[0]
+    one = topk_kl_loss(
+        log_a, TeacherTargets(full, log_b), LossOptions(divergence="jsd", reduction="none")
+    )[0]
+    other = topk_kl_loss(
+        log_b, TeacherTargets(full, log_a), LossOptions(divergence="jsd", reduction="none")
+    )[0]
     torch.testing.assert_close(one, other, rtol=1e-12, atol=1e-14)
     assert LossOptions(divergence="jsd").divergence == get_divergence("jsd", beta=0.5)
 

@@ -15,9 +15,11 @@ import torch
 
 from devtools.tiny_model import tiny_qwen2_config
 from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
     causal_lm_hidden_and_head,
     causal_lm_topk_kl_loss,
-    fused_topk_kl_loss,
+    lm_head_topk_kl_loss,
     topk_kl_loss,
 )
 
@@ -53,13 +55,17 @@ def test_fused_on_hidden_states_trains_like_the_logits_path(tied: bool, whole_mo
 
     forward = {"input_ids": input_ids, "attention_mask": attention_mask}
     if whole_model:
-        loss, _, inputs = causal_lm_topk_kl_loss(
-            model, forward, ids, logprobs, mask=mask, chunk_size=4
+        loss, _ = causal_lm_topk_kl_loss(
+            model, forward, TeacherTargets(ids, logprobs, mask=mask), LossOptions(chunk_size=4)
         )
+        inputs = causal_lm_hidden_and_head(model, **forward)  # what the loss used
     else:
         inputs = causal_lm_hidden_and_head(model, **forward)
-        loss, _ = fused_topk_kl_loss(
-            inputs.hidden, inputs.weight, ids, logprobs, mask=mask, chunk_size=4
+        loss, _ = lm_head_topk_kl_loss(
+            inputs.weight,
+            inputs.hidden,
+            TeacherTargets(ids, logprobs, mask=mask),
+            LossOptions(chunk_size=4),
         )
     assert inputs.hidden.shape == (2, 11, 32) and inputs.bias is None
     assert inputs.weight is model.get_output_embeddings().weight
@@ -68,7 +74,7 @@ def test_fused_on_hidden_states_trains_like_the_logits_path(tied: bool, whole_mo
     loss.backward()
 
     logits = reference(input_ids=input_ids, attention_mask=attention_mask).logits
-    want, _ = topk_kl_loss(logits, ids, logprobs, mask=mask)
+    want, _ = topk_kl_loss(logits, TeacherTargets(ids, logprobs, mask=mask))
     want.backward()
 
     torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
@@ -84,7 +90,7 @@ def _refusal(model, whole_model: bool) -> None:  # type: ignore[no-untyped-def]
     input_ids = torch.zeros(1, 3, dtype=torch.long)
     if whole_model:
         ids, logprobs = _teacher(1, 3, VOCAB, 2)
-        causal_lm_topk_kl_loss(model, {"input_ids": input_ids}, ids, logprobs)
+        causal_lm_topk_kl_loss(model, {"input_ids": input_ids}, TeacherTargets(ids, logprobs))
     else:
         causal_lm_hidden_and_head(model, input_ids=input_ids)
 

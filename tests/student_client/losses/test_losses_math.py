@@ -11,15 +11,21 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 from losses_oracle import analytic_gradient, full_kl, make_case, oracle_loss, oracle_rows
 
-from student_client.losses import topk_kl_loss, topk_kl_reference
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    topk_kl_loss,
+    topk_kl_reference,
+)
 from student_client.losses.types import LossMode
+from tests.student_client.losses.calls import teacher_and_options
 
 MODES: tuple[LossMode, ...] = ("tail", "truncated")
 
 
 def _loss_and_grad(logits: torch.Tensor, ids, logprobs, **kwargs):
     leaf = logits.detach().clone().requires_grad_(True)
-    loss, stats = topk_kl_loss(leaf, ids, logprobs, **kwargs)
+    loss, stats = topk_kl_loss(leaf, *teacher_and_options(ids, logprobs, **kwargs))
     loss.backward()
     assert leaf.grad is not None
     return loss.detach(), leaf.grad, stats
@@ -76,7 +82,9 @@ def test_half_precision_matches_oracle(mode: LossMode, dtype: torch.dtype) -> No
 def test_odd_shape_per_position_terms(mode: LossMode) -> None:
     case = make_case((3, 47), 123, 5, seed=3)
     loss, _ = topk_kl_loss(
-        case.logits, case.ids, case.logprobs, mode=mode, reduction="none", chunk_size=7
+        case.logits,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode=mode, reduction="none", chunk_size=7),
     )
     want = oracle_rows(case.logits, case.ids, case.logprobs, mode=mode)
     assert loss.shape == (3, 47)
@@ -118,7 +126,11 @@ def test_float64_gradcheck(mode: LossMode) -> None:
     logits = case.logits.clone().requires_grad_(True)
 
     def loss_of(z: torch.Tensor) -> torch.Tensor:
-        loss, _ = topk_kl_loss(z, case.ids, case.logprobs, mode=mode, temperature=0.8, chunk_size=2)
+        loss, _ = topk_kl_loss(
+            z,
+            TeacherTargets(case.ids, case.logprobs),
+            LossOptions(mode=mode, temperature=0.8, chunk_size=2),
+        )
         return loss
 
     assert torch.autograd.gradcheck(loss_of, (logits,), eps=1e-6, atol=1e-8)
@@ -127,7 +139,9 @@ def test_float64_gradcheck(mode: LossMode) -> None:
 def test_tail_mode_equals_full_kl_when_k_is_vocab() -> None:
     case = make_case((4, 6), 29, 29, seed=6)
     loss, stats = topk_kl_loss(
-        case.logits, case.ids, case.logprobs, mode="tail", reduction="none", overlap=True
+        case.logits,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode="tail", reduction="none", overlap=True),
     )
     want = full_kl(case.logits, case.teacher_full)
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
@@ -164,11 +178,8 @@ def test_tail_mode_between_zero_and_full_kl(
     )
     loss, _ = topk_kl_loss(
         case.logits,
-        case.ids,
-        case.logprobs,
-        mode="tail",
-        reduction="none",
-        temperature=temperature,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode="tail", reduction="none", temperature=temperature),
     )
     upper = full_kl(case.logits, case.teacher_full, temperature=temperature)
     slack = 1e-5 * (1.0 + upper.abs())
@@ -180,10 +191,16 @@ def test_truncated_mode_can_be_negative() -> None:
     # Student puts more mass on the teacher's top-k than the teacher: Q > P.
     case = make_case((8,), 50, 5, seed=7, teacher_scale=0.2)
     student = torch.full((8, 50), -5.0).scatter_(1, case.ids, 5.0)
-    loss, stats = topk_kl_loss(student, case.ids, case.logprobs, mode="truncated", reduction="none")
+    loss, stats = topk_kl_loss(
+        student,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode="truncated", reduction="none"),
+    )
     assert bool((loss < 0).all())
     assert stats.student_mass > stats.teacher_mass
-    tail_loss, _ = topk_kl_loss(student, case.ids, case.logprobs, mode="tail", reduction="none")
+    tail_loss, _ = topk_kl_loss(
+        student, TeacherTargets(case.ids, case.logprobs), LossOptions(mode="tail", reduction="none")
+    )
     assert bool((tail_loss >= 0).all())
 
 
@@ -210,7 +227,11 @@ def test_student_tail_keeps_precision_when_kept_mass_rounds_to_one() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_dense_reference_matches_oracle(mode: LossMode) -> None:
     case = make_case((5, 4), 61, 7, seed=8)
-    rows = topk_kl_reference(case.logits, case.ids, case.logprobs, mode=mode, temperature=1.3)
+    rows = topk_kl_reference(
+        case.logits,
+        TeacherTargets(case.ids, case.logprobs),
+        LossOptions(mode=mode, temperature=1.3),
+    )
     want = oracle_rows(case.logits, case.ids, case.logprobs, mode=mode, temperature=1.3)
     for name in ("loss", "head", "tail", "teacher_mass", "student_mass", "overlap"):
         torch.testing.assert_close(
@@ -223,7 +244,9 @@ def test_stats_match_oracle(mode: LossMode) -> None:
     case = make_case((9, 4), 40, 6, seed=9)
     mask = torch.rand(9, 4, generator=torch.Generator().manual_seed(1)) > 0.3
     _, stats = topk_kl_loss(
-        case.logits, case.ids, case.logprobs, mode=mode, mask=mask, overlap=True
+        case.logits,
+        TeacherTargets(case.ids, case.logprobs, mask=mask),
+        LossOptions(mode=mode, overlap=True),
     )
     want = oracle_rows(case.logits, case.ids, case.logprobs, mode=mode)
     counted = mask.double()

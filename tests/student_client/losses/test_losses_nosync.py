@@ -14,7 +14,13 @@ import pytest
 import torch
 from host_sync import NoHostSync
 
-from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
+from tests.student_client.losses.calls import teacher_and_options
 
 
 def test_the_guard_catches_syncs() -> None:
@@ -56,11 +62,14 @@ def test_topk_kl_loss_does_not_sync(options) -> None:
     guard = NoHostSync()
     with guard:
         loss, stats = topk_kl_loss(
-            logits, ids, logprobs, mask=mask, validate=False, chunk_size=5, **options
+            logits,
+            *teacher_and_options(ids, logprobs, mask=mask, validate=False, chunk_size=5, **options),
         )
         loss.sum().backward()
     assert guard.ops > 0
-    want, want_stats = topk_kl_loss(logits.detach(), ids, logprobs, mask=mask, **options)
+    want, want_stats = topk_kl_loss(
+        logits.detach(), *teacher_and_options(ids, logprobs, mask=mask, **options)
+    )
     torch.testing.assert_close(loss.detach(), want)
     assert stats == want_stats  # computed lazily, now that the guard is gone
     assert logits.grad is not None and bool(logits.grad.abs().sum() > 0)
@@ -74,21 +83,25 @@ def test_fused_loss_does_not_sync(options, grad_in_forward) -> None:
     weight.requires_grad_(True)
     guard = NoHostSync()
     with guard:
-        loss, stats = fused_topk_kl_loss(
-            hidden,
+        loss, stats = lm_head_topk_kl_loss(
             weight,
-            ids,
-            logprobs,
-            mask=mask,
-            validate=False,
-            chunk_size=7,
-            grad_in_forward=grad_in_forward,
-            **options,
+            hidden,
+            *teacher_and_options(
+                ids,
+                logprobs,
+                mask=mask,
+                validate=False,
+                chunk_size=7,
+                grad_in_forward=grad_in_forward,
+                **options,
+            ),
         )
         loss.sum().backward()
     assert guard.ops > 0
-    want, want_stats = fused_topk_kl_loss(
-        hidden.detach(), weight.detach(), ids, logprobs, mask=mask, chunk_size=7, **options
+    want, want_stats = lm_head_topk_kl_loss(
+        weight.detach(),
+        hidden.detach(),
+        *teacher_and_options(ids, logprobs, mask=mask, chunk_size=7, **options),
     )
     torch.testing.assert_close(loss.detach(), want)
     assert stats == want_stats
@@ -100,13 +113,15 @@ def test_validation_does_sync_and_the_guard_sees_it() -> None:
     """The default (`validate=True`) checks values, which the guard must catch."""
     hidden, weight, ids, logprobs, mask = _problem(2)
     with pytest.raises(AssertionError, match=r"host sync|boolean-mask"), NoHostSync():
-        fused_topk_kl_loss(hidden, weight, ids, logprobs, mask=mask)
+        lm_head_topk_kl_loss(weight, hidden, TeacherTargets(ids, logprobs, mask=mask))
 
 
 def test_stats_tensors_need_no_sync() -> None:
     hidden, weight, ids, logprobs, mask = _problem(3)
     with NoHostSync():
-        _, stats = fused_topk_kl_loss(hidden, weight, ids, logprobs, mask=mask, validate=False)
+        _, stats = lm_head_topk_kl_loss(
+            weight, hidden, TeacherTargets(ids, logprobs, mask=mask), LossOptions(validate=False)
+        )
         tensors = stats.tensors()
     assert set(tensors) == {*stats.as_dict()}
     assert float(tensors["loss"]) == stats.loss
@@ -145,22 +160,20 @@ def test_candidate_supports_do_not_sync(options, fused) -> None:
         extra["sampled_logprobs"] = torch.full(mask.shape, -3.0)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
+    call = teacher_and_options(
+        ids, logprobs, mask=mask, validate=False, chunk_size=5, **options, **extra
+    )
     guard = NoHostSync()
     with guard:
         if fused:
-            loss, stats = fused_topk_kl_loss(
-                hidden, weight, ids, logprobs, mask=mask, validate=False, chunk_size=5,
-                **options, **extra,
-            )  # fmt: skip
+            loss, stats = lm_head_topk_kl_loss(weight, hidden, *call)
         else:
-            loss, stats = topk_kl_loss(
-                hidden @ weight.T, ids, logprobs, mask=mask, validate=False, chunk_size=5,
-                **options, **extra,
-            )  # fmt: skip
+            loss, stats = topk_kl_loss(hidden @ weight.T, *call)
         loss.sum().backward()
     assert guard.ops > 0
     want, want_stats = topk_kl_loss(
-        (hidden @ weight.T).detach(), ids, logprobs, mask=mask, chunk_size=5, **options, **extra
+        (hidden @ weight.T).detach(),
+        *teacher_and_options(ids, logprobs, mask=mask, chunk_size=5, **options, **extra),
     )
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
     assert stats.positions == want_stats.positions

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
+from tests.student_client.losses.calls import teacher_and_options
 
 SCENARIOS: list[dict[str, Any]] = [
     {"mode": "tail", "chunk_size": 1, "overlap": True},
@@ -71,7 +77,7 @@ def _problem(
 
 def _loss_grad(logits: torch.Tensor, *args: Any, **kwargs: Any):
     leaf = logits.detach().clone().requires_grad_(True)
-    loss, stats = topk_kl_loss(leaf, *args, **kwargs)
+    loss, stats = topk_kl_loss(leaf, *teacher_and_options(*args, **kwargs))
     loss.sum().backward()
     assert leaf.grad is not None
     return loss.detach(), stats, leaf.grad
@@ -123,7 +129,8 @@ HIDDEN = 6
 
 def _fused_loss_grads(hidden, weight, bias, *args: Any, **kwargs: Any):
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    loss, stats = fused_topk_kl_loss(leaves[0], leaves[1], *args, bias=leaves[2], **kwargs)
+    head = (leaves[1], leaves[2])
+    loss, stats = lm_head_topk_kl_loss(head, leaves[0], *teacher_and_options(*args, **kwargs))
     loss.sum().backward()
     grads = [leaf.grad for leaf in leaves]
     assert all(grad is not None for grad in grads)
@@ -218,12 +225,18 @@ def test_vocab_parallel_rejects_ids_beyond_global_vocabulary(tmp_path: Path) -> 
     try:
         logits = torch.randn(2, 5)
         ids = torch.tensor([[0, 5], [1, 2]])
-        with pytest.raises(ValueError, match=r"^teacher_ids: ids must lie in \[0, 5\)"):
-            topk_kl_loss(logits, ids, torch.full((2, 2), -1.0), process_group=dist.group.WORLD)
+        with pytest.raises(ValueError, match=r"^teacher\.ids: ids must lie in \[0, 5\)"):
+            topk_kl_loss(
+                logits,
+                TeacherTargets(ids, torch.full((2, 2), -1.0)),
+                LossOptions(process_group=dist.group.WORLD),
+            )
         loss, _ = topk_kl_loss(
-            logits, ids.clamp_max(4), torch.full((2, 2), -1.0), process_group=dist.group.WORLD
+            logits,
+            TeacherTargets(ids.clamp_max(4), torch.full((2, 2), -1.0)),
+            LossOptions(process_group=dist.group.WORLD),
         )
-        want, _ = topk_kl_loss(logits, ids.clamp_max(4), torch.full((2, 2), -1.0))
+        want, _ = topk_kl_loss(logits, TeacherTargets(ids.clamp_max(4), torch.full((2, 2), -1.0)))
         assert torch.equal(loss, want)
     finally:
         dist.destroy_process_group()

@@ -18,7 +18,9 @@ import torch.multiprocessing as mp
 from coarse_oracle import DIVERGENCE_CASES, MODES_OF
 from test_losses_parallel import _fused_loss_grads, _loss_grad, _problem
 
-from student_client.losses import get_divergence
+from student_client.losses import (
+    get_divergence,
+)
 
 SHAPES = [((3, 5), 7, 5), ((11,), 3, 5)]
 DTYPES = [torch.float32, torch.bfloat16]

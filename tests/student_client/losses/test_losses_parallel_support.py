@@ -27,6 +27,7 @@ from student_client.losses import (
     topk_kl_loss,
     topk_kl_reference,
 )
+from tests.student_client.losses.calls import teacher_and_options
 
 POSITIONS, LOCAL_VOCAB, TOP_K, WIDTH, HIDDEN = (3, 5), 7, 5, 6, 6
 SCENARIOS: list[dict[str, Any]] = [
@@ -95,7 +96,9 @@ def _reference(
     problem: dict[str, torch.Tensor], logits64: torch.Tensor, *, reduction: str, **options: Any
 ) -> torch.Tensor:
     """The float64 reference of the whole problem, reduced like the loss."""
-    rows = topk_kl_reference(logits64, problem["ids"], problem["logprobs"], **options)
+    rows = topk_kl_reference(
+        logits64, *teacher_and_options(problem["ids"], problem["logprobs"], **options)
+    )
     return _reduce(rows.loss, problem["mask"], reduction)
 
 
@@ -136,14 +139,16 @@ def _check(rank: int, world: int) -> int:
         leaf = logits[..., columns].contiguous().requires_grad_(True)
         loss, _ = topk_kl_loss(
             leaf,
-            problem["ids"],
-            problem["logprobs"],
-            mask=problem["mask"],
-            process_group=group,
-            divergence=divergence,
-            support=support,
-            **options,
-            **extra,
+            *teacher_and_options(
+                problem["ids"],
+                problem["logprobs"],
+                mask=problem["mask"],
+                process_group=group,
+                divergence=divergence,
+                support=support,
+                **options,
+                **extra,
+            ),
         )
         loss.backward()
         rtol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -176,14 +181,16 @@ def _check(rank: int, world: int) -> int:
         loss, _ = lm_head_topk_kl_loss(
             head,
             hidden_leaf,
-            problem["ids"],
-            problem["logprobs"],
-            mask=problem["mask"],
-            process_group=group,
-            divergence=divergence,
-            support=support,
-            **options,
-            **extra,
+            *teacher_and_options(
+                problem["ids"],
+                problem["logprobs"],
+                mask=problem["mask"],
+                process_group=group,
+                divergence=divergence,
+                support=support,
+                **options,
+                **extra,
+            ),
         )
         loss.backward()
         torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=1e-7, msg=label)

@@ -27,11 +27,12 @@ import torch
 from host_sync import NoHostSync
 
 from student_client.losses import (
-    fused_sampled_kl_loss,
-    sampled_kl_loss,
-    sampled_target_weights,
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
     topk_kl_loss,
 )
+from student_client.losses.sampled import sampled_target_weights
 from topk_protocol.sampling import sample_rows
 
 ALPHA = 1e-3
@@ -56,7 +57,14 @@ def _draw(teacher: torch.Tensor, n: int, seed: int, tau: float = 1.0):
         rows.counts, lp, proposal_temperature=tau, proposal_log_normalizer=log_z
     )
     shape = (*SHAPE, k)
-    return rows.ids.reshape(shape), weights.reshape(shape), lp.reshape(shape)
+    drawn = TeacherTargets(
+        rows.ids.reshape(shape),
+        lp.reshape(shape),
+        sample_counts=rows.counts.reshape(shape),
+        proposal_log_normalizer=None if log_z is None else log_z.reshape(SHAPE),
+        proposal_temperature=tau,
+    )
+    return drawn, weights.reshape(shape)
 
 
 def _oracle(logits, ids, weights, teacher_lp, mask, temperature):
@@ -71,16 +79,16 @@ def _oracle(logits, ids, weights, teacher_lp, mask, temperature):
 @pytest.mark.parametrize("tau", [1.0, 0.6])
 def test_loss_and_gradient_match_the_float64_oracle(temperature: float, tau: float) -> None:
     teacher = _teacher()
-    ids, weights, lp = _draw(teacher, 16, seed=7, tau=tau)
+    drawn, weights = _draw(teacher, 16, seed=7, tau=tau)
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(*SHAPE, VOCAB, generator=g, dtype=torch.float64).requires_grad_(True)
     mask = torch.rand(SHAPE, generator=g) > 0.2
-    loss, stats = sampled_kl_loss(
-        logits, ids, weights, mask, teacher_logprobs=lp, temperature=temperature, chunk_size=5
-    )
+    drawn.mask = mask
+    options = LossOptions(temperature=temperature, chunk_size=5)
+    loss, stats = topk_kl_loss(logits, drawn, options)
     loss.backward()
     ref_logits = logits.detach().clone().requires_grad_(True)
-    want = _oracle(ref_logits, ids, weights, lp, mask, temperature)
+    want = _oracle(ref_logits, drawn.ids, weights, drawn.logprobs, mask, temperature)
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-9, atol=1e-12)
@@ -89,17 +97,17 @@ def test_loss_and_gradient_match_the_float64_oracle(temperature: float, tau: flo
 
 def test_fused_path_matches_the_logits_path() -> None:
     teacher = _teacher(1)
-    ids, weights, lp = _draw(teacher, 16, seed=3)
+    drawn, _ = _draw(teacher, 16, seed=3)
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(*SHAPE, 17, generator=g, dtype=torch.float64, requires_grad=True)
     weight = (torch.randn(VOCAB, 17, generator=g, dtype=torch.float64) * 0.3).requires_grad_(True)
-    loss, _ = fused_sampled_kl_loss(hidden, weight, ids, weights, teacher_logprobs=lp, chunk_size=7)
+    loss, _ = lm_head_topk_kl_loss(weight, hidden, drawn, LossOptions(chunk_size=7))
     loss.backward()
     h2, w2 = (
         hidden.detach().clone().requires_grad_(True),
         weight.detach().clone().requires_grad_(True),
     )
-    want, _ = sampled_kl_loss(h2 @ w2.T, ids, weights, teacher_logprobs=lp)
+    want, _ = topk_kl_loss(h2 @ w2.T, drawn)
     want.backward()
     torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(hidden.grad, h2.grad, rtol=1e-9, atol=1e-12)
@@ -108,11 +116,12 @@ def test_fused_path_matches_the_logits_path() -> None:
 
 def test_no_host_sync_without_validation() -> None:
     teacher = _teacher(2)
-    ids, weights, _ = _draw(teacher, 8, seed=1)
+    drawn, _ = _draw(teacher, 8, seed=1)
+    drawn = drawn.apply(lambda t: t.float() if t.is_floating_point() else t)
+    drawn.mask = torch.ones(SHAPE, dtype=torch.bool)
     logits = torch.randn(*SHAPE, VOCAB).requires_grad_(True)
-    mask = torch.ones(SHAPE, dtype=torch.bool)
     with NoHostSync():
-        loss, _ = sampled_kl_loss(logits, ids, weights.float(), mask, validate=False, chunk_size=9)
+        loss, _ = topk_kl_loss(logits, drawn, LossOptions(validate=False, chunk_size=9))
         loss.backward()
 
 
@@ -126,23 +135,26 @@ def _draw_many(teacher: torch.Tensor, n: int, tau: float):
     rows = sample_rows(flat, n, 11, 12345, torch.arange(flat.shape[0]), tau)
     lp = torch.gather(flat, 1, rows.ids)
     log_z = None if rows.log_normalizer is None else rows.log_normalizer.to(torch.float64)
-    weights = sampled_target_weights(
-        rows.counts, lp, proposal_temperature=tau, proposal_log_normalizer=log_z
-    )
     shape = (PAYLOADS, *SHAPE, n)
-    return rows.ids.reshape(shape), weights.reshape(shape), lp.reshape(shape)
+    return TeacherTargets(
+        rows.ids.reshape(shape),
+        lp.reshape(shape),
+        sample_counts=rows.counts.reshape(shape),
+        proposal_log_normalizer=None if log_z is None else log_z.reshape(shape[:-1]),
+        proposal_temperature=tau,
+    )
 
 
-def _gradients(ids, weights, lp) -> tuple[torch.Tensor, torch.Tensor]:
+def _gradients(drawn: TeacherTargets) -> tuple[torch.Tensor, torch.Tensor]:
     """The student logits `[*SHAPE, V]` and the `[M, C]` loss gradients w.r.t. them, one
     row per payload (one loss call over the M copies, `reduction="sum"`)."""
     g = torch.Generator().manual_seed(5)
     base = torch.randn(*SHAPE, VOCAB, generator=g, dtype=torch.float64)
-    logits = base.expand(ids.shape[0], *base.shape).clone().requires_grad_(True)
-    loss, _ = sampled_kl_loss(logits, ids, weights, teacher_logprobs=lp, reduction="sum")
+    logits = base.expand(drawn.ids.shape[0], *base.shape).clone().requires_grad_(True)
+    loss, _ = topk_kl_loss(logits, drawn, LossOptions(reduction="sum"))
     loss.backward()
     assert logits.grad is not None
-    return base, logits.grad.reshape(ids.shape[0], -1)
+    return base, logits.grad.reshape(drawn.ids.shape[0], -1)
 
 
 def _coordinates_and_projections(grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +220,7 @@ def _bonferroni(c: int) -> float:
 def test_mean_gradient_converges_to_the_full_forward_kl_gradient(tau: float) -> None:
     teacher = _teacher(3, scale=0.3)
     assert float(teacher.exp().min()) * PAYLOADS * 32 > 30  # each id drawn often: CLT holds
-    base, grads = _gradients(*_draw_many(teacher, 32, tau))
+    base, grads = _gradients(_draw_many(teacher, 32, tau))
     truth = (torch.softmax(base, -1) - teacher.exp()).reshape(-1)  # d KL(p || q) / dz
     errors = _standard_errors(grads)
     assert float(errors.coordinate.min()) > 1e-6
@@ -220,42 +232,56 @@ def test_mean_gradient_converges_to_the_full_forward_kl_gradient(tau: float) -> 
     # the top-32 target (renormalized, deterministic) is biased: the same test fails
     top_lp, top_ids = teacher.topk(32, dim=-1)
     top_w = torch.softmax(top_lp, -1)
-    copies = [t.expand(PAYLOADS, *t.shape) for t in (top_ids, top_w, top_lp)]
-    _, biased = _gradients(*copies)
+    ids, counts, lp = (t.expand(PAYLOADS, *t.shape) for t in (top_ids, top_w, top_lp))
+    _, biased = _gradients(TeacherTargets(ids, lp, sample_counts=counts))
     max_z, p_value = _z_scores(biased, truth, errors)  # the unbiased estimator's errors
     assert max_z > bound and p_value < ALPHA
 
 
 def test_refusals_name_the_option() -> None:
     teacher = _teacher()
-    ids, weights, _ = _draw(teacher, 4, seed=0)
+    drawn, _ = _draw(teacher, 4, seed=0)
     logits = torch.randn(*SHAPE, VOCAB)
+
+    def loss(teacher: TeacherTargets = drawn, **options: object) -> None:
+        topk_kl_loss(logits, teacher, LossOptions(**options))  # type: ignore[arg-type]
+
+    def changed(**fields: torch.Tensor) -> TeacherTargets:
+        out = drawn.apply(lambda t: t)
+        for name, value in fields.items():
+            setattr(out, name, value)
+        return out
+
     with pytest.raises(ValueError, match="divergence: the sampled loss supports 'forward' only"):
-        sampled_kl_loss(logits, ids, weights, divergence="reverse")
+        loss(divergence="reverse")
     with pytest.raises(ValueError, match=r"divergence: .* got 'jsd'"):
-        sampled_kl_loss(logits, ids, weights, divergence="jsd")
+        loss(divergence="jsd")
     with pytest.raises(ValueError, match="mode: 'tail_actual'"):
-        sampled_kl_loss(logits, ids, weights, mode="tail_actual")
+        loss(mode="tail_actual")
     with pytest.raises(ValueError, match="support: 'union' does not apply to the sampled loss"):
-        sampled_kl_loss(logits, ids, weights, support="union")
-    with pytest.raises(ValueError, match="sample_weights: must be finite and >= 0"):
-        sampled_kl_loss(logits, ids, -weights)
-    dup = ids.clone()
+        loss(support="union")
+    counts = drawn.sample_counts
+    assert counts is not None
+    with pytest.raises(ValueError, match=r"teacher\.sample_counts: must be finite and >= 0"):
+        loss(changed(sample_counts=-counts))
+    dup = drawn.ids.clone()
     dup[..., 1] = dup[..., 0]
-    both = weights.clone()
-    both[..., :2] = 0.5
-    with pytest.raises(ValueError, match="sample_ids: an id with weight > 0 repeats"):
-        sampled_kl_loss(logits, dup, both)
-    with pytest.raises(ValueError, match="sample_weights: shape"):
-        sampled_kl_loss(logits, ids, weights[..., :2])
+    both = counts.clone()
+    both[..., :2] = 2
+    with pytest.raises(ValueError, match=r"teacher\.ids: a drawn id \(count > 0\) repeats"):
+        loss(changed(ids=dup, sample_counts=both))
+    with pytest.raises(ValueError, match=r"teacher\.sample_counts: must be a tensor shaped like"):
+        loss(changed(sample_counts=counts[..., :2]))
     with pytest.raises(ValueError, match="proposal_log_normalizer"):
         sampled_target_weights(torch.ones(3, 4), proposal_temperature=2.0)
 
 
 def test_top_k_loss_is_unchanged_by_the_shared_core() -> None:
+    """A sampled teacher value whose counts are the whole distribution `p` is the full
+    forward KL, as the top-k loss with K = V gives it."""
     teacher = _teacher(4)
-    lp, ids = teacher.topk(8, dim=-1)
+    lp, ids = teacher.topk(VOCAB, dim=-1)
     logits = torch.randn(*SHAPE, VOCAB, dtype=torch.float64)
-    a, _ = topk_kl_loss(logits, ids, lp, mode="truncated")
-    b, _ = sampled_kl_loss(logits, ids, lp.exp(), teacher_logprobs=lp)
-    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    a, _ = topk_kl_loss(logits, TeacherTargets(ids, lp), LossOptions(mode="truncated"))
+    b, _ = topk_kl_loss(logits, TeacherTargets(ids, lp, sample_counts=lp.exp()))
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from student_client.losses import fused_sampled_kl_loss, sampled_kl_loss, sampled_target_weights
+from student_client.losses import LossOptions, TeacherTargets, lm_head_topk_kl_loss, topk_kl_loss
 from topk_protocol.sampling import sample_rows
 
 WORLD, LOCAL_VOCAB, POSITIONS, HIDDEN = 2, 23, (3, 7), 5
@@ -25,24 +25,19 @@ def _problem():
     flat = teacher.reshape(-1, vocab)
     rows = sample_rows(flat, 12, 5, 77, torch.arange(flat.shape[0]), 1.4)
     assert rows.log_normalizer is not None
-    weights = sampled_target_weights(
-        rows.counts,
-        rows.logprobs,
-        proposal_temperature=1.4,
-        proposal_log_normalizer=rows.log_normalizer,
-    )
     shape = (*POSITIONS, 12)
     hidden = torch.randn(*POSITIONS, HIDDEN, generator=g)
     weight = torch.randn(vocab, HIDDEN, generator=g)
     mask = torch.rand(POSITIONS, generator=g) > 0.2
-    return (
+    drawn = TeacherTargets(
         rows.ids.reshape(shape),
-        weights.reshape(shape),
         rows.logprobs.reshape(shape),
-        hidden,
-        weight,
-        mask,
+        mask=mask,
+        sample_counts=rows.counts.reshape(shape),
+        proposal_log_normalizer=rows.log_normalizer.reshape(POSITIONS),
+        proposal_temperature=1.4,
     )
+    return drawn, hidden, weight
 
 
 def _grads(fn, *tensors):
@@ -54,23 +49,19 @@ def _grads(fn, *tensors):
 
 def _check(rank: int, chunk: int | None) -> int:
     """The logits and the fused paths at one chunk size on this rank; returns 2."""
-    ids, weights, lp, hidden, weight, mask = _problem()
+    drawn, hidden, weight = _problem()
     cols = slice(rank * LOCAL_VOCAB, (rank + 1) * LOCAL_VOCAB)
-    common = {"mask": mask, "teacher_logprobs": lp, "chunk_size": chunk}
-    sharded = {**common, "process_group": dist.group.WORLD}
-    want, (want_grad,) = _grads(
-        lambda z: sampled_kl_loss(z, ids, weights, **common), hidden @ weight.T
-    )
-    got, (grad,) = _grads(
-        lambda z: sampled_kl_loss(z, ids, weights, **sharded), (hidden @ weight.T)[..., cols]
-    )
+    common = LossOptions(chunk_size=chunk)
+    sharded = LossOptions(chunk_size=chunk, process_group=dist.group.WORLD)
+    want, (want_grad,) = _grads(lambda z: topk_kl_loss(z, drawn, common), hidden @ weight.T)
+    got, (grad,) = _grads(lambda z: topk_kl_loss(z, drawn, sharded), (hidden @ weight.T)[..., cols])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, want_grad[..., cols], rtol=1e-5, atol=1e-7)
     want, (want_h, want_w) = _grads(
-        lambda h, w: fused_sampled_kl_loss(h, w, ids, weights, **common), hidden, weight
+        lambda h, w: lm_head_topk_kl_loss(w, h, drawn, common), hidden, weight
     )
     got, (got_h, got_w) = _grads(
-        lambda h, w: fused_sampled_kl_loss(h, w, ids, weights, **sharded), hidden, weight[cols]
+        lambda h, w: lm_head_topk_kl_loss(w, h, drawn, sharded), hidden, weight[cols]
     )
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-6)

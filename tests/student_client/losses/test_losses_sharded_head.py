@@ -33,7 +33,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from student_client.losses import fused_topk_kl_loss, lm_head_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
+from tests.student_client.losses.calls import teacher_and_options
 
 VOCAB, HIDDEN, BATCH, SEQ, K, STEPS, LR = 16, 8, 2, 5, 4, 2, 0.5
 
@@ -69,10 +75,16 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, ...], path: str, group: A
     hidden = model(x)
     if path == "fused":
         loss, _ = lm_head_topk_kl_loss(
-            model.lm_head, hidden, ids, logprobs, mask=mask, process_group=group, **opts
+            model.lm_head,
+            hidden,
+            *teacher_and_options(ids, logprobs, mask=mask, process_group=group, **opts),
         )
     else:
-        loss, _ = topk_kl_loss(model.lm_head(hidden), ids, logprobs, mask=mask, process_group=group)
+        loss, _ = topk_kl_loss(
+            model.lm_head(hidden),
+            TeacherTargets(ids, logprobs, mask=mask),
+            LossOptions(process_group=group),
+        )
     return loss
 
 
@@ -114,14 +126,16 @@ def _misuse(model_fsdp_head: nn.Module, tp_head: nn.Module | None) -> list[str]:
 
     errors = []
     with pytest.raises(ValueError) as e:  # FSDP: the weight outside the head's forward
-        fused_topk_kl_loss(hidden, model_fsdp_head.weight, ids, logprobs, mask=mask)
+        lm_head_topk_kl_loss(
+            model_fsdp_head.weight, hidden, TeacherTargets(ids, logprobs, mask=mask)
+        )
     errors.append(str(e.value))
     if tp_head is not None:
         with pytest.raises(ValueError) as e:  # TP: the DTensor weight, no group
-            fused_topk_kl_loss(hidden, tp_head.weight, ids, logprobs, mask=mask)
+            lm_head_topk_kl_loss(tp_head.weight, hidden, TeacherTargets(ids, logprobs, mask=mask))
         errors.append(str(e.value))
         with pytest.raises(ValueError) as e:  # TP head, the group forgotten
-            lm_head_topk_kl_loss(tp_head, hidden, ids, logprobs, mask=mask)
+            lm_head_topk_kl_loss(tp_head, hidden, TeacherTargets(ids, logprobs, mask=mask))
         errors.append(str(e.value))
     return errors
 
@@ -181,12 +195,19 @@ def _hf_fsdp_max_error(rank: int) -> float:
         fully_shard(module, mesh=mesh)
     x, ids, logprobs, mask = _batch(mesh.get_local_rank(), 0)
     hidden = model.model(input_ids=x).last_hidden_state
-    lm_head_topk_kl_loss(model.lm_head, hidden, ids, logprobs, mask=mask)[0].backward()
+    lm_head_topk_kl_loss(model.lm_head, hidden, TeacherTargets(ids, logprobs, mask=mask))[
+        0
+    ].backward()
     total = torch.zeros(())
     for replica in range(mesh.size()):
         x, ids, logprobs, mask = _batch(replica, 0)
         head = causal_lm_hidden_and_head(reference, input_ids=x)
-        total = total + fused_topk_kl_loss(head.hidden, head.weight, ids, logprobs, mask=mask)[0]
+        total = (
+            total
+            + lm_head_topk_kl_loss(
+                head.weight, head.hidden, TeacherTargets(ids, logprobs, mask=mask)
+            )[0]
+        )
     (total / mesh.size()).backward()
     want = dict(reference.named_parameters())
     errors = []
@@ -215,8 +236,10 @@ def _mixed_precision_loss_error() -> float:
     _, ids, logprobs, mask = _batch(0, 0)
     logprobs = logprobs + 1e-3  # not representable in bf16
     hidden = torch.randn(BATCH, SEQ, HIDDEN)
-    loss, _ = lm_head_topk_kl_loss(head, hidden, ids, logprobs, mask=mask)
-    want, _ = fused_topk_kl_loss(hidden.bfloat16(), weight, ids, logprobs, mask=mask)
+    loss, _ = lm_head_topk_kl_loss(head, hidden, TeacherTargets(ids, logprobs, mask=mask))
+    want, _ = lm_head_topk_kl_loss(
+        weight, hidden.bfloat16(), TeacherTargets(ids, logprobs, mask=mask)
+    )
     return float((loss.float() - want.float()).abs())
 
 

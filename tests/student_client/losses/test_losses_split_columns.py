@@ -15,7 +15,12 @@ import pytest
 import torch
 from losses_oracle import oracle_loss
 
-from student_client.losses import fused_topk_kl_loss, topk_kl_loss
+from student_client.losses import (
+    LossOptions,
+    TeacherTargets,
+    lm_head_topk_kl_loss,
+    topk_kl_loss,
+)
 from student_client.losses.split_columns import column_entries, column_sums, zero_columns_
 
 N_ROWS, HIDDEN, VOCAB, TOP_K = 47, 37, 123, 7
@@ -101,13 +106,16 @@ def test_bf16_grad_weight_loses_less_with_the_teacher_columns_in_fp32() -> None:
         lambda w: oracle_loss(hidden.double() @ w.T, ids, logprobs, mode="tail"), weight.double()
     )
     logits_error = _relative_error(
-        _weight_gradient(lambda w: topk_kl_loss(hidden @ w.T, ids, logprobs)[0], weight), want
+        _weight_gradient(
+            lambda w: topk_kl_loss(hidden @ w.T, TeacherTargets(ids, logprobs))[0], weight
+        ),
+        want,
     )
     errors = {
         chunk_size: _relative_error(
             _weight_gradient(
-                lambda w, rows=chunk_size: fused_topk_kl_loss(
-                    hidden, w, ids, logprobs, chunk_size=rows
+                lambda w, rows=chunk_size: lm_head_topk_kl_loss(
+                    w, hidden, TeacherTargets(ids, logprobs), LossOptions(chunk_size=rows)
                 )[0],
                 weight,
             ),

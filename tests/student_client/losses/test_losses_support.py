@@ -11,6 +11,7 @@ support that is the whole vocabulary gives the full divergence; validation error
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -21,12 +22,14 @@ from support_cases import SUPPORTS, make_candidates
 
 from student_client.losses import (
     LossOptions,
+    TeacherTargets,
     TopKKLLoss,
-    fused_topk_kl_loss,
     get_divergence,
+    lm_head_topk_kl_loss,
     topk_kl_loss,
     topk_kl_reference,
 )
+from tests.student_client.losses.calls import teacher_and_options
 
 LEAD, V, H, K, C = (3, 47), 123, 37, 7, 9
 N = LEAD[0] * LEAD[1]
@@ -91,13 +94,15 @@ def _reference(logits64, problem, name, params, support, mode, temperature):
     """The reference's `RowTerms` `[3, 47]` (`loss` with its graph to `logits64`)."""
     return topk_kl_reference(
         logits64,
-        problem["ids"],
-        problem["logprobs"],
-        mode=mode,
-        temperature=temperature,
-        divergence=get_divergence(name, **params),
-        support=support,
-        **_extra(problem, support, mode, clean=True),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mode=mode,
+            temperature=temperature,
+            divergence=get_divergence(name, **params),
+            support=support,
+            **_extra(problem, support, mode, clean=True),
+        ),
     )
 
 
@@ -161,19 +166,24 @@ def _check_logits_path(problem, logits, options, name, params, support, *, loss_
     leaf = logits.detach().clone().requires_grad_(True)
     extra = _extra(problem, support, mode)
     loss, stats = topk_kl_loss(
-        leaf, problem["ids"], problem["logprobs"], mask=problem["mask"], options=options, **extra
+        leaf,
+        *teacher_and_options(
+            problem["ids"], problem["logprobs"], mask=problem["mask"], options=options, **extra
+        ),
     )
     loss.backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=loss_rtol, atol=1e-7)
     torch.testing.assert_close(leaf.grad.double(), want_leaf.grad, rtol=grad_rtol, atol=2e-8)
     per_position, _ = topk_kl_loss(
         logits.detach(),
-        problem["ids"],
-        problem["logprobs"],
-        mask=problem["mask"],
-        options=options,
-        reduction="none",
-        **extra,
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            options=options,
+            reduction="none",
+            **extra,
+        ),
     )
     kept = problem["mask"]
     torch.testing.assert_close(
@@ -274,20 +284,21 @@ def test_fused_path_matches_the_reference(
     want = _masked_mean(rows.loss, problem["mask"])
     want.backward()
     leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
-    loss, stats = fused_topk_kl_loss(
+    loss, stats = lm_head_topk_kl_loss(
+        (leaves[1], leaves[2]),
         leaves[0],
-        leaves[1],
-        problem["ids"],
-        problem["logprobs"],
-        bias=leaves[2],
-        mask=problem["mask"],
-        divergence=get_divergence(name, **params),
-        support=support,
-        mode=mode,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        grad_in_forward=grad_in_forward,
-        **_extra(problem, support, mode),
+        *teacher_and_options(
+            problem["ids"],
+            problem["logprobs"],
+            mask=problem["mask"],
+            divergence=get_divergence(name, **params),
+            support=support,
+            mode=mode,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            grad_in_forward=grad_in_forward,
+            **_extra(problem, support, mode),
+        ),
     )
     loss.backward()
     if dtype == torch.float32:
@@ -325,14 +336,15 @@ def test_whole_vocabulary_support_is_the_full_divergence(name, params, support) 
     leaf = log_q.clone().requires_grad_(True)
     coarse, _ = topk_kl_loss(
         leaf,
-        ids,
-        logprobs,
-        divergence=get_divergence(name, **params),
-        support=support,
-        candidate_ids=candidates,
-        candidate_logprobs=candidate_logprobs,
-        reduction="none",
-        tail_mass_eps=1e-12,
+        TeacherTargets(
+            ids, logprobs, candidate_ids=candidates, candidate_logprobs=candidate_logprobs
+        ),
+        LossOptions(
+            divergence=get_divergence(name, **params),
+            support=support,
+            reduction="none",
+            tail_mass_eps=1e-12,
+        ),
     )
     coarse.sum().backward()
     full_leaf = log_q.clone().requires_grad_(True)
@@ -350,7 +362,7 @@ def test_candidates_that_add_nothing_give_the_teacher_support(name, params) -> N
     logits = problem["logits"].float()
     ids, logprobs = problem["ids"], problem["logprobs"]
     options = LossOptions(divergence=get_divergence(name, **params), reduction="none")
-    want, _ = topk_kl_loss(logits, ids, logprobs, options=options)
+    want, _ = topk_kl_loss(logits, TeacherTargets(ids, logprobs), options)
     order = torch.tensor([3, 0, 6, 5, 1, 2, 4, 0, 3])
     shuffled_ids = ids[..., order]
     shuffled_logprobs = logprobs[..., order]
@@ -362,12 +374,10 @@ def test_candidates_that_add_nothing_give_the_teacher_support(name, params) -> N
     ):
         got, _ = topk_kl_loss(
             logits,
-            ids,
-            logprobs,
-            options=options,
-            support=support,
-            candidate_ids=candidates,
-            candidate_logprobs=candidate_logprobs,
+            TeacherTargets(
+                ids, logprobs, candidate_ids=candidates, candidate_logprobs=candidate_logprobs
+            ),
+            dataclasses.replace(options, support=support),
         )
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=support)
 
@@ -383,7 +393,9 @@ def test_errors_name_the_argument_and_the_limit() -> None:
     good = {"candidate_ids": candidates, "candidate_logprobs": candidate_logprobs}
 
     def call(**kwargs: Any) -> None:
-        topk_kl_loss(logits, ids, logprobs, **{"support": "union", **good, **kwargs})
+        topk_kl_loss(
+            logits, *teacher_and_options(ids, logprobs, **{"support": "union", **good, **kwargs})
+        )
 
     call()
     with pytest.raises(
@@ -395,11 +407,10 @@ def test_errors_name_the_argument_and_the_limit() -> None:
     with pytest.raises(
         ValueError, match=r"^candidate_ids: support 'student' needs a torch.Tensor \[\.\.\., C\]"
     ):
-        topk_kl_loss(logits, ids, logprobs, support="student")
-    with pytest.raises(
-        ValueError, match=r"^candidate_ids: is used by support 'student' or 'union' only"
-    ):
-        topk_kl_loss(logits, ids, logprobs, **good)
+        topk_kl_loss(logits, TeacherTargets(ids, logprobs), LossOptions(support="student"))
+    # support "teacher" ignores the candidates a teacher value carries
+    with_candidates = topk_kl_loss(logits, *teacher_and_options(ids, logprobs, **good))[0]
+    assert torch.equal(with_candidates, topk_kl_loss(logits, TeacherTargets(ids, logprobs))[0])
     with pytest.raises(ValueError, match=r"^candidate_ids: shape \[2, 3\] must equal \[2, 3, 3\]"):
         call(candidate_ids=candidates[..., 0])
     with pytest.raises(
@@ -447,9 +458,10 @@ def test_errors_name_the_argument_and_the_limit() -> None:
 def test_the_module_takes_candidates() -> None:
     problem = _problem(9)
     extra = _extra(problem, "union", "tail")
-    args = (problem["logits"], problem["ids"], problem["logprobs"])
-    want, _ = topk_kl_loss(*args, mask=problem["mask"], support="union", divergence="jsd", **extra)
-    got, _ = TopKKLLoss(support="union", divergence="jsd")(*args, problem["mask"], **extra)
+    teacher = TeacherTargets(problem["ids"], problem["logprobs"], mask=problem["mask"], **extra)
+    options = LossOptions(support="union", divergence="jsd")
+    want, _ = topk_kl_loss(problem["logits"], teacher, options)
+    got, _ = TopKKLLoss(options)(problem["logits"], teacher)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -457,22 +469,28 @@ def test_no_candidates_and_no_positions() -> None:
     """`C = 0`: the union is the teacher's support, the student's support only the tail
     (loss 0); an empty batch gives 0."""
     problem = _problem(10)
-    args = (problem["logits"].float(), problem["ids"], problem["logprobs"])
-    none = {
-        "candidate_ids": torch.zeros(*LEAD, 0, dtype=torch.long),
-        "candidate_logprobs": torch.zeros(*LEAD, 0),
-    }
-    want, _ = topk_kl_loss(*args, divergence="reverse", reduction="none")
-    union, _ = topk_kl_loss(*args, divergence="reverse", reduction="none", support="union", **none)
+    logits = problem["logits"].float()
+    teacher = TeacherTargets(
+        problem["ids"],
+        problem["logprobs"],
+        candidate_ids=torch.zeros(*LEAD, 0, dtype=torch.long),
+        candidate_logprobs=torch.zeros(*LEAD, 0),
+    )
+    reverse = LossOptions(divergence="reverse", reduction="none")
+    want, _ = topk_kl_loss(logits, teacher, reverse)
+    union, _ = topk_kl_loss(logits, teacher, dataclasses.replace(reverse, support="union"))
     torch.testing.assert_close(union, want, rtol=1e-6, atol=1e-7)
-    student, stats = topk_kl_loss(*args, divergence="reverse", support="student", **none)
+    options = LossOptions(divergence="reverse", support="student")
+    student, stats = topk_kl_loss(logits, teacher, options)
     assert float(student) == 0.0 and stats.teacher_mass == 0.0
     empty, _ = topk_kl_loss(
         torch.zeros(0, V),
-        torch.zeros(0, K, dtype=torch.long),
-        torch.zeros(0, K),
-        support="union",
-        candidate_ids=torch.zeros(0, C, dtype=torch.long),
-        candidate_logprobs=torch.zeros(0, C),
+        TeacherTargets(
+            torch.zeros(0, K, dtype=torch.long),
+            torch.zeros(0, K),
+            candidate_ids=torch.zeros(0, C, dtype=torch.long),
+            candidate_logprobs=torch.zeros(0, C),
+        ),
+        LossOptions(support="union"),
     )
     assert float(empty) == 0.0

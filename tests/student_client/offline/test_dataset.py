@@ -13,10 +13,10 @@ import torch
 from recording_fakes import INFO, K, assert_bit_equal, teacher_answer
 from torch.utils.data import DataLoader
 
-from student_client.errors import NotRecordedError
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient
 from topk_protocol import SequenceArrays
+from topk_protocol.errors import NotRecordedError
 from topk_protocol.recording import RecordingWriter
 
 
@@ -92,14 +92,10 @@ def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
     assert np.array_equal(PayloadDataset(path)[0].arrays.ids, full.ids)
 
 
-def test_items_are_sequence_arrays_and_the_old_name_warns(recording: Path) -> None:
-    import student_client.offline.dataset as dataset
-
+def test_items_are_sequence_arrays(recording: Path) -> None:
     item = PayloadDataset(recording, top_k=3, dtype="float16")[5]
     assert isinstance(item.arrays, SequenceArrays) and item.arrays.top_k == 3
     assert (item.dtype, item.teacher, item.arrays.sampled_logprobs) == ("float16", None, None)
     assert len(item.token_ids) == 4 + 3 * 5 and item.arrays.position_end == len(item.token_ids)
     f16 = item.arrays.logprobs.astype(np.float16).astype(np.float32)
     assert item.arrays.logprobs.tobytes() == f16.tobytes()  # the float16 values, widened
-    with pytest.warns(DeprecationWarning, match="use topk_protocol.SequenceArrays"):
-        assert dataset.SequencePayload is SequenceArrays

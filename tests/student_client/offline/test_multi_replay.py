@@ -12,10 +12,10 @@ import pytest
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.clients.routing import merge_payloads
-from student_client.errors import NotRecordedError
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.multi_replay import MultiReplayClient
 from student_client.offline.replay import ReplayClient
+from topk_protocol.errors import NotRecordedError
 from topk_protocol.multi_recording import teacher_recording_path, write_manifest
 from topk_protocol.recording import RecordingWriter
 
