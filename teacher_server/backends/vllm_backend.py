@@ -46,7 +46,13 @@ from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm_candidates import extra_args
 from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
-from teacher_server.backends.vllm_prefix import CAP_KEY, SCHEDULER_QUALNAME, PrefixOrder, cache_cap
+from teacher_server.backends.vllm_prefix import (
+    CAP_KEY,
+    SCHEDULER_QUALNAME,
+    PrefixOrder,
+    cache_cap,
+    scheduler_problem,
+)
 from teacher_server.backends.vllm_worker import (
     CANDIDATES_METHOD,
     ENGINE_TOPK_CHOICES,
@@ -181,6 +187,7 @@ class VLLMBackend(Backend):
         self._ids = itertools.count()
         #: Set at start-up when vLLM's prefix cache is on and the capping scheduler is ours.
         self._order: PrefixOrder | None = None
+        self._scheduler_problem: str | None = None
         self.compute: ComputeCounts = ComputeCounts()
 
     Flags = VLLMFlags
@@ -262,6 +269,9 @@ class VLLMBackend(Backend):
         if not cache.enable_prefix_caching:
             log.info("prefix reuse off: vLLM's prefix cache is off (--no-enable-prefix-caching)")
             return None
+        if self._scheduler_problem is not None:
+            log.warning("prefix reuse off: %s; every position is computed", self._scheduler_problem)
+            return None
         if "scheduler_cls" in self._engine_kwargs:
             log.warning(
                 "prefix reuse off: --scheduler-cls is set by the caller, so the cache cannot "
@@ -290,11 +300,13 @@ class VLLMBackend(Backend):
             # Prefix reuse (vllm_prefix): the cache is read up to each request's first
             # position, never past it; --no-enable-prefix-caching turns it off.
             "enable_prefix_caching": True,
-            "scheduler_cls": SCHEDULER_QUALNAME,
             # Log-probs of the logits as the model makes them (the temperature is applied
             # there), never after sampling processors.
             "logprobs_mode": "raw_logprobs",
         }
+        self._scheduler_problem = scheduler_problem()
+        if self._scheduler_problem is None:
+            kwargs["scheduler_cls"] = SCHEDULER_QUALNAME
         if self._own_extension:
             kwargs["worker_extension_cls"] = EXTENSION_QUALNAME
         if self._max_model_len:

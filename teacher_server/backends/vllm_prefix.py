@@ -43,6 +43,7 @@ __all__ = [
     "block_keys",
     "cache_cap",
     "capped_hit",
+    "scheduler_problem",
 ]
 
 #: ``SamplingParams.extra_args`` key: the most prompt tokens the prefix cache may supply.
@@ -108,6 +109,22 @@ class CappedScheduler:
 
 #: Value of vLLM's ``scheduler_cls`` engine argument.
 SCHEDULER_QUALNAME = f"{__name__}.{CappedScheduler.__qualname__}"
+
+
+def scheduler_problem() -> str | None:
+    """Why :class:`CappedScheduler` cannot be used with the installed vLLM (a version it
+    was not written for, or a scheduler without the method it overrides), or None."""
+    from teacher_server.backends.vllm_arrays import version_problem
+
+    if (problem := version_problem()) is not None:
+        return problem
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError as exc:
+        return f"vLLM's V1 scheduler cannot be imported ({exc})"
+    if not callable(getattr(Scheduler, "_get_local_prefix_cache_hit", None)):
+        return "vLLM's scheduler has no _get_local_prefix_cache_hit to cap"
+    return None
 
 
 def block_keys(token_ids: npt.NDArray[np.int32], block_size: int, blocks: int) -> list[bytes]:
