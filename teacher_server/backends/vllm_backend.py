@@ -414,7 +414,12 @@ class VLLMBackend(Backend):
         if order is None:
             final = await self._generate(token_ids, params)
         else:
-            final = await order.run(token_ids, start, lambda: self._generate(token_ids, params))
+            final = await order.run(
+                token_ids,
+                start,
+                lambda: self._generate(token_ids, params),
+                lambda n: self._prefill(token_ids[:n]),
+            )
         cached = int(getattr(final, "num_cached_tokens", 0) or 0)
         if cached > cap:
             # Rows of cached positions are never computed: refuse rather than read them.
@@ -428,6 +433,17 @@ class VLLMBackend(Backend):
         if arrays:
             return vllm_arrays.payload_from_output(final, top_k, sequence)
         return self._to_payload(final, token_ids, top_k, start, end)
+
+    async def _prefill(self, token_ids: npt.NDArray[np.int32]) -> None:
+        """Compute a prefix's KV blocks into the prefix cache (the forward pass alone: one
+        generated token, no log-probs), reading what is cached already; counted."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=False
+        )
+        final = await self._generate(token_ids, params)
+        self.compute.add(len(token_ids), int(getattr(final, "num_cached_tokens", 0) or 0), 0)
 
     async def _generate(self, token_ids: npt.NDArray[np.int32], params: Any) -> Any:
         """One engine request (prompt ``token_ids`` ``[L]``); its final ``RequestOutput``."""

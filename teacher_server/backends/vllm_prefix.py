@@ -174,10 +174,20 @@ class PrefixOrder:
         return None
 
     async def run(
-        self, token_ids: npt.NDArray[np.int32], start: int, submit: Callable[[], Awaitable[T]]
+        self,
+        token_ids: npt.NDArray[np.int32],
+        start: int,
+        submit: Callable[[], Awaitable[T]],
+        prefill: Callable[[int], Awaitable[object]] | None = None,
     ) -> T:
         """``await submit()`` in prefix order (see the class doc) for a request of
-        ``token_ids`` (``[L]``) whose positions start at ``start``."""
+        ``token_ids`` (``[L]``) whose positions start at ``start``.
+
+        ``prefill(n)``: computes the first ``n`` tokens alone (a forward pass without
+        log-probs). A request that would compute its readable prefix itself (nobody in
+        flight or recently did) calls it first, and its waiters go as soon as that prefix
+        is cached: the G requests of a group then run together, and no log-prob row is
+        computed for a prompt position nobody asked for."""
         bs, length = self.block_size, len(token_ids)
         readable = cache_cap(start, bs) // bs
         # Blocks this request writes: the full blocks of its prompt.
@@ -186,20 +196,32 @@ class PrefixOrder:
         if shared is not None:
             self.waited += 1
             await shared.wait()
-        done = asyncio.Event()
-        mine = [k for k in keys if k not in self._producing and k not in self._recent]
-        for k in mine:
-            self._producing[k] = done
+        head_done, done = asyncio.Event(), asyncio.Event()
+        new = [k for k in keys if k not in self._producing and k not in self._recent]
+        head = [k for k in new if k in set(keys[:readable])] if prefill is not None else []
+        tail = [k for k in new if k not in set(head)]
+        for ks, event in ((head, head_done), (tail, done)):
+            for k in ks:
+                self._producing[k] = event
         answered = False
         try:
+            if head and prefill is not None:
+                try:
+                    await prefill(readable * bs)
+                    self._remember_keys(head)
+                finally:
+                    for k in head:
+                        del self._producing[k]
+                    head_done.set()
             got = await submit()
             answered = True
             return got
         finally:
-            for k in mine:
+            for k in tail:
                 del self._producing[k]
             if answered:
-                self._remember_keys(mine)
+                self._remember_keys(tail)
+            head_done.set()
             done.set()
 
     def _remember_keys(self, keys: list[bytes]) -> None:

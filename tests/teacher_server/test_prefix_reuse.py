@@ -30,6 +30,7 @@ from engine_drift import FLOAT32_DRIFT, assert_same_topk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
 from topk_protocol import SequenceArrays, build_request, decode_sequence, pb, pb_grpc
 from topk_protocol.packing import error_bound
 
@@ -88,6 +89,7 @@ def reuse(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         ["--backend", "vllm", "--model", str(tiny_model_dir), *SMALL_ARGS],
         log,
         ready_timeout_s=READY_S,
+        env={CPU_KV_CACHE_ENV: ""},  # vLLM's variable would replace --kv-cache-memory-bytes
     )
     try:
         assert "prefix reuse on" in server.log()
@@ -226,19 +228,26 @@ def test_reuse_equals_reuse_off_in_both_orders(
 
 
 def test_a_group_reads_its_prompt_once_and_full_requests_read_nothing(reuse: Teacher) -> None:
-    """G = 4 completions of a 3-block prompt, sent at once: one computes the prompt, the
-    others read it; a request for every position reads no cache at all."""
+    """G = 4 completions of a 3-block prompt, sent at once: the prompt is computed once
+    (a forward pass of its own), the 4 requests read it; a request for every position
+    reads no cache at all. The counters on /metrics say so."""
     prompt, completion, g = 3 * BLOCK, 40, 4
-    seqs = _group(9001, prompt, completion, g)
-    before = reuse.metric("topk_teacher_engine_cached_tokens_total")
-    _score(reuse.stub, seqs, [(0, prompt + completion)] * g, "topk")
-    assert reuse.metric("topk_teacher_engine_cached_tokens_total") == before
+    names = [
+        "topk_teacher_engine_cached_tokens_total",
+        "topk_teacher_positions_computed_total",
+        "topk_teacher_positions_answered_total",
+    ]
+    before = [reuse.metric(n) for n in names]
+    _score(reuse.stub, _group(9001, prompt, completion, g), [(0, prompt + completion)] * g, "topk")
+    assert reuse.metric(names[0]) == before[0]
     seqs = _group(9002, prompt, completion, g)
     _score(reuse.stub, seqs, [(prompt, prompt + completion)] * g, "topk", concurrent=True)
-    cached = reuse.metric("topk_teacher_engine_cached_tokens_total") - before
-    assert cached == (g - 1) * prompt
-    ratio = reuse.metric("topk_teacher_cached_token_ratio")
-    assert 0 < ratio < 1
+    cached, computed, answered = (reuse.metric(n) - b for n, b in zip(names, before, strict=True))
+    assert cached == g * prompt
+    # The full group; then the prompt once and each completion.
+    assert computed == g * (prompt + completion) + prompt + g * completion
+    assert answered == g * (prompt + completion) + g * completion
+    assert 0 < reuse.metric("topk_teacher_cached_token_ratio") < 1
 
 
 def test_an_evicted_prompt_is_recomputed_exactly(reuse: Teacher, plain: Teacher) -> None:
