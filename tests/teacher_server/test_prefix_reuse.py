@@ -30,18 +30,17 @@ from engine_drift import FLOAT32_DRIFT, assert_same_topk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from teacher_server.backends.cpu_kv_cache import CPU_KV_CACHE_ENV
 from topk_protocol import SequenceArrays, build_request, decode_sequence, pb, pb_grpc
 from topk_protocol.packing import error_bound
 
 pytestmark = pytest.mark.vllm
 
 VOCAB, BLOCK = 512, 128  # the tiny model's vocabulary; vLLM's CPU block size
-#: KV cache of the evicting server: 16 blocks of 128 tokens at 1 KiB a token.
-SMALL_KV_BYTES = 16 * BLOCK * 1024
+#: KV cache of the evicting server: 16 blocks of 128 tokens.
+SMALL_KV_BLOCKS = 16
 SMALL_ARGS = [
     "--dtype", "float32", "--max-top-k", "256", "--max-model-len", "1024",
-    "--max-num-batched-tokens", "2048", "--kv-cache-memory-bytes", str(SMALL_KV_BYTES),
+    "--max-num-batched-tokens", "2048", "--num-gpu-blocks-override", str(SMALL_KV_BLOCKS),
 ]  # fmt: skip
 K, CANDIDATES, SAMPLES, SEED, BITS = 8, 3, 16, 77, 8
 #: Engine start-up on a loaded 2-core machine can take minutes.
@@ -89,7 +88,6 @@ def reuse(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         ["--backend", "vllm", "--model", str(tiny_model_dir), *SMALL_ARGS],
         log,
         ready_timeout_s=READY_S,
-        env={CPU_KV_CACHE_ENV: ""},  # vLLM's variable would replace --kv-cache-memory-bytes
     )
     try:
         assert "prefix reuse on" in server.log()
