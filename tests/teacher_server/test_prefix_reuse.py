@@ -108,7 +108,7 @@ def _options(kind: str) -> dict[str, object]:
     if kind == "packed":
         return {"dtype": "float32", "encoding": "packed", "logprob_bits": BITS}
     if kind == "sampled":
-        return {"dtype": "float32", "seed": SEED}
+        return {"dtype": "float32", "samples": SAMPLES, "seed": SEED}
     return {"dtype": "float32"}
 
 
