@@ -121,14 +121,19 @@ def workload(batch: int, seq_len: int) -> list[np.ndarray]:
 def engine_backend(model: str, max_top_k: int, **engine_kwargs: Any) -> VLLMBackend:
     """An in-process backend with the engine settings every run here uses (the servers'
     below get the same flags): float32, 4096 tokens, a 16384-token step, prefix caching
-    off (the backend's default), the array path; ``engine_kwargs`` add vLLM arguments."""
+    off (repeated prompts would otherwise make forward only read the cache), the array
+    path; ``engine_kwargs`` add vLLM arguments (``enable_prefix_caching=True``: on)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     return VLLMBackend(
         model,
         max_top_k=max_top_k,
         dtype="float32",
         max_model_len=4096,
-        engine_kwargs={"max_num_batched_tokens": 16384, **engine_kwargs},
+        engine_kwargs={
+            "max_num_batched_tokens": 16384,
+            "enable_prefix_caching": False,
+            **engine_kwargs,
+        },
         logprobs_path="arrays",
     )
 
@@ -246,7 +251,7 @@ def bench_grpc(model: str, seqs: list[np.ndarray], ks: list[int], reps: int, log
     args = [
         "--backend", "vllm", "--model", model, "--dtype", "float32",
         "--max-top-k", str(max(ks)), "--max-model-len", "4096",
-        "--max-num-batched-tokens", "16384",
+        "--max-num-batched-tokens", "16384", "--no-enable-prefix-caching",
     ]  # fmt: skip
     server = start_teacher(args, log, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
     results = {}

@@ -20,7 +20,14 @@ the comparison. Before and after, the held-out metrics of
 teacher-forced) say what the student learned; the payload bytes received are compared
 with what full-sequence requests would have carried.
 
-    python -m examples.onpolicy [--teacher HOST:PORT] [--steps 100] [--out runs/onpolicy]
+``--group-size G`` samples G continuations of every prompt (the GRPO-style recipe): a
+batch holds ``batch_size / G`` prompts, each G times. The G sequences of a prompt share it,
+so a teacher with prefix reuse computes the prompt once (docs/vllm.md); the run reports
+the teacher's positions computed against positions answered (read from its
+``/metrics``: the teacher served here, or ``--teacher-http``).
+
+    python -m examples.onpolicy [--teacher HOST:PORT] [--steps 100] [--group-size 1]
+        [--out runs/onpolicy]
 
 Without ``--teacher`` it serves the demo teacher (``--teacher-dir``, built once and
 cached like ``make demo`` does) with the vLLM backend for the run's duration.
@@ -34,8 +41,10 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +94,8 @@ class OnPolicyConfig:
     support: Support = "teacher"
     #: C: how many of the student's most likely ids are sent as candidates (not "teacher").
     candidates: int = 16
+    #: G: continuations sampled per prompt (``batch_size`` must be a multiple of it).
+    group_size: int = 1
 
 
 @dataclass
@@ -101,15 +112,20 @@ class OnPolicyResult:
     full_rows: int = 0
     seconds: float = 0.0
     generate_seconds: float = 0.0
+    #: The teacher's positions answered and computed (forward passes) during the run,
+    #: from its /metrics; -1 when its metrics were not reachable.
+    teacher_positions_answered: int = -1
+    teacher_positions_computed: int = -1
 
 
 def sample_prompts(
     stream: np.ndarray, rng: np.random.Generator, cfg: OnPolicyConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, max_prompt]`` left-padded byte prompts of random lengths and their mask."""
-    b, t = cfg.batch_size, cfg.max_prompt
-    lengths = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, size=b)
-    starts = rng.integers(0, len(stream) - t, size=b)
+    """``[B, max_prompt]`` left-padded byte prompts of random lengths and their mask:
+    ``B / G`` prompts, each repeated ``G = cfg.group_size`` times in a row."""
+    b, t, g = cfg.batch_size, cfg.max_prompt, cfg.group_size
+    lengths = rng.integers(cfg.min_prompt, cfg.max_prompt + 1, size=b // g).repeat(g)
+    starts = rng.integers(0, len(stream) - t, size=b // g).repeat(g)
     ids = torch.full((b, t), PAD_ID, dtype=torch.int64)
     mask = torch.zeros((b, t), dtype=torch.int64)
     for i, (n, s) in enumerate(zip(lengths.tolist(), starts.tolist(), strict=True)):
@@ -155,8 +171,32 @@ def _traffic(
     return response_bytes(part), response_bytes(full), part.ByteSize()
 
 
-def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolicyResult:
-    """Train a fresh student on-policy against ``client``; before/after held-out metrics."""
+#: The teacher's /metrics counters read by :func:`teacher_compute`.
+_ANSWERED = "topk_teacher_positions_answered_total"
+_COMPUTED = "topk_teacher_positions_computed_total"
+
+
+def teacher_compute(http: str | None) -> tuple[int, int] | None:
+    """The teacher's positions answered and computed so far (its ``/metrics`` at the HTTP
+    base URL ``http``), or None (no URL, not reachable, or a backend that does not count)."""
+    if not http:
+        return None
+    try:
+        with urllib.request.urlopen(f"{http.rstrip('/')}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    got = [re.search(rf"^{name} ([0-9.e+]+)$", text, re.M) for name in (_ANSWERED, _COMPUTED)]
+    if not all(got):
+        return None
+    return int(float(got[0].group(1))), int(float(got[1].group(1)))  # type: ignore[union-attr]
+
+
+def run_onpolicy(
+    client: Any, teacher_dir: Path, cfg: OnPolicyConfig, teacher_http: str | None = None
+) -> OnPolicyResult:
+    """Train a fresh student on-policy against ``client``; before/after held-out metrics
+    (and the teacher's compute from its metrics at ``teacher_http``, if given)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(cfg.threads)
@@ -180,6 +220,7 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
     prompt_end = cfg.max_prompt  # the first response column of every row
     # Row t predicts token t+1: the response tokens [P, P+R) are predicted by rows [P-1, P+R-1).
     columns = [(prompt_end - 1, prompt_end + cfg.response - 1)] * cfg.batch_size
+    counted = teacher_compute(teacher_http)
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         prompts, prompt_mask = sample_prompts(corpus.train, rng, cfg)
@@ -248,6 +289,10 @@ def run_onpolicy(client: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> OnPolic
                 flush=True,
             )
     result.seconds = time.perf_counter() - t0
+    now = teacher_compute(teacher_http)
+    if counted is not None and now is not None:
+        result.teacher_positions_answered = now[0] - counted[0]
+        result.teacher_positions_computed = now[1] - counted[1]
     result.after = evaluate(student, teacher, heldout)
     return result
 
@@ -271,7 +316,19 @@ def format_table(result: OnPolicyResult, cfg: OnPolicyConfig) -> str:
             f"({saved:.0f}% saved by the sub-range); {result.request_bytes:,} request bytes "
             f"({bytes_per_row(result.request_bytes, result.response_rows):.1f} per response "
             f"row up, {bytes_per_row(result.payload_bytes, result.response_rows):.1f} down)",
+            _compute_line(result, cfg),
         ]
+    )
+
+
+def _compute_line(result: OnPolicyResult, cfg: OnPolicyConfig) -> str:
+    answered, computed = result.teacher_positions_answered, result.teacher_positions_computed
+    if answered < 0:
+        return "teacher compute: not known (its /metrics not reachable: --teacher-http)"
+    per = computed / answered if answered else 0.0
+    return (
+        f"teacher compute (group size {cfg.group_size}): {computed:,} positions computed for "
+        f"{answered:,} answered ({per:.2f} per answered position)"
     )
 
 
@@ -313,11 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="vllm",
         help="engine of the teacher served here (without --teacher)",
     )
+    ap.add_argument(
+        "--teacher-http",
+        help="the teacher's HTTP base URL (http://host:port), to report its positions "
+        "computed vs answered from /metrics (default: the teacher served here)",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/onpolicy"))
     d = OnPolicyConfig()
     for name in (
         "steps", "batch_size", "min_prompt", "max_prompt", "response", "top_k", "seed",
-        "eval_windows", "eval_len",
+        "eval_windows", "eval_len", "group_size",
     ):  # fmt: skip
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--lr", type=float, default=d.lr)
@@ -353,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             "--min-prompt/--max-prompt/--response: need 1 <= min <= max, response >= 1"
         )
+    if cfg.group_size < 1 or cfg.batch_size % cfg.group_size:
+        raise SystemExit(
+            f"--group-size: need G >= 1 dividing --batch-size {cfg.batch_size}, got "
+            f"{cfg.group_size}"
+        )
     if cfg.support != "teacher" and cfg.candidates < 1:
         raise SystemExit(f"--candidates: need C >= 1 with --support {cfg.support}")
     from student_client.clients.blocking import TeacherClient
@@ -360,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     teacher_dir = args.teacher_dir
     target = args.teacher
+    http = args.teacher_http
     if target is None:
         from examples.demo import serve_teacher
         from examples.teacher_pretrain import PretrainConfig, build_default_teacher
@@ -368,10 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             teacher_dir, config=PretrainConfig(train_seconds=0, max_steps=300)
         )
         server = serve_teacher(teacher_dir, args.backend, args.out / "teacher-server.log")
-        target = server.target
+        target, http = server.target, http or server.http
     try:
         with TeacherClient(target, token=args.token) as client:
-            result = run_onpolicy(client, teacher_dir, cfg)
+            result = run_onpolicy(client, teacher_dir, cfg, http)
     finally:
         if server is not None:
             server.stop(timeout_s=120)

@@ -2,9 +2,53 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
 
-__all__ = ["TeacherMetrics"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from teacher_server.backends.base import ComputeCounts
+
+__all__ = ["ComputeCollector", "TeacherMetrics"]
+
+
+class ComputeCollector(Collector):
+    """The engine's compute against what it answered (a backend's
+    :class:`~teacher_server.backends.base.ComputeCounts`), read at every scrape."""
+
+    def __init__(self, counts: ComputeCounts) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._counts
+        yield CounterMetricFamily(
+            "topk_teacher_engine_tokens",
+            "Tokens of the sequences sent to the engine (whole sequences, every position "
+            "the answers depend on).",
+            value=c.tokens,
+        )
+        yield CounterMetricFamily(
+            "topk_teacher_engine_cached_tokens",
+            "Of those, tokens read from the engine's prefix cache (not computed again).",
+            value=c.cached_tokens,
+        )
+        yield CounterMetricFamily(
+            "topk_teacher_positions_computed",
+            "Positions the engine ran its forward pass over (tokens minus cached tokens).",
+            value=c.positions_computed,
+        )
+        yield CounterMetricFamily(
+            "topk_teacher_positions_answered",
+            "Positions the engine answered (payload rows it produced).",
+            value=c.positions_answered,
+        )
+        yield GaugeMetricFamily(
+            "topk_teacher_cached_token_ratio",
+            "Cached tokens / engine tokens since start-up (0 to 1; 0 before any request).",
+            value=c.cached_tokens / c.tokens if c.tokens else 0.0,
+        )
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -54,6 +98,11 @@ class TeacherMetrics:
             ["process"],
             registry=self.registry,
         )
+
+    def watch_compute(self, counts: ComputeCounts | None) -> None:
+        """Export a backend's compute counts (:class:`ComputeCollector`); None: nothing."""
+        if counts is not None:
+            self.registry.register(ComputeCollector(counts))
 
     def set_load(self, in_flight: int, queued: int) -> None:
         """Admission's counts: requests working and requests waiting for a slot."""

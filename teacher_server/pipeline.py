@@ -138,6 +138,7 @@ class RequestPipeline:
         self._metrics = metrics
         self._lifecycle = lifecycle
         self._admission = admission
+        metrics.watch_compute(backend.compute)
         injected_leak_mib()  # a bad TOPK_DISTILL_INJECT_LEAK_MIB fails now, not mid-request
 
     @property

@@ -26,6 +26,7 @@ from topk_protocol.sampling import SampledRows, sample_rows, sequence_sample_key
 __all__ = [
     "Backend",
     "BackendInfo",
+    "ComputeCounts",
     "ModelFlags",
     "gather_candidates",
     "sampled_arrays",
@@ -59,6 +60,27 @@ class BackendInfo:
     answer_fingerprint: AnswerFingerprint | None = None
 
 
+@dataclass
+class ComputeCounts:
+    """What an engine computed for the positions it answered, summed since start-up
+    (``/metrics``): ``tokens`` sent to the engine (whole sequences), ``cached_tokens`` of
+    them read from its prefix cache, ``positions_answered`` (payload rows). The
+    positions it computed (forward passes) are ``tokens - cached_tokens``."""
+
+    tokens: int = 0
+    cached_tokens: int = 0
+    positions_answered: int = 0
+
+    @property
+    def positions_computed(self) -> int:
+        return self.tokens - self.cached_tokens
+
+    def add(self, tokens: int, cached_tokens: int, positions_answered: int) -> None:
+        self.tokens += tokens
+        self.cached_tokens += cached_tokens
+        self.positions_answered += positions_answered
+
+
 @dataclass(frozen=True)
 class ModelFlags:
     """The flags of every backend that loads a model (its own ``Flags`` add to them)."""
@@ -84,6 +106,9 @@ class Backend(abc.ABC):
     """
 
     info: BackendInfo
+
+    #: What the engine computed (None: the backend does not count it).
+    compute: ComputeCounts | None = None
 
     #: The backend's own command-line flags: a dataclass whose field docstrings are the
     #: help text (:mod:`teacher_server.flags`), read by :meth:`from_flags`.

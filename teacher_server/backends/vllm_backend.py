@@ -10,6 +10,11 @@ Where the installed vLLM allows it, the log-probs skip vLLM's per-entry Python l
 reach the payload as arrays (``vllm_arrays``, docs/vllm_logprobs.md); ``flat_logprobs`` is the
 fallback.
 
+Prefix reuse (:mod:`teacher_server.backends.vllm_prefix`): with vLLM's prefix cache on
+(the default), a request for positions from ``s`` reads the cached blocks of its first
+``floor(s / block_size)`` blocks and computes the rest; its prompt log-prob rows before
+the first computed token are never read.
+
 Inside the engine (:mod:`teacher_server.backends.vllm_worker`): a teacher temperature
 ``T != 1`` scales the logits inside the model on every worker, so both kinds of rows are
 ``log_softmax(z / T)``; on a CPU engine the rows' top-K comes from this project's kernel
@@ -31,11 +36,23 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.backends import vllm_arrays, vllm_sampling
-from teacher_server.backends.base import Backend, BackendInfo, tokenizer_fingerprint
+from teacher_server.backends.base import (
+    Backend,
+    BackendInfo,
+    ComputeCounts,
+    tokenizer_fingerprint,
+)
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm_candidates import extra_args
 from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
+from teacher_server.backends.vllm_prefix import (
+    CAP_KEY,
+    SCHEDULER_QUALNAME,
+    PrefixOrder,
+    cache_cap,
+    scheduler_problem,
+)
 from teacher_server.backends.vllm_worker import (
     CANDIDATES_METHOD,
     ENGINE_TOPK_CHOICES,
@@ -168,6 +185,10 @@ class VLLMBackend(Backend):
         self._engine_kwargs = dict(engine_kwargs or {})
         self._engine: Any = None
         self._ids = itertools.count()
+        #: Set at start-up when vLLM's prefix cache is on and the capping scheduler is ours.
+        self._order: PrefixOrder | None = None
+        self._scheduler_problem: str | None = None
+        self.compute: ComputeCounts = ComputeCounts()
 
     Flags = VLLMFlags
 
@@ -239,6 +260,30 @@ class VLLMBackend(Backend):
             max_samples=0 if candidates else MAX_SAMPLES,
         )
         log.info("vLLM engine computes in %s (%s)", self.info.dtype, self._dtype_reason)
+        self._order = self._prefix_order()
+
+    def _prefix_order(self) -> PrefixOrder | None:
+        """Prefix reuse: on where vLLM's prefix cache is on and this project's capping
+        scheduler runs (the engine argument ``scheduler_cls`` is the backend's)."""
+        cache = self._engine.vllm_config.cache_config
+        if not cache.enable_prefix_caching:
+            log.info("prefix reuse off: vLLM's prefix cache is off (--no-enable-prefix-caching)")
+            return None
+        if self._scheduler_problem is not None:
+            log.warning("prefix reuse off: %s; every position is computed", self._scheduler_problem)
+            return None
+        if "scheduler_cls" in self._engine_kwargs:
+            log.warning(
+                "prefix reuse off: --scheduler-cls is set by the caller, so the cache cannot "
+                "be capped at each request's first position; every position is computed"
+            )
+            return None
+        log.info(
+            "prefix reuse on: blocks of %d tokens before each request's first position come "
+            "from vLLM's prefix cache",
+            cache.block_size,
+        )
+        return PrefixOrder(int(cache.block_size))
 
     def _build_engine(self) -> Any:
         refusal = os.environ.get(NO_ENGINE_ENV)
@@ -252,12 +297,16 @@ class VLLMBackend(Backend):
             "model": self._model,
             "dtype": self._dtype,
             "max_logprobs": self._max_top_k,
-            # Stale prompt log-probs have been reported with prefix caching (docs/vllm.md).
-            "enable_prefix_caching": False,
+            # Prefix reuse (vllm_prefix): the cache is read up to each request's first
+            # position, never past it; --no-enable-prefix-caching turns it off.
+            "enable_prefix_caching": True,
             # Log-probs of the logits as the model makes them (the temperature is applied
             # there), never after sampling processors.
             "logprobs_mode": "raw_logprobs",
         }
+        self._scheduler_problem = scheduler_problem()
+        if self._scheduler_problem is None:
+            kwargs["scheduler_cls"] = SCHEDULER_QUALNAME
         if self._own_extension:
             kwargs["worker_extension_cls"] = EXTENSION_QUALNAME
         if self._max_model_len:
@@ -357,8 +406,6 @@ class VLLMBackend(Backend):
             await asyncio.to_thread(engine.shutdown, timeout=ENGINE_SHUTDOWN_S)
 
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
-        from vllm.inputs import TokensPrompt
-
         token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
         top_k = options.top_k
         arrays = self.logprobs_path == "arrays"
@@ -366,12 +413,52 @@ class VLLMBackend(Backend):
         extra = None if cand is None else extra_args(cand, start, end)
         if options.sampled:  # the draws ride as extra columns; vLLM's own top-k is unused
             top_k, extra = vllm_sampling.TOP_K, vllm_sampling.extra_args(options, token_ids)
-        params = self.sampling_params(top_k, arrays, extra)
+        order = self._order
+        cap = 0 if order is None else cache_cap(start, order.block_size)
+        params = self.sampling_params(top_k, arrays, extra, cache_cap=cap)
+        if order is None:
+            final = await self._generate(token_ids, params)
+        else:
+            final = await order.run(
+                token_ids,
+                start,
+                lambda: self._generate(token_ids, params),
+                lambda n: self._prefill(token_ids[:n]),
+            )
+        cached = int(getattr(final, "num_cached_tokens", 0) or 0)
+        if cached > cap:
+            # Rows of cached positions are never computed: refuse rather than read them.
+            raise RuntimeError(
+                f"vLLM read {cached} cached tokens for a request whose positions start at "
+                f"{start} (at most {cap} allowed); the prefix-cache cap did not hold"
+            )
+        self.compute.add(len(token_ids), cached, end - start)
+        if options.sampled:
+            return vllm_arrays.sampled_payload(final, sequence, options)
+        if arrays:
+            return vllm_arrays.payload_from_output(final, top_k, sequence)
+        return self._to_payload(final, token_ids, top_k, start, end)
+
+    async def _prefill(self, token_ids: npt.NDArray[np.int32]) -> None:
+        """Compute a prefix's KV blocks into the prefix cache (the forward pass alone: one
+        generated token, no log-probs), reading what is cached already; counted."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, skip_reading_prefix_cache=False
+        )
+        final = await self._generate(token_ids, params)
+        self.compute.add(len(token_ids), int(getattr(final, "num_cached_tokens", 0) or 0), 0)
+
+    async def _generate(self, token_ids: npt.NDArray[np.int32], params: Any) -> Any:
+        """One engine request (prompt ``token_ids`` ``[L]``); its final ``RequestOutput``."""
+        from vllm.inputs import tokens_input
+
         request_id = f"topk-{next(self._ids)}"
         final = None
         try:
             async for out in self._engine.generate(
-                TokensPrompt(prompt_token_ids=token_ids.tolist()), params, request_id=request_id
+                tokens_input(token_ids.tolist()), params, request_id=request_id
             ):
                 final = out
         except asyncio.CancelledError:
@@ -381,21 +468,25 @@ class VLLMBackend(Backend):
             raise
         if final is None:  # pragma: no cover - the engine always yields a final output
             raise RuntimeError("vLLM returned no output")
-        if options.sampled:
-            return vllm_arrays.sampled_payload(final, sequence, options)
-        if arrays:
-            return vllm_arrays.payload_from_output(final, top_k, sequence)
-        return self._to_payload(final, token_ids, top_k, start, end)
+        return final
 
     @staticmethod
-    def sampling_params(top_k: int, arrays: bool, extra: dict[str, Any] | None = None) -> Any:
+    def sampling_params(
+        top_k: int, arrays: bool, extra: dict[str, Any] | None = None, cache_cap: int = 0
+    ) -> Any:
         """The ``SamplingParams`` of one scoring request (on the array path if ``arrays``;
-        ``extra``: more ``extra_args``, e.g. the candidate ids, array path only)."""
+        ``extra``: more ``extra_args``, e.g. the candidate ids, array path only;
+        ``cache_cap`` > 0: read up to that many prompt tokens from the prefix cache, which
+        needs :class:`~teacher_server.backends.vllm_prefix.CappedScheduler`; 0: none, as
+        vLLM does for every request with prompt log-probs)."""
         from vllm import SamplingParams
 
-        overrides = vllm_arrays.sampling_overrides() if arrays else {}
+        overrides: dict[str, Any] = vllm_arrays.sampling_overrides() if arrays else {}
         if extra:
             overrides["extra_args"] = {**overrides.get("extra_args", {}), **extra}
+        if cache_cap > 0:
+            overrides["extra_args"] = {**overrides.get("extra_args", {}), CAP_KEY: cache_cap}
+            overrides["skip_reading_prefix_cache"] = False
         return SamplingParams(
             max_tokens=1,
             temperature=0.0,

@@ -22,11 +22,11 @@ __all__ = ["SERVER_SET", "VLLMFlags", "engine_kwargs", "engine_parser"]
 
 log = logging.getLogger(__name__)
 
-#: vLLM engine arguments the server sets itself: its value wins (prefix caching has
-#: returned stale prompt log-probs; the engine's max log-probs is --max-top-k).
+#: vLLM engine arguments the server sets itself: its value wins (the engine's max log-probs
+#: is --max-top-k). ``--enable-prefix-caching`` is the operator's: on by default (prefix
+#: reuse, docs/vllm.md), ``--no-enable-prefix-caching`` computes every position.
 SERVER_SET = {
     "max_logprobs": "--max-top-k",
-    "enable_prefix_caching": "off",
     "logprobs_mode": "raw_logprobs, which --teacher-temperature relies on",
 }
 

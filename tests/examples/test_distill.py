@@ -165,6 +165,35 @@ def test_onpolicy_union_support_sends_the_students_candidates(
     assert result["request_bytes"] > rows * 8 * 4
 
 
+def test_onpolicy_group_size_computes_each_prompt_once(
+    pretrained_teacher: ServerProcess,
+    teacher_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """examples/onpolicy.py --group-size 4: a batch of 8 is 2 prompts x 4 samples; the
+    teacher (prefix reuse on, blocks of 128 tokens) computes the first 128-token block of
+    each prompt once, not 4 times, and the run reports computed vs answered positions."""
+    from examples import onpolicy
+
+    steps, batch, group, response, block = 6, 8, 4, 32, 128
+    args = [
+        "--teacher", pretrained_teacher.target, "--teacher-http", pretrained_teacher.http,
+        "--teacher-dir", str(teacher_dir), "--out", str(tmp_path), "--steps", str(steps),
+        "--batch-size", str(batch), "--group-size", str(group), "--min-prompt", "140",
+        "--max-prompt", "160", "--response", str(response), "--eval-windows", "8",
+        "--eval-len", "128",
+    ]  # fmt: skip
+    assert onpolicy.main(args) == 0
+    assert "positions computed for" in capsys.readouterr().out
+    result = _result(tmp_path)
+    assert result["teacher_positions_answered"] == steps * batch * response
+    # Every sequence is sent whole; the 3 siblings of each prompt read its first block.
+    read = steps * (batch // group) * (group - 1) * block
+    assert result["teacher_positions_computed"] <= result["full_rows"] - read
+    assert result["after"]["kl_student_teacher"] < result["before"]["kl_student_teacher"]
+
+
 def test_student_candidates_go_to_the_rows_that_predict_the_response() -> None:
     """Step j of ``generate`` predicts column P + j, so its top-C goes to row P - 1 + j."""
     import torch

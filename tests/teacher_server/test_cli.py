@@ -65,7 +65,7 @@ def test_vllm_flags_pass_through(caplog: pytest.LogCaptureFixture) -> None:
         [
             "serve", "--model", "m", "--served-model-name", "teacher", "--dtype", "float32",
             "--max-model-len", "4K", "--max-num-seqs", "8", "--enforce-eager",
-            "--kv-cache-memory-bytes", "1G", "--enable-prefix-caching", "--max-logprobs", "5",
+            "--kv-cache-memory-bytes", "1G", "--no-enable-prefix-caching", "--max-logprobs", "5",
             "--log-level", "DEBUG",
         ]
     )  # fmt: skip
@@ -76,9 +76,10 @@ def test_vllm_flags_pass_through(caplog: pytest.LogCaptureFixture) -> None:
         "max_num_seqs": 8,
         "enforce_eager": True,
         "kv_cache_memory_bytes": 1024**3,  # vLLM: 1G = 1 GiB
+        "enable_prefix_caching": False,  # the operator's: turns prefix reuse off
     }
     warned = caplog.text
-    assert "--enable-prefix-caching is set by the server" in warned
+    assert "--enable-prefix-caching" not in warned
     assert "--max-logprobs is set by the server (--max-top-k)" in warned
 
 

@@ -338,6 +338,7 @@ def fallback_stub(fallback_teacher: ServerProcess) -> Iterator[pb_grpc.TeacherSt
     [
         ("array log-prob path not used", "log-prob path: flat"),
         ("CPU top-k kernel not used", "engine top-k: vllm"),
+        ("prefix reuse off", "every position is computed"),
     ],
 )
 def test_fallback_warns_once_and_uses_vllms_way(
