@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from recording_fakes import INFO, K, teacher_answer
 
-from student_client.errors import NotRecordedError
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.verify import verify
 from topk_protocol import pb
-from topk_protocol.errors import RecordingError
+from topk_protocol.errors import NotRecordedError, RecordingError
 from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.sharded_recording import part_location
