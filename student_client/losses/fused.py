@@ -281,7 +281,7 @@ class FusedLinearTopKKLFunction(torch.autograd.Function):
             scaled = _recomputed_gradients(ctx.saved_tensors, grad_loss, settings)
         else:
             raise RuntimeError(
-                "fused_topk_kl_loss: backward ran twice through a loss whose gradients were "
+                "lm_head_topk_kl_loss: backward ran twice through a loss whose gradients were "
                 "computed in forward (retain_graph=True); call the loss again instead"
             )
         grad_hidden, grad_weight, grad_bias = scaled

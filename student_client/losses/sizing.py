@@ -1,7 +1,7 @@
 """Chunk sizes of the chunked and the fused losses: one rule and its budgets.
 
 The rule (`rows_within`): a chunk has as many rows as fit a byte budget, at least one.
-`topk_kl_loss` applies it to its fp32 work block; `fused_topk_kl_loss` to its logits block
+`topk_kl_loss` applies it to its fp32 work block; `lm_head_topk_kl_loss` to its logits block
 (whose budget grows with the logits the path never forms, docs/losses.md "Chunk sizes")
 and to the fp32 sub-block its loss math runs on.
 """

@@ -1,5 +1,5 @@
 """Every divergence x mode against the float64 coarse-grained oracle (`coarse_oracle.py`):
-loss and gradients of `topk_kl_loss` (logits) and `fused_topk_kl_loss` (hidden, weight,
+loss and gradients of `topk_kl_loss` (logits) and `lm_head_topk_kl_loss` (hidden, weight,
 bias) at odd shapes, chunk sizes 1 / 7 / more than N, a mask with whole chunks masked out,
 temperature != 1, bf16, a +1e4 offset of the logits; the data-processing inequality
 (coarse <= full, equal at K = V) as a property; no host sync with `validate=False`."""

@@ -1,4 +1,4 @@
-"""`fused_topk_kl_loss` against a float64 dense oracle and against `topk_kl_loss`.
+"""`lm_head_topk_kl_loss` against a float64 dense oracle and against `topk_kl_loss`.
 
 The oracle forms the logits densely, `hidden @ W.T + b` in float64, and differentiates the
 independent dense loss of `losses_oracle` with autograd: loss, `grad_hidden`, `grad_weight`,

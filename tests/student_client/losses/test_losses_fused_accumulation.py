@@ -1,4 +1,4 @@
-"""How `fused_topk_kl_loss` sums `grad_weight` over row chunks (`grad_weight_accumulation`).
+"""How `lm_head_topk_kl_loss` sums `grad_weight` over row chunks (`grad_weight_accumulation`).
 
 bf16 inputs against a float64 oracle on the same rounded inputs: the compensated and fp32
 sums lose less than the weight-dtype sum (which rounds once per row chunk), all three equal
