@@ -40,16 +40,21 @@ T = TypeVar("T")
 PROBE_PATHS = ("/healthz", "/readyz")
 
 
+def _json(body: dict[str, str]) -> bytes:
+    """Compact JSON, byte for byte what FastAPI's JSONResponse writes for the same dict."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def probe_answer(path: str, lifecycle: Lifecycle, engine_alive: bool) -> tuple[int, bytes]:
     """``(status, JSON body)`` of a probe. ``/healthz``: 200 while the process answers at
     all. ``/readyz``: 200 when READY and the engine alive; else 503 with the reason."""
     phase = lifecycle.phase
     if path == "/healthz":
-        return 200, json.dumps({"status": "alive", "phase": phase.value}).encode()
+        return 200, _json({"status": "alive", "phase": phase.value})
     if phase is Phase.READY and not engine_alive:
-        return 503, json.dumps({"status": "engine_lost"}).encode()
+        return 503, _json({"status": "engine_lost"})
     status = "loading" if phase is Phase.STARTING else phase.value
-    return (200 if phase is Phase.READY else 503), json.dumps({"status": status}).encode()
+    return (200 if phase is Phase.READY else 503), _json({"status": status})
 
 
 class ProbeFront:

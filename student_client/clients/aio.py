@@ -238,6 +238,10 @@ class AsyncTeacherClient(AsyncCloseable):
                 )
         return self._agreement.usable(index)
 
+    def _wait(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed tries (exponential, with jitter)."""
+        return backoff_s(failures, *self._backoff)
+
     async def _call(self, fn: Callable[[int], Awaitable[T]], index: int) -> T:
         """Run ``fn(target_index)`` with retries on UNAVAILABLE, moving between targets."""
         failures = 0
@@ -250,7 +254,7 @@ class AsyncTeacherClient(AsyncCloseable):
             except grpc.RpcError as e:
                 failures += 1
                 give_up(failures, self._tries, error_from_rpc(e), self.targets)
-            await asyncio.sleep(backoff_s(failures, *self._backoff))
+            await asyncio.sleep(self._wait(failures))
             index = (index + 1) % len(self.targets)
 
     async def info(self) -> TeacherInfo:
@@ -458,7 +462,7 @@ class AsyncTeacherClient(AsyncCloseable):
             while True:
                 if conn is None:
                     if failures:
-                        await asyncio.sleep(backoff_s(failures, *self._backoff))
+                        await asyncio.sleep(self._wait(failures))
                         index = (index + 1) % len(self.targets)
                     self._current = index = await self._pick(index)
                     try:

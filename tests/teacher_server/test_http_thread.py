@@ -152,23 +152,23 @@ def test_other_routes_still_reach_the_serving_loop(loopback: LoopbackServer) -> 
 
 
 def test_readiness_turns_false_when_the_engine_is_lost(loopback: LoopbackServer) -> None:
-    assert loopback.get("/readyz") == (200, b'{"status": "ready"}')
+    assert loopback.get("/readyz") == (200, b'{"status":"ready"}')
     backend = loopback.server._backend
     assert isinstance(backend, OneRowBackend)
     backend.alive = False
-    assert loopback.get("/readyz") == (503, b'{"status": "engine_lost"}')
+    assert loopback.get("/readyz") == (503, b'{"status":"engine_lost"}')
     assert loopback.get("/healthz")[0] == 200  # alive: the process answers
 
 
 def test_probe_answers_follow_the_lifecycle() -> None:
     lifecycle = Lifecycle()
-    assert probe_answer("/readyz", lifecycle, True) == (503, b'{"status": "loading"}')
+    assert probe_answer("/readyz", lifecycle, True) == (503, b'{"status":"loading"}')
     assert probe_answer("/healthz", lifecycle, False)[0] == 200
     asyncio.run(lifecycle.advance(Phase.READY))
     assert probe_answer("/readyz", lifecycle, True)[0] == 200
     asyncio.run(lifecycle.advance(Phase.DRAINING))
-    assert probe_answer("/readyz", lifecycle, True) == (503, b'{"status": "draining"}')
+    assert probe_answer("/readyz", lifecycle, True) == (503, b'{"status":"draining"}')
     assert probe_answer("/healthz", lifecycle, True) == (
         200,
-        b'{"status": "alive", "phase": "draining"}',
+        b'{"status":"alive","phase":"draining"}',
     )

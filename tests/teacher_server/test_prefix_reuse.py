@@ -29,6 +29,7 @@ from conftest import ServerProcess, start_server
 from engine_drift import FLOAT32_DRIFT, assert_same_topk, unambiguous_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from topk_protocol import SequenceArrays, build_request, decode_sequence, pb, pb_grpc
 from topk_protocol.packing import error_bound
@@ -190,7 +191,7 @@ def _assert_equal(got: SequenceArrays, want: SequenceArrays, kind: str) -> None:
 AROUND_BLOCKS = [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 2 * BLOCK, 2 * BLOCK + 1]
 
 
-@settings(max_examples=14, deadline=None, derandomize=True)
+@settings(max_examples=examples(14), deadline=None)
 @given(
     prompt=st.sampled_from([5, *AROUND_BLOCKS]),
     completion=st.sampled_from([1, 2, BLOCK - 1, BLOCK, BLOCK + 1]),

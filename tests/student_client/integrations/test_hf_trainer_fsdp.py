@@ -99,7 +99,9 @@ def _train(model: Any, root: Path, out: str, batch_size: int) -> TopKDistillatio
             train_dataset=_examples(),
             data_collator=default_data_collator,
             teacher=replay,
-            distill=DistillationConfig(RequestOptions(K, dtype="float32"), fused=True),
+            distill=DistillationConfig(
+                RequestOptions(K, dtype="float32", include_sampled=False), fused=True
+            ),
         )
         trainer.train()
         trainer.close()
