@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from teacher_server.backends.vllm_worker import KERNEL, route_gather_logprobs
+from teacher_server.backends.vllm.worker import KERNEL, route_gather_logprobs
 
 
 def _time(fn: Callable[..., Any], args: tuple[Any, ...], reps: int) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_teacher import add_workload_args, engine_backend, workload
-from teacher_server.backends.vllm_backend import VLLMBackend
+from teacher_server.backends.vllm.backend import VLLMBackend
 from teacher_server.malloc_trim import malloc_trim
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions

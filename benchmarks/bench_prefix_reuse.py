@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.bench_teacher import engine_backend, model_or_tiny
-from teacher_server.backends.vllm_backend import VLLMBackend
-from teacher_server.backends.vllm_prefix import PrefixOrder
+from teacher_server.backends.vllm.backend import VLLMBackend
+from teacher_server.backends.vllm.prefix import PrefixOrder
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays
 

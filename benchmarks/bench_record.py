@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from devtools.launch import TeacherProcess, start_teacher
 from devtools.tiny_model import write_tiny_model
 from student_client.clients.blocking import TeacherClient
-from topk_protocol.sharded_recording import part_location, read_part_file
+from topk_protocol.recording.sharded import part_location, read_part_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

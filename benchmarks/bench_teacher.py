@@ -55,7 +55,7 @@ import grpc
 import numpy as np
 
 from devtools.launch import free_port, start_teacher
-from teacher_server.backends.vllm_backend import VLLMBackend
+from teacher_server.backends.vllm.backend import VLLMBackend
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, decode_sequence, encode_token_ids, pb, pb_grpc
 

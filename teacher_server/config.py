@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from teacher_server.backpressure import (
+from teacher_server.fair_share import ADMISSION_ORDERS, FAIR
+from teacher_server.grpc_api.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
 )
-from teacher_server.fair_share import ADMISSION_ORDERS, FAIR
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S
 from topk_protocol import DEFAULT_MAX_MESSAGE_MB
 
 if TYPE_CHECKING:  # the HTTP stack is imported by the server, not by every user of this
-    from teacher_server.http_limits import HttpLimits
+    from teacher_server.http_api.limits import HttpLimits
 
 __all__ = ["MIB", "ServerConfig"]
 

@@ -10,7 +10,7 @@ round like any other, and a client that just arrived waits for at most one admis
 per other waiting client (and a new stream for at most one per other waiting stream of
 its client) before its first request goes. Round robin by request, not by cost: a turn
 is one request whatever its size (its bytes are bounded per stream by the stream's own
-budget, :mod:`teacher_server.backpressure`).
+budget, :mod:`teacher_server.grpc_api.backpressure`).
 
 :data:`ARRIVAL` order (``--admission-order arrival``) keeps every request in one line
 in arrival order: the old first-come-first-served behaviour, kept to compare against.

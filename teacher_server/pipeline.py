@@ -1,7 +1,7 @@
 """One request, whatever its front end: validate, admit, score, answer, release, count.
 
-gRPC ``Score`` and ``ScoreStream`` (:mod:`teacher_server.servicer`) and the HTTP routes
-of TRL's teacher client (:mod:`teacher_server.trl_http`) hand each request to
+gRPC ``Score`` and ``ScoreStream`` (:mod:`teacher_server.grpc_api.servicer`) and the HTTP routes
+of TRL's teacher client (:mod:`teacher_server.http_api.trl`) hand each request to
 :meth:`RequestPipeline.run` with a function that builds their answer from the scored
 arrays; it returns an :class:`Outcome`, which the front end only maps to its transport
 (a gRPC status, an ``Error`` message of the stream, an HTTP status). Every failure is
@@ -34,10 +34,10 @@ import grpc
 
 from teacher_server.admission import AdmissionQueue, AdmissionRefused
 from teacher_server.backends.base import Backend
+from teacher_server.grpc_api.handlers import Undecodable
 from teacher_server.leak_injection import injected_leak_mib, leak_per_request
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
-from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import Limits, ParsedRequest, ParsedSequence, parse_request
 from topk_protocol import SequenceArrays, pb
 from topk_protocol.checks import check_encoding

@@ -1,6 +1,6 @@
 """Assembles the teacher process: gRPC (Teacher + Health + reflection) on the serving
 asyncio loop, HTTP on a thread of its own that answers the probes there and forwards the
-other routes to the serving loop (:mod:`teacher_server.http_thread`), the engine loaded in
+other routes to the serving loop (:mod:`teacher_server.http_api.thread`), the engine loaded in
 the background, and a draining shutdown within one time budget (``drain_timeout_s``)."""
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from teacher_server.admission import AdmissionQueue
-from teacher_server.auth import BearerTokenInterceptor
 from teacher_server.backends.base import Backend
 from teacher_server.config import MIB, ServerConfig
 from teacher_server.fair_share import FAIR
 from teacher_server.fingerprint import announce_fingerprint
-from teacher_server.http_app import build_http_app
-from teacher_server.http_limits import BodyLimitMiddleware, HttpLimits
-from teacher_server.http_thread import HttpThread, ProbeFront
+from teacher_server.grpc_api.auth import BearerTokenInterceptor
+from teacher_server.grpc_api.handlers import SERVICE_NAME, teacher_rpc_handler
+from teacher_server.grpc_api.servicer import TeacherServicer, teacher_info_message
+from teacher_server.http_api.app import build_http_app
+from teacher_server.http_api.limits import BodyLimitMiddleware, HttpLimits
+from teacher_server.http_api.thread import HttpThread, ProbeFront
+from teacher_server.http_api.trl import TRLEndpoints
 from teacher_server.lifecycle import (
     ENGINE_SHUTDOWN_S,
     SHUTDOWN_MARGIN_S,
@@ -36,9 +39,6 @@ from teacher_server.lifecycle import (
 from teacher_server.malloc_trim import trim_when_idle
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import RequestPipeline
-from teacher_server.rpc_handlers import SERVICE_NAME, teacher_rpc_handler
-from teacher_server.servicer import TeacherServicer, teacher_info_message
-from teacher_server.trl_http import TRLEndpoints
 from teacher_server.validation import Limits
 from topk_protocol import pb
 
@@ -176,7 +176,7 @@ class TeacherServer:
             app, asyncio.get_running_loop(), self.lifecycle, self._backend.engine_alive
         )
         ucfg = uvicorn.Config(
-            # Every route: the body limits wrap the whole app (teacher_server.http_limits).
+            # Every route: the body limits wrap the whole app (teacher_server.http_api.limits).
             BodyLimitMiddleware(
                 front, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s
             ),

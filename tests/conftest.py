@@ -21,7 +21,7 @@ from hypothesis_profiles import load_profile
 
 from devtools.launch import TeacherProcess, free_port, http_status, start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS
-from teacher_server.backends.vllm_backend import NO_ENGINE_ENV
+from teacher_server.backends.vllm.backend import NO_ENGINE_ENV
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "http_status", "start_server"]
 

@@ -11,7 +11,7 @@ import torch
 
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.payload import TeacherPayload
-from teacher_server.answers import iter_stream_responses
+from teacher_server.grpc_api.answers import iter_stream_responses
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
 
 __all__ = ["INFO", "K", "assert_bit_equal", "live_payload", "teacher_answer"]

@@ -23,7 +23,7 @@ import yaml
 from fastapi.routing import APIRoute
 
 from teacher_server import cli
-from teacher_server.http_app import build_http_app
+from teacher_server.http_api.app import build_http_app
 from teacher_server.lifecycle import SHUTDOWN_MARGIN_S, Lifecycle
 from teacher_server.metrics import TeacherMetrics
 
@@ -335,7 +335,7 @@ def test_k8s_grace_period_outlasts_draining(deployment: dict[str, Any]) -> None:
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {})
     sleep = float(pre_stop["command"][1]) if pre_stop.get("command", [""])[0] == "sleep" else 0.0
     # The server exits within --drain-timeout-s + SHUTDOWN_MARGIN_S of SIGTERM
-    # (tests/teacher_server/test_auth_tls_drain.py checks that on a real server).
+    # (tests/teacher_server/grpc_api/test_auth_tls_drain.py checks that on a real server).
     assert spec["terminationGracePeriodSeconds"] >= sleep + drain + SHUTDOWN_MARGIN_S
 
 

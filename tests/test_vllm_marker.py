@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, VLLM_FIXTURES
 
-from teacher_server.backends.vllm_backend import NO_ENGINE_ENV, VLLMBackend
+from teacher_server.backends.vllm.backend import NO_ENGINE_ENV, VLLMBackend
 
 
 def test_an_engine_refuses_to_start_in_a_test_without_the_marker(

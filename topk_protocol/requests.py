@@ -117,7 +117,7 @@ class RequestOptions:
     act on it; the clients take it by keyword and pass it through. A field whose
     ``metadata`` is :data:`RECORDED` is one a recording is made at: the recorder stores
     its value and replay answers only requests asking for that value
-    (:mod:`topk_protocol.replay`); ``top_k``, ``dtype`` and ``include_sampled`` have
+    (:mod:`topk_protocol.recording.replay`); ``top_k``, ``dtype`` and ``include_sampled`` have
     replay rules of their own.
     """
 

@@ -12,7 +12,7 @@ Our payload's row ``t`` is the distribution of the *next* token, ``x[t+1]``, giv
 for TRL's rows ``[P, L)`` asks us for rows ``[max(P, 1) - 1, L - 1)`` (:func:`trl_span`),
 never our last row (the token after the sequence), which TRL does not use.
 
-Pure numpy; the server's HTTP routes (``teacher_server.trl_http``) and the drop-in gRPC
+Pure numpy; the server's HTTP routes (``teacher_server.http_api.trl``) and the drop-in gRPC
 client (``student_client.integrations.trl_client``) both check TRL's input with
 :func:`check_prompt_lengths` and build TRL's answers from :class:`TRLRows`.
 """

@@ -19,7 +19,7 @@ function pads to the longest sequence / payload in the batch and returns a
 the live client returns for the same batch (row ``j`` of sequence ``b`` is position
 ``payload.position_start[b] + j``, padding rows masked out).
 
-A multi-teacher recording (:mod:`topk_protocol.multi_recording`) is the rows of every
+A multi-teacher recording (:mod:`topk_protocol.recording.multi`) is the rows of every
 teacher, teacher after teacher (in the manifest's order); each item names its
 ``teacher``, and a collated batch's ``payload.teachers`` (and :attr:`PayloadBatch.teachers`)
 is the teacher column.
@@ -39,16 +39,16 @@ from torch.utils.data import Dataset
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, SequenceArrays, TeacherInfo
 from topk_protocol.errors import NotRecordedError
-from topk_protocol.multi_recording import (
+from topk_protocol.packing import packed_roundtrip
+from topk_protocol.recording import RecordingReader
+from topk_protocol.recording.format import cast_arrays
+from topk_protocol.recording.multi import (
     read_manifest,
     recorded_teachers,
     teacher_recording_path,
 )
-from topk_protocol.packing import packed_roundtrip
-from topk_protocol.recording import RecordingReader
-from topk_protocol.recording.format import cast_arrays
-from topk_protocol.replay import check_options, recorded_arrays
-from topk_protocol.sharded_recording import holds_recording, list_parts
+from topk_protocol.recording.replay import check_options, recorded_arrays
+from topk_protocol.recording.sharded import holds_recording, list_parts
 from topk_protocol.storage import location
 
 __all__ = ["PayloadBatch", "PayloadDataset", "PayloadItem", "collate_payloads"]

@@ -1,6 +1,6 @@
 """``MultiReplayClient``: a multi-teacher recording, answered as the multi-teacher client did.
 
-A multi-teacher recording (:mod:`topk_protocol.multi_recording`) holds one recording per
+A multi-teacher recording (:mod:`topk_protocol.recording.multi`) holds one recording per
 teacher. ``score(..., teacher=[...])`` / ``ScoreBatch(teacher=...)`` route each sequence to
 its teacher's recording (the routing of the live client, :mod:`student_client.clients.routing`),
 each part is answered by that teacher's :class:`~student_client.offline.replay.ReplayClient`,
@@ -23,7 +23,7 @@ from student_client.offline.replay import ReplayClient, replay_stream
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
 from topk_protocol.errors import NotRecordedError, TeacherError
-from topk_protocol.multi_recording import read_manifest, recorded_teachers
+from topk_protocol.recording.multi import read_manifest, recorded_teachers
 from topk_protocol.requests import RequestKeywords
 
 __all__ = ["MultiReplayClient"]

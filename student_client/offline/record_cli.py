@@ -17,10 +17,10 @@ at most the recorder's last flush interval, 2 s).
 
 Many recorders (a Kubernetes Indexed Job): ``--shard-index I --num-shards N`` (defaults:
 ``$JOB_COMPLETION_INDEX`` and ``$TOPK_RECORD_NUM_SHARDS``) records the I-th contiguous
-1/N of the input's units into ``DIR/part-0000I-of-0000N`` (:mod:`topk_protocol.sharded_recording`);
+1/N of the input's units into ``DIR/part-0000I-of-0000N`` (:mod:`topk_protocol.recording.sharded`);
 ``teacher-record --verify DIR`` checks the parts before training.
 
-Several teachers (a multi-teacher recording, :mod:`topk_protocol.multi_recording`)::
+Several teachers (a multi-teacher recording, :mod:`topk_protocol.recording.multi`)::
 
     teacher-record --teacher math=HOST:PORT --teacher code=H1:P,H2:P --input TOKENS ...
 
@@ -67,7 +67,7 @@ from topk_protocol.errors import InvalidRequestError, RecordingError
 from topk_protocol.packing import DEFAULT_LOGPROB_BITS
 from topk_protocol.recording import COMPRESSIONS
 from topk_protocol.recording.format import read_metadata, recording_packing
-from topk_protocol.sharded_recording import (
+from topk_protocol.recording.sharded import (
     delete_part_file,
     holds_recording,
     list_parts,

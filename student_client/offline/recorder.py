@@ -37,14 +37,14 @@ import pyarrow.fs as pafs
 
 from student_client.data.batch import ScoreBatch
 from student_client.offline.inputs import InputError, InputSource
-from topk_protocol.multi_recording import read_manifest
 from topk_protocol.recording.format import (
     METADATA_FILE,
     READ_ERRORS,
     SHARD_SUFFIX,
     sequence_key,
 )
-from topk_protocol.sharded_recording import join
+from topk_protocol.recording.multi import read_manifest
+from topk_protocol.recording.sharded import join
 from topk_protocol.storage import resolve
 
 __all__ = [

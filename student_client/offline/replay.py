@@ -8,7 +8,7 @@ live teacher: the recorded values go through the teacher's own encoding and the 
 own decoding. Anything else raises :class:`~topk_protocol.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
 
-A multi-teacher recording (:mod:`topk_protocol.multi_recording`) replays through
+A multi-teacher recording (:mod:`topk_protocol.recording.multi`) replays through
 :class:`~student_client.offline.multi_replay.MultiReplayClient`;
 ``ReplayClient(path, teacher=name)`` opens one teacher's part as a single-teacher
 recording.
@@ -46,13 +46,13 @@ from topk_protocol.checks import (
     check_top_k,
 )
 from topk_protocol.errors import NotRecordedError
-from topk_protocol.multi_recording import (
+from topk_protocol.recording import RecordingReader
+from topk_protocol.recording.multi import (
     read_manifest,
     recorded_teachers,
     teacher_recording_path,
 )
-from topk_protocol.recording import RecordingReader
-from topk_protocol.replay import find_rows, recorded_arrays, serves_encodings
+from topk_protocol.recording.replay import find_rows, recorded_arrays, serves_encodings
 from topk_protocol.requests import RequestKeywords
 
 __all__ = ["ReplayClient", "replay_response", "replay_stream"]
@@ -62,7 +62,7 @@ def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.Sco
     """The answer the teacher would have sent to ``request``, from recorded rows.
 
     Raises :class:`NotRecordedError` naming every sequence that cannot be answered
-    exactly and why (the rules of :mod:`topk_protocol.replay`).
+    exactly and why (the rules of :mod:`topk_protocol.recording.replay`).
     """
     options = RequestOptions.from_proto(request)
     spans = request_spans(request)

@@ -28,7 +28,7 @@ from topk_protocol import pb
 from topk_protocol.errors import NotRecordedError, RecordingError
 from topk_protocol.fingerprint import answer_problems
 from topk_protocol.recording import RecordingReader
-from topk_protocol.sharded_recording import (
+from topk_protocol.recording.sharded import (
     PART_FILE,
     Part,
     holds_recording,

@@ -17,7 +17,7 @@ __all__ = ["BACKENDS", "backend_class", "load_backend"]
 
 #: name -> "module:class" of the backend.
 BACKENDS: dict[str, str] = {
-    "vllm": "teacher_server.backends.vllm_backend:VLLMBackend",
+    "vllm": "teacher_server.backends.vllm.backend:VLLMBackend",
     "transformers": "teacher_server.backends.transformers_backend:TransformersBackend",
     "replay": "teacher_server.backends.replay_backend:ReplayBackend",
 }

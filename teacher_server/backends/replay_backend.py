@@ -3,7 +3,7 @@
 A recording (:mod:`topk_protocol.recording`) holds rows per sequence, looked up by the
 sequence's token ids whatever batch it was recorded in. Before scoring, every request is
 checked as a whole (:meth:`ReplayBackend.check_request`) by the protocol's replay rules
-(:mod:`topk_protocol.replay`, the ones the student's ``ReplayClient`` applies too):
+(:mod:`topk_protocol.recording.replay`, the ones the student's ``ReplayClient`` applies too):
 anything the recording cannot answer exactly raises
 :class:`~topk_protocol.errors.NotRecordedError` naming every sequence and what is
 missing (NOT_FOUND on the wire, reason ``not_recorded``), never NaN or zeros in place
@@ -26,9 +26,9 @@ import numpy as np
 from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.validation import ParsedRequest, ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, teacher_temperature
-from topk_protocol.multi_recording import read_manifest, teacher_recording_path
 from topk_protocol.recording import RecordingReader
-from topk_protocol.replay import find_rows, recorded_arrays, serves_encodings
+from topk_protocol.recording.multi import read_manifest, teacher_recording_path
+from topk_protocol.recording.replay import find_rows, recorded_arrays, serves_encodings
 from topk_protocol.storage import Location, location
 
 __all__ = ["ReplayBackend", "ReplayFlags", "replay_path"]
@@ -133,7 +133,7 @@ class ReplayBackend(Backend):
 
     @property
     def supported_encodings(self) -> tuple[str, ...]:
-        """What the recording answers exactly (:func:`topk_protocol.replay.serves_encodings`)."""
+        """What the recording answers exactly (``serves_encodings``)."""
         return serves_encodings(self.reader)
 
     def check_request(self, parsed: ParsedRequest) -> None:

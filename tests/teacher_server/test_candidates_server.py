@@ -29,10 +29,10 @@ from student_client import (
 from student_client.data.assembler import ResponseAssembler
 from student_client.offline.dataset import collate_payloads
 from student_client.offline.record_cli import main as record_main
-from teacher_server.answers import encode_response, iter_stream_responses
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.config import ServerConfig
+from teacher_server.grpc_api.answers import encode_response, iter_stream_responses
 from teacher_server.validation import Limits, parse_request
 from topk_protocol import RequestOptions, SequenceArrays, build_request, decode_sequence, pb
 from topk_protocol.errors import ResourceExhaustedError

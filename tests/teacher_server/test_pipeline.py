@@ -26,6 +26,7 @@ import pytest
 from teacher_server import pipeline
 from teacher_server.admission import AdmissionQueue
 from teacher_server.backends.base import Backend, BackendInfo
+from teacher_server.http_api.trl import SEQUENCE_LOGPROBS_METHOD, http_status
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import (
@@ -36,7 +37,6 @@ from teacher_server.pipeline import (
     gather_bounded,
 )
 from teacher_server.server import ServerConfig, TeacherServer
-from teacher_server.trl_http import SEQUENCE_LOGPROBS_METHOD, http_status
 from teacher_server.validation import Limits, ParsedSequence, parse_request
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, pb_grpc
 from topk_protocol import status as status_table

@@ -31,7 +31,7 @@ from student_client.offline.replay import ReplayClient
 from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprobs
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
-from teacher_server.servicer import teacher_info_message
+from teacher_server.grpc_api.servicer import teacher_info_message
 from teacher_server.validation import Limits, ParsedSequence
 from topk_protocol import RequestOptions, decode_sequence, pb, pb_grpc
 from topk_protocol.errors import TeacherMismatchError, VocabMismatchError
@@ -40,7 +40,7 @@ from topk_protocol.recording import RecordingReader
 
 def test_temperature_needs_the_worker_extension_slot(tmp_path: Path) -> None:
     """vLLM has one worker extension slot; T != 1 refuses an engine argument that takes it."""
-    from teacher_server.backends.vllm_backend import VLLMBackend
+    from teacher_server.backends.vllm.backend import VLLMBackend
 
     own = {"worker_extension_cls": "my.Extension"}
     with pytest.raises(ValueError, match=r"^worker_extension_cls: the teacher temperature"):

@@ -315,7 +315,7 @@ def fallback_teacher(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess
     """A second vLLM server that believes vLLM is another version (a simulated mismatch),
     so it falls back to vLLM's flat_logprobs path and to vLLM's own top-k in the engine:
     vLLM's way end to end. The one extra engine of this suite."""
-    from teacher_server.backends.vllm_arrays import SIMULATE_VERSION_ENV
+    from teacher_server.backends.vllm.arrays import SIMULATE_VERSION_ENV
 
     server = start_server(
         ["--backend", "vllm", "--model", str(tiny_model_dir), *TINY_SERVE_ARGS],

@@ -24,7 +24,7 @@ from topk_protocol import (
 from topk_protocol.checks import TeacherLimits, check_candidates
 from topk_protocol.errors import InvalidRequestError
 from topk_protocol.packing import Packing
-from topk_protocol.replay import candidate_logprobs
+from topk_protocol.recording.replay import candidate_logprobs
 
 LIMITS = TeacherLimits(vocab_size=123, max_top_k=64, max_candidates=47)
 

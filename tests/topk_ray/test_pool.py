@@ -174,7 +174,7 @@ def test_recording_on_ray_with_a_worker_killed_mid_write(
 
     from student_client.offline.record_cli import main as record_main
     from topk_protocol.recording.format import SHARD_SUFFIX
-    from topk_protocol.sharded_recording import PART_FILE, part_location
+    from topk_protocol.recording.sharded import PART_FILE, part_location
     from topk_ray.record import record_on_ray
 
     rng = np.random.default_rng(3)

@@ -20,7 +20,7 @@ readable up to its last complete batch, so a writer killed at any moment leaves 
 readable file (a Parquet file without its footer is unreadable). Compression uses
 Arrow's built-in codecs (zstd, lz4), so a student-only install reads and writes them.
 
-Integrity (:mod:`topk_protocol.integrity`): every row carries a CRC-32 of what it serves,
+Integrity (:mod:`topk_protocol.recording.integrity`): every row carries a CRC-32 of what it serves,
 and every shard's schema metadata repeats ``metadata.json``'s format fields; the reader
 verifies each row as it reads it and reports damage as a
 :class:`~topk_protocol.errors.RecordingDamagedError` naming the shard and the row.

@@ -14,12 +14,12 @@ import pyarrow as pa
 
 from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
 from topk_protocol.errors import RecordingDamagedError
-from topk_protocol.integrity import CHECKSUM_COLUMN
 from topk_protocol.packing import Packing
 from topk_protocol.recording.format import (
     METADATA_FILE,
     row_crc,
 )
+from topk_protocol.recording.integrity import CHECKSUM_COLUMN
 from topk_protocol.recording.packed import PACKED_COLUMNS, packed_problem, unpack_row
 from topk_protocol.storage import Location
 

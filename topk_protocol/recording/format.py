@@ -63,7 +63,8 @@ from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
 from topk_protocol.codec import ENCODING_NAMES
 from topk_protocol.errors import RecordingError
 from topk_protocol.floats import cast_like_teacher
-from topk_protocol.integrity import (
+from topk_protocol.packing import Packing
+from topk_protocol.recording.integrity import (
     CHECKSUM_COLUMN,
     CHECKSUM_NAME,
     FORMAT_FIELDS,
@@ -72,7 +73,6 @@ from topk_protocol.integrity import (
     row_checksum,
     shard_format,
 )
-from topk_protocol.packing import Packing
 from topk_protocol.recording.packed import PACKED_COLUMNS
 from topk_protocol.storage import Location, StorageError
 
@@ -231,7 +231,7 @@ def row_crc(
     end: int,
     values: dict[str, npt.NDArray[Any] | None],
 ) -> int:
-    """:func:`~topk_protocol.integrity.row_checksum` of a row whose array fields are
+    """:func:`~topk_protocol.recording.integrity.row_checksum` of a row whose array fields are
     ``values`` (field name -> array in the storage dtype, or None when absent)."""
     return row_checksum(
         key,

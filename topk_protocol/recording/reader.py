@@ -1,6 +1,6 @@
 """Read a recording: every complete record batch of every shard, each row verified.
 
-Integrity (:mod:`topk_protocol.integrity`): a row is verified each time it is read; a row
+Integrity (:mod:`topk_protocol.recording.integrity`): a row is verified each time it is read; a row
 that fails, a batch or shard that does not parse, a shard whose schema disagrees with
 ``metadata.json`` is reported as a :class:`~topk_protocol.errors.RecordingDamagedError`
 naming the shard (or ``metadata.json``) and the row, and the intact rows still replay.

@@ -577,7 +577,7 @@ def test_reverse_kl_advantage_against_each_rows_own_teacher(
 
 def test_replay_server_needs_the_teacher_of_a_multi_teacher_recording(tmp_path: Path) -> None:
     from teacher_server.backends.replay_backend import replay_path
-    from topk_protocol.multi_recording import write_manifest
+    from topk_protocol.recording.multi import write_manifest
 
     write_manifest(tmp_path, ["a", "b"])
     with pytest.raises(ValueError, match=r"multi-teacher recording of \['a', 'b'\]"):

@@ -22,8 +22,8 @@ from student_client import (
     TeacherClient,
     TeacherSource,
 )
-from topk_protocol.multi_recording import teacher_recording_path, write_manifest
 from topk_protocol.recording import RecordingWriter
+from topk_protocol.recording.multi import teacher_recording_path, write_manifest
 
 # Nothing listens here: the clients connect lazily, at the first call.
 NOWHERE = "127.0.0.1:9"

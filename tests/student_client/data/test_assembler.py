@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from student_client.data.assembler import ResponseAssembler
-from teacher_server.answers import encode_scored, iter_stream_responses
+from teacher_server.grpc_api.answers import encode_scored, iter_stream_responses
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
 from topk_protocol.errors import (
     InvalidRequestError,

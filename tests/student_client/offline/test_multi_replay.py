@@ -16,8 +16,8 @@ from student_client.offline.dataset import PayloadDataset
 from student_client.offline.multi_replay import MultiReplayClient
 from student_client.offline.replay import ReplayClient
 from topk_protocol.errors import NotRecordedError
-from topk_protocol.multi_recording import teacher_recording_path, write_manifest
 from topk_protocol.recording import RecordingWriter
+from topk_protocol.recording.multi import teacher_recording_path, write_manifest
 
 
 def _record(root: Path) -> tuple[list[np.ndarray], dict[str, dict[bytes, object]]]:

@@ -20,7 +20,7 @@ from object_store import closed_port
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.record_cli import main as record_main
 from topk_protocol.recording import RecordingReader
-from topk_protocol.sharded_recording import list_parts
+from topk_protocol.recording.sharded import list_parts
 from topk_protocol.storage import Location
 
 

@@ -16,7 +16,7 @@ from topk_protocol import pb
 from topk_protocol.errors import NotRecordedError, RecordingError
 from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.recording import RecordingWriter
-from topk_protocol.sharded_recording import part_location
+from topk_protocol.recording.sharded import part_location
 
 
 def _info(shift: float, dtype: str = "float32") -> pb.TeacherInfo:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from teacher_server.rpc_handlers import SERVICE_NAME
+from teacher_server.grpc_api.handlers import SERVICE_NAME
 from topk_protocol import encode_token_ids, pb, pb_grpc
 
 METHODS = {

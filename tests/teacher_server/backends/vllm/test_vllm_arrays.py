@@ -19,9 +19,9 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
-from teacher_server.backends import vllm_arrays as va
 from teacher_server.backends.base import topk_from_logprobs
-from teacher_server.backends.vllm_backend import VLLMBackend, flat_to_topk
+from teacher_server.backends.vllm import arrays as va
+from teacher_server.backends.vllm.backend import VLLMBackend, flat_to_topk
 from teacher_server.validation import ParsedSequence
 
 V = 512

@@ -8,7 +8,7 @@ from pathlib import Path
 from topk_protocol.recording.format import recording_schema
 from topk_protocol.recording.packed import PACKED_COLUMNS
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "datasets.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "datasets.md"
 
 
 def test_the_layout_table_lists_every_column() -> None:

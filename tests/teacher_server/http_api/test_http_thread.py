@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from teacher_server.backends.base import Backend, BackendInfo
-from teacher_server.http_thread import probe_answer
+from teacher_server.http_api.thread import probe_answer
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence

@@ -114,7 +114,7 @@ SCHEDULER_QUALNAME = f"{__name__}.{CappedScheduler.__qualname__}"
 def scheduler_problem() -> str | None:
     """Why :class:`CappedScheduler` cannot be used with the installed vLLM (a version it
     was not written for, or a scheduler without the method it overrides), or None."""
-    from teacher_server.backends.vllm_arrays import version_problem
+    from teacher_server.backends.vllm.arrays import version_problem
 
     if (problem := version_problem()) is not None:
         return problem

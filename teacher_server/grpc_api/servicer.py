@@ -15,16 +15,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from teacher_server.answers import Outgoing, encode_response, encode_stream
 from teacher_server.backends.base import Backend
-from teacher_server.backpressure import (
+from teacher_server.fair_share import client_identity
+from teacher_server.grpc_api.answers import Outgoing, encode_response, encode_stream
+from teacher_server.grpc_api.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,
 )
-from teacher_server.fair_share import client_identity
+from teacher_server.grpc_api.handlers import Undecodable
 from teacher_server.pipeline import Answered, Refused, RequestPipeline
-from teacher_server.rpc_handlers import Undecodable
 from teacher_server.validation import Limits, ParsedRequest
 from topk_protocol import (
     DTYPE_NAMES,
@@ -69,7 +69,7 @@ def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
 class TeacherServicer(pb_grpc.TeacherServicer):
     """Serves ``GetInfo``, ``Score`` and ``ScoreStream`` through ``pipeline``; each
     ``ScoreStream`` holds at most ``stream_budget`` (requests, bytes) unsent
-    (:mod:`teacher_server.backpressure`)."""
+    (:mod:`teacher_server.grpc_api.backpressure`)."""
 
     def __init__(
         self,
@@ -174,7 +174,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
             try:
                 while True:
                     # Backpressure: read the next request only when this stream may hold
-                    # one more (teacher_server.backpressure).
+                    # one more (teacher_server.grpc_api.backpressure).
                     await budget.take_request()
                     try:
                         request = await anext(requests)

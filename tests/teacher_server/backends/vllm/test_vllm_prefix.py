@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from teacher_server.backends.vllm_prefix import PrefixOrder, block_keys, cache_cap, capped_hit
+from teacher_server.backends.vllm.prefix import PrefixOrder, block_keys, cache_cap, capped_hit
 
 BS = 4
 

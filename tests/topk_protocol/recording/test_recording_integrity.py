@@ -17,14 +17,14 @@ from recording_fakes import INFO, K, teacher_answer
 from student_client.offline.replay import ReplayClient
 from topk_protocol import SequenceArrays
 from topk_protocol.errors import DataLossError, RecordingDamagedError, RecordingError
-from topk_protocol.integrity import CHECKSUM_COLUMN
 from topk_protocol.recording import (
     METADATA_FILE,
     RecordingReader,
     RecordingWriter,
 )
+from topk_protocol.recording.integrity import CHECKSUM_COLUMN
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "data" / "tiny_vllm_recording"  # written before checksums
 CHECKSUMMED = ROOT / "tests" / "data" / "checksummed_recording"
 

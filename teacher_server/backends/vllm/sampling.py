@@ -3,7 +3,7 @@
 A sampled request's draw parameters (N, the seed, the sequence key, the proposal
 temperature) travel to the worker in ``SamplingParams.extra_args[`` :data:`EXTRA_KEY` ``]``
 (:func:`extra_args`), the way candidate ids do, and the worker's wrapped
-``gather_logprobs`` (:mod:`teacher_server.backends.vllm_candidates`) calls
+``gather_logprobs`` (:mod:`teacher_server.backends.vllm.candidates`) calls
 :func:`topk_protocol.sampling.sample_rows` on the *same* ``[rows, V]`` served log-probs
 (``log_softmax(z / T)``) it takes the top-k from, for the request's prompt rows (payload
 positions ``0 .. L-2``) and its generated-token row (position ``L-1``). No second forward,

@@ -26,7 +26,7 @@ vLLM's own function on the installed vLLM.
 
 **Candidates.** :meth:`TeacherWorkerExtension.topk_distill_candidates` makes the worker
 append each request's candidate log-probs to its log-prob rows, gathered from the same
-``[N, V]`` log-probs as the top-k (:mod:`teacher_server.backends.vllm_candidates`).
+``[N, V]`` log-probs as the top-k (:mod:`teacher_server.backends.vllm.candidates`).
 
 **Memory.** :meth:`TeacherWorkerExtension.topk_distill_malloc_trim` hands the freed heap
 memory of the worker's process back to the OS (:mod:`teacher_server.malloc_trim`); the
@@ -155,9 +155,9 @@ class TeacherWorkerExtension:
 
     def topk_distill_candidates(self) -> str:
         """Let this worker gather candidate log-probs with the top-k
-        (:func:`teacher_server.backends.vllm_candidates.install`); ``"ok"`` or
+        (:func:`teacher_server.backends.vllm.candidates.install`); ``"ok"`` or
         ``"unavailable: <why>"``."""
-        from teacher_server.backends.vllm_candidates import install
+        from teacher_server.backends.vllm.candidates import install
 
         worker: Any = self
         return install(getattr(worker, "model_runner", None))

@@ -36,7 +36,7 @@ from topk_protocol.recording import (
     sequence_key,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _record(

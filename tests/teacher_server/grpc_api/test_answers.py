@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from teacher_server.answers import encode_response, encode_stream, iter_stream_responses
+from teacher_server.grpc_api.answers import encode_response, encode_stream, iter_stream_responses
 from teacher_server.validation import Limits, parse_request
 from topk_protocol import (
     RequestOptions,

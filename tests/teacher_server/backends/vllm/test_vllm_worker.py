@@ -14,7 +14,7 @@ import torch
 from vllm.v1.sample.sampler import Sampler
 
 from teacher_server.backends import cpu_topk
-from teacher_server.backends.vllm_worker import KERNEL, VLLM_TOPK, route_gather_logprobs
+from teacher_server.backends.vllm.worker import KERNEL, VLLM_TOPK, route_gather_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_a_sampler_without_the_hook_point() -> None:
 
 
 def test_backend_refuses_bad_engine_topk_settings() -> None:
-    from teacher_server.backends.vllm_backend import VLLMBackend
+    from teacher_server.backends.vllm.backend import VLLMBackend
 
     with pytest.raises(ValueError, match="engine_topk: 'fast' is not one of auto, kernel, vllm"):
         VLLMBackend("unused", engine_topk="fast")

@@ -1,4 +1,4 @@
-"""The replay rules, written once in ``topk_protocol.replay`` and used by the
+"""The replay rules, written once in ``topk_protocol.recording.replay`` and used by the
 ``ReplayClient``, the ``PayloadDataset`` and the replay backend: what a recording can
 answer, the message naming what is missing, and the request options a recording is made
 at (a new option marked ``RECORDED`` is stored by the recorder and checked by replay with
@@ -17,7 +17,12 @@ from recording_fakes import INFO, K, teacher_answer
 from topk_protocol import RECORDED, RequestOptions, build_request, encode_sequence, pb
 from topk_protocol.errors import NotRecordedError, RecordingError
 from topk_protocol.recording import RecordingReader, RecordingWriter
-from topk_protocol.replay import check_options, describe_sequence, find_rows, recorded_arrays
+from topk_protocol.recording.replay import (
+    check_options,
+    describe_sequence,
+    find_rows,
+    recorded_arrays,
+)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 (:func:`iter_stream_responses`, :func:`encode_stream`). Pure and synchronous: the request
 pipeline (:mod:`teacher_server.pipeline`) runs them in a worker thread for large
 requests, so the answers leave serialized (the handlers' serializer passes bytes through:
-:mod:`teacher_server.rpc_handlers`), and gRPC has nothing left to do on the event loop.
+:mod:`teacher_server.grpc_api.handlers`), and gRPC has nothing left to do on the event loop.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 ``GET /healthz`` alive; ``GET /readyz`` 200 once the engine is loaded and warmed up, 503
 before, while draining and once the engine is lost (in the server both are answered on
-the HTTP thread, never by this app: :mod:`teacher_server.http_thread`); ``GET /metrics``
+the HTTP thread, never by this app: :mod:`teacher_server.http_api.thread`); ``GET /metrics``
 Prometheus text; ``GET /v1/info`` GetInfo as JSON (needs the bearer token when one is
 configured).
 
-With ``trl`` (:class:`~teacher_server.trl_http.TRLEndpoints`), the calls Hugging Face
+With ``trl`` (:class:`~teacher_server.http_api.trl.TRLEndpoints`), the calls Hugging Face
 TRL's teacher client makes: ``GET /health`` (200 once ready) and ``GET /v1/models``
 (open: TRL's client reads them before it can send a token), ``POST /v1/completions``
 (TRL 1.11+) and ``POST /get_sequence_logprobs/`` (TRL 1.10), which need the bearer token
@@ -23,11 +23,11 @@ from fastapi.responses import JSONResponse
 from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from teacher_server.auth import token_matches
-from teacher_server.http_thread import probe_answer
+from teacher_server.grpc_api.auth import token_matches
+from teacher_server.http_api.thread import probe_answer
+from teacher_server.http_api.trl import HTTPAnswer, TRLEndpoints
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
-from teacher_server.trl_http import HTTPAnswer, TRLEndpoints
 from topk_protocol import pb
 
 __all__ = ["build_http_app"]
@@ -45,7 +45,7 @@ def build_http_app(
 
     Handlers are ``async def``: they run on the serving loop. The server answers
     ``/healthz`` and ``/readyz`` before they reach this app (on the HTTP thread, same
-    answers: :func:`~teacher_server.http_thread.probe_answer`); these routes serve the
+    answers: :func:`~teacher_server.http_api.thread.probe_answer`); these routes serve the
     app on its own.
     """
     app = FastAPI(title="topk-distill teacher", docs_url=None, redoc_url=None)
@@ -94,7 +94,7 @@ def _add_trl_routes(
     lifecycle: Lifecycle,
     unauthorized: Callable[[Request], Response | None],
 ) -> None:
-    """TRL's teacher calls (thin: the logic is in :mod:`teacher_server.trl_http`)."""
+    """TRL's teacher calls (thin: the logic is in :mod:`teacher_server.http_api.trl`)."""
 
     @app.get("/health")
     @app.get("/health/")

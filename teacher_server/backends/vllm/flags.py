@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from teacher_server.backends.base import ModelFlags
-from teacher_server.backends.vllm_arrays import LOGPROBS_PATHS
-from teacher_server.backends.vllm_worker import ENGINE_TOPK_CHOICES
+from teacher_server.backends.vllm.arrays import LOGPROBS_PATHS
+from teacher_server.backends.vllm.worker import ENGINE_TOPK_CHOICES
 
 __all__ = ["SERVER_SET", "VLLMFlags", "engine_kwargs", "engine_parser"]
 

@@ -16,13 +16,13 @@ from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_ans
 from student_client.data.assembler import ResponseAssembler
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.replay import ReplayClient, replay_response
-from teacher_server.answers import encode_response, iter_stream_responses
 from teacher_server.backends.replay_backend import ReplayBackend
+from teacher_server.grpc_api.answers import encode_response, iter_stream_responses
 from teacher_server.validation import Limits, parse_request
 from topk_protocol import RequestOptions, build_request, decode_sequence, pb, request_spans
 from topk_protocol.errors import NotRecordedError, RecordingDamagedError, RecordingError
 from topk_protocol.recording import RecordingReader, RecordingWriter
-from topk_protocol.replay import serves_encodings
+from topk_protocol.recording.replay import serves_encodings
 
 BITS = 6
 

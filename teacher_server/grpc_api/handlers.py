@@ -42,7 +42,7 @@ def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Any]:
 
 def _serialize(message: Message | bytes) -> bytes:
     """A response message's bytes; the answers of ``Score`` and ``ScoreStream`` arrive
-    serialized already (:mod:`teacher_server.answers`) and pass through."""
+    serialized already (:mod:`teacher_server.grpc_api.answers`) and pass through."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

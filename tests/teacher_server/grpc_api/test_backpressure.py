@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from student_client.clients.blocking import TeacherClient
-from teacher_server.backpressure import (
+from teacher_server.grpc_api.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_MB,
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,

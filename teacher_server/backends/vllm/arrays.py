@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.backends.vllm_candidates import candidate_columns
+from teacher_server.backends.vllm.candidates import candidate_columns
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays
 
@@ -112,7 +112,7 @@ def _fill(
     """Copy rows ``[start, stop)`` of the concatenated chunks into the ``[stop - start, ...]``
     outputs: top-K columns into ``ids`` / ``lps``, column 0 into ``actual`` and, with
     ``cand`` (``[stop - start, C]`` ids and log-probs), the last C columns
-    (:func:`~teacher_server.backends.vllm_candidates.candidate_columns`)."""
+    (:func:`~teacher_server.backends.vllm.candidates.candidate_columns`)."""
     c = 0 if cand is None else cand[0].shape[1]
     offset = 0
     for c_ids, c_lps in chunks:
@@ -205,11 +205,11 @@ def topk_payload(
 
 def sampled_payload(out: Any, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
     """The sampled payload of a final ``RequestOutput`` of a marked sampled request
-    (:mod:`teacher_server.backends.vllm_sampling`): the rows' draw columns, converted as
+    (:mod:`teacher_server.backends.vllm.sampling`): the rows' draw columns, converted as
     the transformers backend converts its draws
     (:func:`teacher_server.backends.base.sampled_arrays`)."""
     from teacher_server.backends.base import sampled_arrays
-    from teacher_server.backends.vllm_sampling import TOP_K, drawn_rows
+    from teacher_server.backends.vllm.sampling import TOP_K, drawn_rows
 
     prompt, sample = _arrays_of(out)
     s = sequence

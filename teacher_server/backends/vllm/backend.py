@@ -10,12 +10,12 @@ Where the installed vLLM allows it, the log-probs skip vLLM's per-entry Python l
 reach the payload as arrays (``vllm_arrays``, docs/vllm_logprobs.md); ``flat_logprobs`` is the
 fallback.
 
-Prefix reuse (:mod:`teacher_server.backends.vllm_prefix`): with vLLM's prefix cache on
+Prefix reuse (:mod:`teacher_server.backends.vllm.prefix`): with vLLM's prefix cache on
 (the default), a request for positions from ``s`` reads the cached blocks of its first
 ``floor(s / block_size)`` blocks and computes the rest; its prompt log-prob rows before
 the first computed token are never read.
 
-Inside the engine (:mod:`teacher_server.backends.vllm_worker`): a teacher temperature
+Inside the engine (:mod:`teacher_server.backends.vllm.worker`): a teacher temperature
 ``T != 1`` scales the logits inside the model on every worker, so both kinds of rows are
 ``log_softmax(z / T)``; on a CPU engine the rows' top-K comes from this project's kernel
 (:mod:`teacher_server.backends.cpu_topk`) in place of vLLM's ``torch.topk``.
@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.backends import vllm_arrays, vllm_sampling
 from teacher_server.backends.base import (
     Backend,
     BackendInfo,
@@ -44,16 +43,18 @@ from teacher_server.backends.base import (
 )
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
-from teacher_server.backends.vllm_candidates import extra_args
-from teacher_server.backends.vllm_flags import VLLMFlags, engine_kwargs, engine_parser
-from teacher_server.backends.vllm_prefix import (
+from teacher_server.backends.vllm import arrays as vllm_arrays
+from teacher_server.backends.vllm import sampling as vllm_sampling
+from teacher_server.backends.vllm.candidates import extra_args
+from teacher_server.backends.vllm.flags import VLLMFlags, engine_kwargs, engine_parser
+from teacher_server.backends.vllm.prefix import (
     CAP_KEY,
     SCHEDULER_QUALNAME,
     PrefixOrder,
     cache_cap,
     scheduler_problem,
 )
-from teacher_server.backends.vllm_worker import (
+from teacher_server.backends.vllm.worker import (
     CANDIDATES_METHOD,
     ENGINE_TOPK_CHOICES,
     ENGINE_TOPK_METHOD,
@@ -376,7 +377,7 @@ class VLLMBackend(Backend):
     async def _candidates_problem(self) -> str | None:
         """Why candidate ids cannot be scored (None: every worker gathers them): they
         need the array path (the flat one reads K + 1 entries a row) and this project's
-        worker extension (:mod:`teacher_server.backends.vllm_candidates`)."""
+        worker extension (:mod:`teacher_server.backends.vllm.candidates`)."""
         if self.logprobs_path != "arrays":
             return f"the log-prob path is {self.logprobs_path}, candidates need arrays"
         if not self._own_extension:
@@ -477,7 +478,7 @@ class VLLMBackend(Backend):
         """The ``SamplingParams`` of one scoring request (on the array path if ``arrays``;
         ``extra``: more ``extra_args``, e.g. the candidate ids, array path only;
         ``cache_cap`` > 0: read up to that many prompt tokens from the prefix cache, which
-        needs :class:`~teacher_server.backends.vllm_prefix.CappedScheduler`; 0: none, as
+        needs :class:`~teacher_server.backends.vllm.prefix.CappedScheduler`; 0: none, as
         vLLM does for every request with prompt log-probs)."""
         from vllm import SamplingParams
 

@@ -25,7 +25,7 @@ from topk_protocol.errors import RecordingError
 from topk_protocol.recording import METADATA_FILE, RecordingReader, RecordingWriter
 from topk_protocol.storage import Location
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def answer(i: int) -> tuple[np.ndarray, SequenceArrays]:

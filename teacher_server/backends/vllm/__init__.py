@@ -1,0 +1,15 @@
+"""The vLLM backend (``--backend vllm``): the engine, and one module per part of vLLM it touches.
+
+- :mod:`~teacher_server.backends.vllm.backend`: :class:`VLLMBackend`, the engine and the
+  flat log-prob path;
+- :mod:`~teacher_server.backends.vllm.flags`: the backend's flags, and vLLM's own;
+- :mod:`~teacher_server.backends.vllm.arrays`: the array log-prob path;
+- :mod:`~teacher_server.backends.vllm.worker`: what runs inside vLLM's workers (temperature,
+  the CPU top-k);
+- :mod:`~teacher_server.backends.vllm.candidates` and
+  :mod:`~teacher_server.backends.vllm.sampling`: candidate and sampled log-probs in the worker;
+- :mod:`~teacher_server.backends.vllm.prefix`: prefix reuse (the capped scheduler).
+
+Nothing here is imported until the vLLM backend is chosen, so a server started with
+another backend never imports vLLM.
+"""
