@@ -11,14 +11,16 @@ process, :class:`devtools.probes.ProbeWatcher`):
 3. four such streams at once, ``--requests`` / 4 each.
 
 The flood runs in a process of its own (its client's GIL is not the canary's); it checks
-that every answer came, in order, without error. Reported per load: the flood's wall
-time and positions/s (flood + canary), the canary's latency quantiles against its own
-alone, the probes (slowest of each kind, how many HTTP probes took over 1 s), the server
-tree's RSS before and after. With ``--baseline-src DIR`` the same runs go first against
-the server of another checkout (e.g. the version before a change: ``git worktree add
---detach DIR <commit>``), and the table compares the two (positions/s target: within
-10%). The CPU is named in the output (model, AVX-512 / AMX bf16 present or not), and
-the load average at the start and end of each server's runs.
+that every request id was answered once, without error, and counts the answers that came
+ahead of an earlier request's (the protocol allows any order; the client reorders).
+Reported per load: the flood's wall time and positions/s (flood + canary), the canary's
+latency quantiles against its own alone, the probes (slowest of each kind, how many HTTP
+probes took over 1 s), the server tree's RSS before and after. With ``--baseline-src
+DIR`` the same runs go first against the server of another checkout (e.g. the version
+before a change: ``git worktree add --detach DIR <commit>``), and the table compares the
+two (positions/s target: within 10%). The CPU is named in the output (model, AVX-512 /
+AMX bf16 present or not), and the load average at the start and end of each server's
+runs.
 
     python -m benchmarks.bench_flood [--requests 100000] [--baseline-src DIR]
         [--server-args "--admission-order arrival"] [--streams 1,4]
