@@ -102,6 +102,11 @@ class TeacherServer:
         return self._admission.in_flight
 
     @property
+    def queued(self) -> int:
+        """Requests waiting for an admission slot."""
+        return self._admission.queued
+
+    @property
     def load_task(self) -> asyncio.Task[None] | None:
         """The engine load and warm-up (set by :meth:`start`)."""
         return self._load_task
