@@ -91,7 +91,14 @@ def connect(
     try:
         ray.init(address=address, **init_kwargs)
     except ConnectionError as e:
-        raise PoolError(f"ray address {address!r}: {e}") from None
+        hint = ""
+        if os.environ.get("RAY_AUTH_MODE") != "token":
+            hint = (
+                "; a cluster with token authentication (a local one started by ray.init, by "
+                "default) needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or "
+                "~/.ray/auth_token) in this process's environment"
+            )
+        raise PoolError(f"ray address {address!r}: {e}{hint}") from None
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,10 @@ class PoolConfig:
     """where each replica writes its server's log (on its node)"""
     resources: dict[str, float] = field(default_factory=dict)
     """custom Ray resources per replica (e.g. an accelerator type)"""
+    niceness: int = 0
+    """the replica's nice value: Ray starts workers at 15 so that its own daemons stay
+    responsive, and a server started there would inherit it and lose the CPU to any other
+    process of the node; a replica is the node's main work"""
 
     def __post_init__(self) -> None:
         if self.name is not None and not self.name.strip():
@@ -232,6 +243,8 @@ class TeacherPool:
             resources=cfg.resources or None,
             max_restarts=-1,
             max_concurrency=4,
+            # Ray's own switch for a worker's nice value (its job supervisor uses it too).
+            runtime_env={"env_vars": {"RAY_worker_niceness": str(cfg.niceness)}},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self._pg, placement_group_bundle_index=index
             ),

@@ -27,9 +27,13 @@ READY = re.compile(r"pool 'cli-test': (\d+) replica\(s\) ready on the Ray cluste
 
 
 def _topk_ray(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``topk-ray ARGV`` as another process joining the cluster by its address: with token
+    authentication on (what ``ray.init`` turns on for a local cluster), such a process must
+    say so; the token is read from ``~/.ray/auth_token``, where the cluster wrote it."""
     return subprocess.run(
         [sys.executable, "-m", "topk_ray", *argv],
         cwd=ROOT, capture_output=True, text=True, check=False,
+        env={**os.environ, "RAY_AUTH_MODE": "token"},
     )  # fmt: skip
 
 

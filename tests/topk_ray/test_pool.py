@@ -103,6 +103,8 @@ def test_sigkill_one_replica_mid_stream_then_ray_restarts_it(
     with TeacherClient(direct.target) as client:
         want = list(client.stream(batches, K, depth=4))
     before = {t: pid for (h, p, _, pid), t in zip(pool.addresses(), pool.targets(), strict=True)}
+    # Not at Ray's worker nice value (15): a replica competes for the CPU as a plain server.
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in before.values()] == [0, 0]
     got = []
     victim = None
     with pool.client(backoff_s=0.05, retries=8) as client:
@@ -117,6 +119,7 @@ def test_sigkill_one_replica_mid_stream_then_ray_restarts_it(
     after = {t: pid for (h, p, _, pid), t in zip(pool.addresses(), pool.targets(), strict=True)}
     assert set(after) == set(before)
     assert after[victim] != before[victim]
+    assert os.getpriority(os.PRIO_PROCESS, after[victim]) == 0
     with TeacherClient(victim) as client:
         again = list(client.stream(batches[:4], K, depth=4))
     _assert_same(again, want[:4])
