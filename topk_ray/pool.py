@@ -301,10 +301,11 @@ class TeacherPool:
     # -- scaling ------------------------------------------------------------------------
     def scale(self, replicas: int) -> dict[int, int]:
         """Keep the first ``replicas`` (at most the placement group's size): the ones
-        removed leave the resolver's targets, drain (the server's own drain: NOT_SERVING,
-        the requests in flight finish within ``drain_timeout_s``), then leave; ones added
-        start and are waited for. Returns each removed replica's server exit code (0: it
-        drained and exited by itself; -9: killed when the drain overran)."""
+        removed leave the resolver's targets, drain together (the server's own drain:
+        NOT_SERVING, the requests in flight finish within ``drain_timeout_s``), then
+        leave; ones added start and are waited for. Returns each removed replica's server
+        exit code (0: it drained and exited by itself; -9: killed when the drain
+        overran)."""
         import ray
 
         if replicas > self.config.replicas:
@@ -315,16 +316,16 @@ class TeacherPool:
         if replicas < 0:
             raise PoolError(f"replicas: must be >= 0, got {replicas}")
         codes: dict[int, int] = {}
+        leaving = []  # every replica removed drains at once: one drain budget in all
         while len(self._actors) > replicas:
             actor = self._actors.pop()
             index = len(self._actors)
             if self._registry is not None:
                 ray.get(self._registry.remove.remote(index), timeout=60)
+            leaving.append((index, actor, actor.drain.remote(self.config.drain_timeout_s)))
+        for index, actor, drained in leaving:
             with contextlib.suppress(ray.exceptions.RayError):  # already gone
-                codes[index] = ray.get(
-                    actor.drain.remote(self.config.drain_timeout_s),
-                    timeout=self.config.drain_timeout_s + 30,
-                )
+                codes[index] = ray.get(drained, timeout=self.config.drain_timeout_s + 30)
             ray.kill(actor, no_restart=True)
         started = False
         while len(self._actors) < replicas:
