@@ -11,7 +11,7 @@ pair to pair. A pair's ratio is pool positions/s over direct positions/s measure
 seconds apart, so a change in the machine's load touches both sides of most pairs; the
 verdict is the median of the paired ratios with their quartiles (target: median >= 0.95).
 
-    flock /work/bench.lock python -m benchmarks.bench_ray_pool [--pairs 30] [--batches 4]
+    python -m benchmarks.bench_ray_pool [--pairs 30] [--batches 4]
 """
 
 from __future__ import annotations
