@@ -1,15 +1,17 @@
-"""Positions/s through a Ray teacher pool against a direct client, in the same run.
+"""Positions/s through a Ray teacher pool against a direct client, paired and interleaved.
 
 Two replicas of the tiny teacher (transformers backend, float32, CPU) run as a
 :class:`topk_ray.TeacherPool` on a local Ray cluster, and two more as plain
-``teacher-server`` processes started here with the same flags. Each round streams the same
-``--batches`` batches (``--batch`` sequences of ``--seq-len`` tokens, K ``--k``, float16)
-through a ``TeacherClient`` over the pool's targets and through one over the two direct
-servers, in alternating order; the verdict is the median over rounds of the pool's
-positions/s divided by the direct client's (target: >= 0.95; the pool adds no hop on the
-payload path, so what it can cost is where Ray places and how it runs the replicas).
+``teacher-server`` processes started here with the same flags and the same torch thread
+count (one: what Ray gives an actor of one CPU). The run is a series of short **pairs**:
+each pair streams the same ``--batches`` batches (``--batch`` sequences of ``--seq-len``
+tokens, K ``--k``, float16) once through a ``TeacherClient`` over the pool's targets and
+once through one over the two direct servers, back to back, the order alternating from
+pair to pair. A pair's ratio is pool positions/s over direct positions/s measured a few
+seconds apart, so a change in the machine's load touches both sides of most pairs; the
+verdict is the median of the paired ratios with their quartiles (target: median >= 0.95).
 
-    python -m benchmarks.bench_ray_pool [--rounds 6] [--batches 24]
+    python -m benchmarks.bench_ray_pool [--pairs 30] [--batches 4]
 """
 
 from __future__ import annotations
@@ -28,18 +30,21 @@ from devtools.tiny_model import write_tiny_model
 from student_client import TeacherClient
 
 
-def _rate(targets: list[str], batches: list[list[list[int]]], k: int, depth: int) -> float:
-    with TeacherClient(targets) as client:
-        client.info()
-        start = time.perf_counter()
-        positions = sum(int(p.mask.sum()) for p in client.stream(batches, k, depth=depth))
-        return positions / (time.perf_counter() - start)
+def _rate(client: TeacherClient, batches: list[list[list[int]]], k: int, depth: int) -> float:
+    start = time.perf_counter()
+    positions = sum(int(p.mask.sum()) for p in client.stream(batches, k, depth=depth))
+    return positions / (time.perf_counter() - start)
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--batches", type=int, default=24)
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--batches", type=int, default=4, help="batches per side of a pair")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--k", type=int, default=16)
@@ -55,36 +60,53 @@ def main() -> None:
         [rng.integers(0, 256, size=args.seq_len).tolist() for _ in range(args.batch)]
         for _ in range(args.batches)
     ]
+    load_before = os.getloadavg()
     connect(num_cpus=2, object_store_memory=80 * 1024 * 1024)
-    direct = [start_teacher(serve, tmp / f"direct-{i}.log") for i in range(2)]
+    direct = [
+        start_teacher(serve, tmp / f"direct-{i}.log", env={"OMP_NUM_THREADS": "1"})
+        for i in range(2)
+    ]
+    ratios, rates = [], {"pool": [], "direct": []}  # type: ignore[var-annotated]
     try:
         with TeacherPool(PoolConfig(serve, replicas=2, log_dir=str(tmp / "pool"))) as pool:
-            pool_targets = pool.targets()
-            direct_targets = [d.target for d in direct]
-            ratios, rates = [], {"pool": [], "direct": []}  # type: ignore[var-annotated]
-            for r in range(args.rounds):
-                order = ["pool", "direct"] if r % 2 == 0 else ["direct", "pool"]
-                got = {}
-                for name in order:
-                    t = pool_targets if name == "pool" else direct_targets
-                    got[name] = _rate(t, batches, args.k, args.depth)
-                    rates[name].append(got[name])
-                ratios.append(got["pool"] / got["direct"])
-                print(
-                    f"round {r}: pool {got['pool']:.0f} positions/s, direct "
-                    f"{got['direct']:.0f} positions/s, ratio {ratios[-1]:.3f}",
-                    flush=True,
-                )
+            targets = {"pool": pool.targets(), "direct": [d.target for d in direct]}
+            with (
+                TeacherClient(targets["pool"]) as via_pool,
+                TeacherClient(targets["direct"]) as via_direct,
+            ):
+                clients = {"pool": via_pool, "direct": via_direct}
+                for c in clients.values():  # connect and warm both sides once
+                    _rate(c, batches, args.k, args.depth)
+                for r in range(args.pairs):
+                    order = ["pool", "direct"] if r % 2 == 0 else ["direct", "pool"]
+                    got = {
+                        name: _rate(clients[name], batches, args.k, args.depth) for name in order
+                    }
+                    for name, rate in got.items():
+                        rates[name].append(rate)
+                    ratios.append(got["pool"] / got["direct"])
+                    print(
+                        f"pair {r} ({order[0]} first): pool {got['pool']:.0f}, direct "
+                        f"{got['direct']:.0f} positions/s, ratio {ratios[-1]:.3f}",
+                        flush=True,
+                    )
     finally:
         for d in direct:
             d.stop()
-    load = os.getloadavg()[0]
+        import ray
+
+        ray.shutdown()
+    load_after = os.getloadavg()
+    q1, med, q3 = _quartiles(ratios)
+    n = args.pairs
     print(
-        f"\n| client | positions/s (median of {args.rounds}) |\n|---|---:|\n"
+        f"\n| client | positions/s (median of {n}) |\n|---|---:|\n"
         f"| direct (2 teacher-server processes) | {statistics.median(rates['direct']):.0f} |\n"
         f"| through the Ray pool (2 replicas) | {statistics.median(rates['pool']):.0f} |\n\n"
-        f"pool / direct: median {statistics.median(ratios):.3f} (rounds: "
-        f"{', '.join(f'{x:.3f}' for x in ratios)}); target >= 0.95; load average {load:.1f}"
+        f"pool / direct over {n} pairs: median {med:.3f}, quartiles {q1:.3f} .. {q3:.3f}, "
+        f"min {min(ratios):.3f}, max {max(ratios):.3f}; target median >= 0.95\n"
+        f"load average (1, 5, 15 min) before {load_before[0]:.1f} {load_before[1]:.1f} "
+        f"{load_before[2]:.1f}, after {load_after[0]:.1f} {load_after[1]:.1f} {load_after[2]:.1f}"
     )
 
 

@@ -21,9 +21,13 @@ import os
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from topk_ray.errors import PoolError
+from topk_ray.registry import PoolResolver, create_registry, registry_name
 
 __all__ = ["PoolConfig", "PoolError", "TeacherPool", "connect"]
 
@@ -32,10 +36,6 @@ log = logging.getLogger(__name__)
 
 #: Tries to start a local cluster (:func:`connect` without an address).
 _LOCAL_START_ATTEMPTS = 3
-
-
-class PoolError(RuntimeError):
-    """The pool cannot do what it was asked; the message names the setting or replica."""
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
@@ -91,7 +91,14 @@ def connect(
     try:
         ray.init(address=address, **init_kwargs)
     except ConnectionError as e:
-        raise PoolError(f"ray address {address!r}: {e}") from None
+        hint = ""
+        if os.environ.get("RAY_AUTH_MODE") != "token":
+            hint = (
+                "; a cluster with token authentication (a local one started by ray.init, by "
+                "default) needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or "
+                "~/.ray/auth_token) in this process's environment"
+            )
+        raise PoolError(f"ray address {address!r}: {e}{hint}") from None
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,9 @@ class PoolConfig:
 
     serve_args: Sequence[str]
     replicas: int = 1
+    name: str | None = None
+    """the pool's name on the cluster, for :class:`~topk_ray.registry.PoolResolver` from
+    other jobs (None: a new unique one)"""
     num_cpus: float = 1
     """CPUs reserved per replica"""
     num_gpus: float = 0
@@ -120,8 +130,14 @@ class PoolConfig:
     """where each replica writes its server's log (on its node)"""
     resources: dict[str, float] = field(default_factory=dict)
     """custom Ray resources per replica (e.g. an accelerator type)"""
+    niceness: int = 0
+    """the replica's nice value: Ray starts workers at 15 so that its own daemons stay
+    responsive, and a server started there would inherit it and lose the CPU to any other
+    process of the node; a replica is the node's main work"""
 
     def __post_init__(self) -> None:
+        if self.name is not None and not self.name.strip():
+            raise PoolError("name: must not be empty")
         if self.replicas < 1:
             raise PoolError(f"replicas: must be >= 1, got {self.replicas}")
         if self.num_cpus < 0 or self.num_gpus < 0:
@@ -129,6 +145,7 @@ class PoolConfig:
         for flag in ("--port", "--http-port", "--host"):
             if flag in self.serve_args:
                 raise PoolError(f"serve_args: {flag} is set by the pool, per replica")
+        _check_fingerprint_file(self.serve_args)
 
     def bundle(self) -> dict[str, float]:
         """One replica's resources."""
@@ -136,6 +153,26 @@ class PoolConfig:
         if self.num_gpus:
             out["GPU"] = float(self.num_gpus)
         return out
+
+
+def _check_fingerprint_file(serve_args: Sequence[str]) -> None:
+    """A reference fingerprint this machine can read must parse before any replica is
+    placed (one on the nodes only is read, and named, by each replica's server)."""
+    from topk_protocol.fingerprint import FingerprintFileError, load_fingerprint
+
+    flag = "--expect-fingerprint"
+    for i, arg in enumerate(serve_args):
+        if arg == flag and i + 1 < len(serve_args):
+            path = serve_args[i + 1]
+        elif arg.startswith(flag + "="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        if os.path.exists(path):
+            try:
+                load_fingerprint(path)
+            except FingerprintFileError as e:
+                raise PoolError(f"serve_args: --expect-fingerprint: {e}") from None
 
 
 def _free_port() -> int:
@@ -149,6 +186,8 @@ class TeacherPool:
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
+        self.name = config.name or f"pool-{uuid.uuid4().hex[:12]}"
+        self._registry: Any = None
         self._pg: Any = None
         self._actors: list[Any] = []
         self._ports: list[tuple[int, int]] = []
@@ -164,11 +203,13 @@ class TeacherPool:
         if not ray.is_initialized():
             connect()
         bundle = cfg.bundle()
+        self._registry = create_registry(self.name)
         self._pg = placement_group([bundle] * cfg.replicas, strategy=cfg.strategy)
         ready, _ = ray.wait([self._pg.ready()], timeout=cfg.placement_timeout_s)
         if not ready:
             remove_placement_group(self._pg)
             self._pg = None
+            self._drop_registry()
             raise PoolError(
                 f"replicas: cannot place {cfg.replicas} x {bundle} ({cfg.strategy}) within "
                 f"{cfg.placement_timeout_s:g} s; the cluster has {ray.cluster_resources()}, "
@@ -202,10 +243,12 @@ class TeacherPool:
             resources=cfg.resources or None,
             max_restarts=-1,
             max_concurrency=4,
+            # Ray's own switch for a worker's nice value (its job supervisor uses it too).
+            runtime_env={"env_vars": {"RAY_worker_niceness": str(cfg.niceness)}},
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self._pg, placement_group_bundle_index=index
             ),
-        ).remote(index, list(cfg.serve_args), *ports, cfg.log_dir)
+        ).remote(index, list(cfg.serve_args), *ports, cfg.log_dir, registry_name(self.name))
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every replica is ready (a restarted one included)."""
@@ -230,14 +273,24 @@ class TeacherPool:
                 if time.monotonic() >= deadline or not ray.get(actor.alive.remote()):
                     raise PoolError(f"replica {i}: its server did not start:\n{tail}")
 
-    def stop(self) -> None:
-        """Drain every replica, then remove the actors and the placement group."""
-        self.scale(0)
+    def stop(self) -> dict[int, int]:
+        """Drain every replica, then remove the actors, the placement group and the
+        pool's registry; each replica's server exit code (as :meth:`scale`)."""
+        codes = self.scale(0)
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self._pg)
             self._pg = None
+        self._drop_registry()
+        return codes
+
+    def _drop_registry(self) -> None:
+        if self._registry is not None:
+            import ray
+
+            ray.kill(self._registry)
+            self._registry = None
 
     def __enter__(self) -> TeacherPool:
         return self.start()
@@ -246,10 +299,13 @@ class TeacherPool:
         self.stop()
 
     # -- scaling ------------------------------------------------------------------------
-    def scale(self, replicas: int) -> None:
+    def scale(self, replicas: int) -> dict[int, int]:
         """Keep the first ``replicas`` (at most the placement group's size): the ones
-        removed drain first (the server's own drain), then leave; ones added start and are
-        waited for."""
+        removed leave the resolver's targets, drain together (the server's own drain:
+        NOT_SERVING, the requests in flight finish within ``drain_timeout_s``), then
+        leave; ones added start and are waited for. Returns each removed replica's server
+        exit code (0: it drained and exited by itself; -9: killed when the drain
+        overran)."""
         import ray
 
         if replicas > self.config.replicas:
@@ -257,13 +313,19 @@ class TeacherPool:
                 f"replicas: {replicas} exceeds the pool's placement group of "
                 f"{self.config.replicas}; start another pool"
             )
+        if replicas < 0:
+            raise PoolError(f"replicas: must be >= 0, got {replicas}")
+        codes: dict[int, int] = {}
+        leaving = []  # every replica removed drains at once: one drain budget in all
         while len(self._actors) > replicas:
             actor = self._actors.pop()
+            index = len(self._actors)
+            if self._registry is not None:
+                ray.get(self._registry.remove.remote(index), timeout=60)
+            leaving.append((index, actor, actor.drain.remote(self.config.drain_timeout_s)))
+        for index, actor, drained in leaving:
             with contextlib.suppress(ray.exceptions.RayError):  # already gone
-                ray.get(
-                    actor.drain.remote(self.config.drain_timeout_s),
-                    timeout=self.config.drain_timeout_s + 30,
-                )
+                codes[index] = ray.get(drained, timeout=self.config.drain_timeout_s + 30)
             ray.kill(actor, no_restart=True)
         started = False
         while len(self._actors) < replicas:
@@ -271,6 +333,7 @@ class TeacherPool:
             started = True
         if started:
             self.wait_ready()
+        return codes
 
     # -- what students connect to --------------------------------------------------------------
     def addresses(self) -> list[tuple[str, int, int, int]]:
@@ -283,6 +346,12 @@ class TeacherPool:
         """The replicas' gRPC targets, ``ip:port``, for ``TeacherClient`` /
         ``MultiTeacherClient`` (the same after a replica restarts)."""
         return [f"{host}:{port}" for host, port, _, _ in self.addresses()]
+
+    def resolver(self) -> PoolResolver:
+        """A picklable ``() -> list[str]`` of the replicas serving now, that follows the
+        pool as replicas leave (scale-down), come back (Ray restarts, scale-up) or move
+        node; usable in Ray tasks and in other jobs on the cluster (by the pool's name)."""
+        return PoolResolver(self.name)
 
     def client(self, **kwargs: Any) -> Any:
         """A ``TeacherClient`` over every replica (fail-over between them)."""

@@ -12,30 +12,49 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["RecordError", "record_on_ray"]
+__all__ = ["RecordError", "Targets", "record_on_ray"]
 
 
 class RecordError(RuntimeError):
     """A shard failed after its retries, or ``--verify`` found problems (named)."""
 
 
+#: What a shard task records from: fixed targets, or a resolver (e.g. ``pool.resolver()``)
+#: called in the task as it starts, Ray's retries included.
+Targets = Sequence[str] | Callable[[], Sequence[str]]
+
+
+def _resolve(targets: Targets) -> list[str]:
+    out = list(targets() if callable(targets) else targets)
+    if not out:
+        raise RecordError("targets: no replica to record from (the pool has none serving)")
+    return out
+
+
 def _record_shard(
-    argv: list[str], index: int, num_shards: int, on_start: Callable[[int, int], None] | None
+    targets: Targets,
+    argv: list[str],
+    index: int,
+    num_shards: int,
+    on_start: Callable[[int, int, list[str]], None] | None,
 ) -> int:
     """One shard's recorder in this Ray worker; its exit code (``SystemExit`` kept)."""
     from student_client.offline.record_cli import main
 
+    resolved = _resolve(targets)
     if on_start is not None:
-        on_start(index, os.getpid())
+        on_start(index, os.getpid(), resolved)
+    shard = ["--shard-index", str(index), "--num-shards", str(num_shards)]
     try:
-        return main([*argv, "--shard-index", str(index), "--num-shards", str(num_shards)])
+        return main(["--teacher", ",".join(resolved), *argv, *shard])
     except SystemExit as e:
         raise RecordError(f"shard {index} of {num_shards}: {e}") from None
 
 
 def record_on_ray(
-    targets: Sequence[str],
+    targets: Targets,
     input: str,
     output: str,
     *,
@@ -43,34 +62,40 @@ def record_on_ray(
     record_args: Sequence[str] = (),
     max_retries: int = 3,
     num_cpus: float = 1,
-    on_start: Callable[[int, int], None] | None = None,
+    runtime_env: dict[str, Any] | None = None,
+    on_start: Callable[[int, int, list[str]], None] | None = None,
 ) -> list[str]:
-    """Record ``input`` into ``output`` with ``num_shards`` Ray tasks against the
-    replicas ``targets`` (e.g. ``TeacherPool.targets()``); ``record_args`` are further
-    ``teacher-record`` flags (``--top-k``, ``--dtype``, ``--batch-size``, ...).
-    ``on_start(shard, worker pid)`` runs in each task as it starts (retries included).
-    Returns ``--verify``'s problems (none: the recording is whole); raises
-    :class:`RecordError` naming a shard that failed after its retries."""
+    """Record ``input`` into ``output`` (a path every node sees, or an ``s3://`` URI)
+    with ``num_shards`` Ray tasks against a pool's replicas: ``targets`` is a list, or a
+    resolver such as ``TeacherPool.resolver()`` that each task calls as it starts (a
+    retried task gets the replicas serving then). ``record_args`` are further
+    ``teacher-record`` flags (``--top-k``, ``--dtype``, ``--batch-size``, ...);
+    ``runtime_env`` is the tasks' Ray runtime environment (e.g. ``{"env_vars": ...}`` with
+    object-store credentials the nodes lack). ``on_start(shard, worker pid, targets)``
+    runs in each task as it starts. Returns ``--verify``'s problems (none: the recording
+    is whole); raises :class:`RecordError` naming a shard that failed after its retries."""
     import ray
 
     if num_shards < 1:
         raise RecordError(f"num_shards: must be >= 1, got {num_shards}")
-    if not targets:
-        raise RecordError("targets: no replica to record from")
-    argv = [
-        "--teacher", ",".join(targets), "--input", input, "--output", output, "--quiet",
-        *record_args,
-    ]  # fmt: skip
-    task = ray.remote(_record_shard).options(
-        max_retries=max_retries, retry_exceptions=False, num_cpus=num_cpus
-    )
-    refs = [task.remote(argv, i, num_shards, on_start) for i in range(num_shards)]
+    if not callable(targets):
+        targets = _resolve(targets)
+    argv = ["--input", input, "--output", output, "--quiet", *record_args]
+    options: dict[str, Any] = {
+        "max_retries": max_retries, "retry_exceptions": False, "num_cpus": num_cpus
+    }  # fmt: skip
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
+    task = ray.remote(_record_shard).options(**options)
+    refs = [task.remote(targets, argv, i, num_shards, on_start) for i in range(num_shards)]
     failures = []
     for i, ref in enumerate(refs):
         try:
             code = ray.get(ref)
             if code:
                 failures.append(f"shard {i} of {num_shards}: exit code {code}")
+        except ray.exceptions.RayTaskError as e:
+            failures.append(str(e.cause) if isinstance(e.cause, RecordError) else f"{e}")
         except ray.exceptions.RayError as e:
             failures.append(f"shard {i} of {num_shards}: {e}")
     if failures:

@@ -37,11 +37,19 @@ class ReplicaProcess:
     replica's, the same after every restart); the log goes to ``log_dir``."""
 
     def __init__(
-        self, index: int, serve_args: list[str], port: int, http_port: int, log_dir: str
+        self,
+        index: int,
+        serve_args: list[str],
+        port: int,
+        http_port: int,
+        log_dir: str,
+        registry: str | None = None,
     ) -> None:
         import ray
 
         self.index = index
+        self._registry = registry
+        self._registered = threading.Lock()
         self.host = ray.util.get_node_ip_address()
         self.port, self.http_port = port, http_port
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -84,10 +92,25 @@ class ReplicaProcess:
             url = f"http://127.0.0.1:{self.http_port}/readyz"
             with urllib.request.urlopen(url, timeout=5) as r:
                 ok = int(r.status) == 200
-            self._ever_ready |= ok
-            return ok
         except (OSError, urllib.error.HTTPError):
             return False
+        if ok and not self._ever_ready:
+            with self._registered:
+                if not self._ever_ready:
+                    self._register()
+                    self._ever_ready = True
+        return ok
+
+    def _register(self) -> None:
+        """Write this replica's target to the pool's registry (once per actor start,
+        before the pool's ``wait_ready`` hears it is ready)."""
+        import ray
+
+        from topk_ray.registry import NAMESPACE
+
+        if self._registry is not None:
+            registry = ray.get_actor(self._registry, namespace=NAMESPACE)
+            ray.get(registry.set.remote(self.index, f"{self.host}:{self.port}"), timeout=60)
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until ready; False if the server exited or ``timeout_s`` passed."""

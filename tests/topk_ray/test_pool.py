@@ -18,15 +18,16 @@ ray = pytest.importorskip("ray", reason="the ray extra: pip install '.[ray]'")
 
 from devtools.launch import TeacherProcess, start_teacher  # noqa: E402
 from student_client import TeacherClient  # noqa: E402
-from topk_ray import PoolConfig, PoolError, TeacherPool, connect  # noqa: E402
+from topk_ray import PoolConfig, PoolError, PoolResolver, TeacherPool, connect  # noqa: E402
 
 K = 8
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
+def ray_cluster(s3_endpoint: str) -> Iterator[None]:
     """A local Ray cluster of 3 logical CPUs (one per replica, one for Ray Data's own
-    scheduling), no dashboard."""
+    scheduling), no dashboard. Started after the session's S3 server, so that its workers
+    inherit the endpoint and credentials in the environment, as a node's would."""
     connect(num_cpus=3, object_store_memory=80 * 1024 * 1024)
     yield
     ray.shutdown()
@@ -102,6 +103,8 @@ def test_sigkill_one_replica_mid_stream_then_ray_restarts_it(
     with TeacherClient(direct.target) as client:
         want = list(client.stream(batches, K, depth=4))
     before = {t: pid for (h, p, _, pid), t in zip(pool.addresses(), pool.targets(), strict=True)}
+    # Not at Ray's worker nice value (15): a replica competes for the CPU as a plain server.
+    assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in before.values()] == [0, 0]
     got = []
     victim = None
     with pool.client(backoff_s=0.05, retries=8) as client:
@@ -116,14 +119,10 @@ def test_sigkill_one_replica_mid_stream_then_ray_restarts_it(
     after = {t: pid for (h, p, _, pid), t in zip(pool.addresses(), pool.targets(), strict=True)}
     assert set(after) == set(before)
     assert after[victim] != before[victim]
+    assert os.getpriority(os.PRIO_PROCESS, after[victim]) == 0
     with TeacherClient(victim) as client:
         again = list(client.stream(batches[:4], K, depth=4))
     _assert_same(again, want[:4])
-
-
-def test_scale_down_drains_the_replica(pool: TeacherPool) -> None:
-    with pytest.raises(PoolError, match="replicas: 3 exceeds the pool's placement group of 2"):
-        pool.scale(3)
 
 
 def test_no_resources_for_a_replica_is_named(ray_cluster: None, tiny_model_dir: Path) -> None:
@@ -140,14 +139,34 @@ def test_an_unreachable_ray_address_is_named() -> None:
         connect("nowhere")
 
 
-def test_bad_pool_config_is_named(tiny_model_dir: Path) -> None:
+def test_bad_pool_config_is_named(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(PoolError, match="serve_args: --port is set by the pool"):
         PoolConfig([*_serve_args(tiny_model_dir), "--port", "1"])
     with pytest.raises(PoolError, match="replicas: must be >= 1, got 0"):
         PoolConfig(_serve_args(tiny_model_dir), replicas=0)
+    # A reference fingerprint that does not parse is named before anything is placed.
+    bad = tmp_path / "reference.json"
+    bad.write_text("{not json")
+    for flags in (["--expect-fingerprint", str(bad)], [f"--expect-fingerprint={bad}"]):
+        with pytest.raises(
+            PoolError,
+            match=rf"serve_args: --expect-fingerprint: fingerprint file {bad}: not JSON",
+        ):
+            PoolConfig([*_serve_args(tiny_model_dir), *flags])
+    bad.write_text('{"model": "tiny"}')
+    with pytest.raises(PoolError, match=rf"fingerprint file {bad}: holds no answer fingerprint"):
+        PoolConfig([*_serve_args(tiny_model_dir), "--expect-fingerprint", str(bad)])
 
 
-def _rows(path: Path) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
+def test_a_second_pool_of_the_same_name_is_refused(pool: TeacherPool, tiny_model_dir: Path) -> None:
+    config = PoolConfig(_serve_args(tiny_model_dir), name=pool.name, placement_timeout_s=2)
+    with pytest.raises(PoolError, match=f"name: a pool named '{pool.name}' already runs"):
+        TeacherPool(config).start()
+    with pytest.raises(PoolError, match="pool 'no-such-pool': no pool of that name runs"):
+        PoolResolver("no-such-pool")()
+
+
+def _rows(path: str | Path) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
     from student_client import PayloadDataset
 
     ds = PayloadDataset(path, top_k=K, dtype="float32")
@@ -190,7 +209,7 @@ def test_recording_on_ray_with_a_worker_killed_mid_write(
     pids = tmp_path / "pids"
     pids.mkdir()
 
-    def on_start(shard: int, pid: int) -> None:
+    def on_start(shard: int, pid: int, targets: list[str]) -> None:
         (pids / f"{shard}-{pid}").touch()
 
     result: dict[str, object] = {}
@@ -258,3 +277,122 @@ def test_ray_data_stage_reads_back_like_teacher_record(
     assert len(got) == len(want) == len(seqs)
     for (gt, gi, gl), (wt, wi, wl) in zip(got, want, strict=True):
         assert gt == wt and np.array_equal(gi, wi) and np.array_equal(gl, wl)
+
+
+def _corpus(tmp_path: Path, seed: int, rows: int) -> tuple[Path, list[list[int]]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(5, 90, size=rows)]
+    corpus = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"input_ids": seqs}), corpus, row_group_size=8)
+    return corpus, seqs
+
+
+def test_recording_on_ray_into_s3_with_the_pools_resolver(
+    pool: TeacherPool, direct: TeacherProcess, s3_bucket: str, tmp_path: Path
+) -> None:
+    """``s3://`` output: each shard task resolves the pool's replicas as it starts and
+    writes its part to the object store (the local S3 server the suite runs)."""
+    from student_client.offline.record_cli import main as record_main
+    from topk_protocol.recording.sharded import list_parts
+    from topk_ray.record import record_on_ray
+
+    corpus, seqs = _corpus(tmp_path, 6, 48)
+    flags = ["--top-k", str(K), "--dtype", "float32", "--batch-size", "2", "--depth", "2"]
+    single = tmp_path / "single"
+    assert record_main(["--teacher", direct.target, "--input", str(corpus), "--output",
+                        str(single), "--quiet", *flags]) == 0  # fmt: skip
+    uri = f"{s3_bucket}/runs/on-ray"
+    problems = record_on_ray(
+        pool.resolver(), str(corpus), uri, num_shards=2, record_args=flags, num_cpus=0
+    )
+    assert problems == []  # --verify over the parts on S3
+    assert [p.index for p in list_parts(uri)] == [0, 1]
+    got, want = _rows(uri), _rows(single)
+    assert len(got) == len(want) == len(seqs)
+    for (gt, gi, gl), (wt, wi, wl) in zip(got, want, strict=True):
+        assert gt == wt and np.array_equal(gi, wi) and np.array_equal(gl, wl)
+
+
+def _in_flight(http_port: int) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("topk_teacher_requests_in_flight "):
+                return float(line.split()[1])
+    raise AssertionError("no topk_teacher_requests_in_flight in /metrics")
+
+
+def test_scale_down_drains_in_flight_requests_and_the_resolver_follows(
+    pool: TeacherPool, direct: TeacherProcess, tmp_path: Path
+) -> None:
+    """Scale-down uses the server's own drain: a request in flight on the replica that
+    leaves is answered in full (equal to a direct client's), the server exits 0 by itself;
+    the resolver drops the replica before it drains and takes it back on scale-up, in the
+    driver and in a Ray task alike."""
+    import threading
+
+    from topk_ray.record import record_on_ray
+
+    resolver = pool.resolver()
+    (_, _, http0, _), (_, _, http1, _) = pool.addresses()
+    t0, t1 = pool.targets()
+    in_task = ray.remote(lambda r: r()).options(num_cpus=0)
+    assert resolver() == [t0, t1] == ray.get(in_task.remote(resolver))
+
+    # One large request (seconds of work on one CPU) to the replica that will leave.
+    rng = np.random.default_rng(7)
+    big = [rng.integers(0, 256, size=2048).tolist() for _ in range(24)]
+    with TeacherClient(direct.target) as client:
+        want = client.score(big, K)
+    answer: dict[str, object] = {}
+
+    def ask() -> None:
+        with TeacherClient(t1, retries=0) as client:
+            try:
+                answer["payload"] = client.score(big, K)
+            except Exception as e:  # reported below
+                answer["error"] = e
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    while _in_flight(http1) < 1:
+        assert asker.is_alive(), answer
+        time.sleep(0.02)
+    codes = pool.scale(1)  # returns once the replica drained and left
+    asker.join()
+    assert codes == {1: 0}  # it drained and exited by itself, not killed
+    assert "error" not in answer, answer
+    got = answer["payload"]
+    assert torch.equal(got.ids, want.ids) and torch.equal(got.logprobs, want.logprobs)  # type: ignore[attr-defined]
+    log = (Path(pool.config.log_dir) / "replica-1.log").read_text()
+    drained = [ln for ln in log.splitlines() if "draining:" in ln]
+    assert drained and "draining: 0 requests" not in drained[-1], drained
+
+    # The resolver follows: replica 1 is gone for the driver and for Ray tasks, and a
+    # recording started now records from replica 0 alone.
+    assert resolver() == [t0] == ray.get(in_task.remote(resolver))
+    with TeacherClient(resolver()) as client:
+        again = client.score(big[:2], K)
+    assert torch.equal(again.ids, want.ids[:2])
+    corpus, _ = _corpus(tmp_path, 8, 16)
+    used = tmp_path / "used"
+    used.mkdir()
+
+    def on_start(shard: int, pid: int, targets: list[str]) -> None:
+        (used / f"{shard}").write_text(",".join(targets))
+
+    problems = record_on_ray(
+        resolver, str(corpus), str(tmp_path / "rec"), num_shards=2, num_cpus=0,
+        record_args=["--top-k", str(K), "--dtype", "float32"], on_start=on_start,
+    )  # fmt: skip
+    assert problems == []
+    assert sorted(p.read_text() for p in used.iterdir()) == [t0, t0]
+    assert _in_flight(http0) == 0
+
+    pool.scale(2)  # back: replica 1 starts again (new free ports on a one-node cluster)
+    targets = pool.targets()
+    assert targets[0] == t0 and resolver() == targets == ray.get(in_task.remote(resolver))
