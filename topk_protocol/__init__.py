@@ -35,6 +35,7 @@ from topk_protocol.codec import (
 from topk_protocol.info import TeacherInfo
 from topk_protocol.requests import (
     DEFAULT_DTYPE,
+    DEFAULT_INCLUDE_SAMPLED,
     DEFAULT_MAX_MESSAGE_MB,
     FRAMING_BYTES,
     RECORDED,
@@ -52,6 +53,7 @@ from topk_protocol.temperature import (
 
 __all__ = [
     "DEFAULT_DTYPE",
+    "DEFAULT_INCLUDE_SAMPLED",
     "DEFAULT_MAX_MESSAGE_MB",
     "DEFAULT_TEACHER_TEMPERATURE",
     "DTYPE_NAMES",

@@ -27,6 +27,7 @@ from student_client.data.alignment import PaddedLayout
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
+    RequestOptions,
     pb,
     pb_grpc,
 )
@@ -47,8 +48,9 @@ __all__ = [
 ]
 
 END = object()  # the server closed the stream
-#: A request to send and the padded layout its answer goes back into (None: unpadded).
-Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None]
+#: A request to send, the padded layout its answer goes back into (None: unpadded) and
+#: the options it was built with (handed to its assembler and recording, not re-derived).
+Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None, RequestOptions]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +99,16 @@ class StreamWindow:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, request: pb.ScoreRequest, layout: PaddedLayout | None = None) -> Pending:
+    def add(
+        self,
+        request: pb.ScoreRequest,
+        layout: PaddedLayout | None = None,
+        options: RequestOptions | None = None,
+    ) -> Pending:
+        """Take a sent request (``options``: the ones it was built with)."""
         if request.request_id in self._pending:
             raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
-        pending = Pending(ResponseAssembler(request), layout)
+        pending = Pending(ResponseAssembler(request, options), layout)
         self._pending[request.request_id] = pending
         return pending
 

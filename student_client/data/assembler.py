@@ -49,14 +49,19 @@ class ResponseAssembler:
 
     Feed every ``ScoreResponse`` of the request to :meth:`add` (one unary answer, or the
     stream's row chunks in arrival order). Once :attr:`complete`, :meth:`payload` builds
-    the tensors and :meth:`merged_response` the equivalent single message (chunks joined),
-    which is what recordings store. An ``error`` answer sets :attr:`error` instead.
+    the tensors, :meth:`sequences` each sequence's decoded rows (what a recording
+    stores, with :attr:`options`) and :meth:`merged_response` the equivalent single
+    message (chunks joined). An ``error`` answer sets :attr:`error` instead.
+
+    ``options``: the :class:`RequestOptions` the request was built with, handed on by
+    the client that built it (None: read back from ``request``).
     """
 
-    def __init__(self, request: pb.ScoreRequest) -> None:
+    def __init__(self, request: pb.ScoreRequest, options: RequestOptions | None = None) -> None:
         self.request = request
         self.spans = request_spans(request)
-        options = RequestOptions.from_proto(request)
+        if options is None:  # a request built elsewhere: read its options back
+            options = RequestOptions.from_proto(request)
         self.top_k = options.top_k
         self.dtype = options.wire_dtype
         self.include_sampled = options.include_sampled
@@ -176,6 +181,24 @@ class ResponseAssembler:
                 f"logprob_bits {c.logprob_bits}"
             )
 
+    def sequences(self) -> list[SequenceArrays | None]:
+        """Each sequence's rows decoded and joined (candidate ids included; None: an
+        empty range), what :meth:`RecordingWriter.write_sequences
+        <topk_protocol.recording.writer.RecordingWriter.write_sequences>` records."""
+        if not self.complete or self.error is not None:
+            raise TeacherError("sequences: the request is not answered (or failed)")
+        return [self._joined(i) if rows else None for i, rows in enumerate(self._rows)]
+
+    def _joined(self, i: int) -> SequenceArrays:
+        """Sequence ``i``'s chunks decoded and joined (at least one row)."""
+        cand, parts, row = self.candidates[i], [], 0
+        for c in self._chunks[i]:
+            n = int(c.num_positions)
+            if n:
+                parts.append(decode_sequence(c, None if cand is None else cand[row : row + n]))
+                row += n
+        return SequenceArrays.concat(parts)
+
     def merged_response(self) -> pb.ScoreResponse:
         """The complete answer as one message: one ``SequencePayload`` per sequence."""
         if not self.complete or self.error is not None:
@@ -212,16 +235,8 @@ class ResponseAssembler:
         which gives the bytes of a one-message answer (packing decoded rows is
         idempotent, :mod:`topk_protocol.packing`). Candidate log-probs travel unpacked:
         their bytes are joined as they came, as in a default answer."""
-        cand, rows, row = self.candidates[i], [], 0
-        for c in chunks:
-            n = int(c.num_positions)
-            if n:
-                rows.append(decode_sequence(c, None if cand is None else cand[row : row + n]))
-                row += n
         joined = (
-            SequenceArrays.concat(rows)
-            if rows
-            else SequenceArrays.empty(self.top_k, self.spans[i][0])
+            self._joined(i) if self._rows[i] else SequenceArrays.empty(self.top_k, self.spans[i][0])
         )
         joined = replace(joined, candidate_ids=None, candidate_logprobs=None)
         first = chunks[0] if chunks else pb.SequencePayload(id_bits=1)

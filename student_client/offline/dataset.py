@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 
 from student_client.data.padding import PayloadBuffers, present_fields
 from student_client.data.payload import TeacherPayload
-from topk_protocol import RequestOptions, SequenceArrays, TeacherInfo
+from topk_protocol import DEFAULT_INCLUDE_SAMPLED, RequestOptions, SequenceArrays, TeacherInfo
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.packing import packed_roundtrip
 from topk_protocol.recording import RecordingReader
@@ -95,7 +95,10 @@ class PayloadDataset(Dataset[PayloadItem]):
         top_k: K' <= the recorded K (the top-K' prefix of each row); default: recorded K.
         dtype: log-prob dtype to serve, the values the teacher would have sent in it
             (float32 recordings serve every dtype); default: the recorded one.
-        include_sampled: also return sampled log-probs (every row must have them).
+        include_sampled: also return sampled log-probs (every row must have them);
+            default: ``DEFAULT_INCLUDE_SAMPLED`` (True), the request options' default, so
+            that a batch holds what the live client returns for the same options. Pass
+            False for a recording made without them.
         encoding, logprob_bits: serve what a ``"packed"`` answer at ``logprob_bits``
             decodes to (a packed recording: its own, the default; a float32 one: packed
             as the teacher packs); default: the recording's encoding.
@@ -110,7 +113,7 @@ class PayloadDataset(Dataset[PayloadItem]):
         *,
         top_k: int | None = None,
         dtype: str | None = None,
-        include_sampled: bool = False,
+        include_sampled: bool = DEFAULT_INCLUDE_SAMPLED,
         encoding: str | None = None,
         logprob_bits: int | None = None,
     ) -> None:

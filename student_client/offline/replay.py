@@ -58,13 +58,17 @@ from topk_protocol.requests import RequestKeywords
 __all__ = ["ReplayClient", "replay_response", "replay_stream"]
 
 
-def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.ScoreResponse:
-    """The answer the teacher would have sent to ``request``, from recorded rows.
+def replay_response(
+    reader: RecordingReader, request: pb.ScoreRequest, options: RequestOptions | None = None
+) -> pb.ScoreResponse:
+    """The answer the teacher would have sent to ``request``, from recorded rows
+    (``options``: the ones the request was built with; None: read back from it).
 
     Raises :class:`NotRecordedError` naming every sequence that cannot be answered
     exactly and why (the rules of :mod:`topk_protocol.recording.replay`).
     """
-    options = RequestOptions.from_proto(request)
+    if options is None:
+        options = RequestOptions.from_proto(request)
     spans = request_spans(request)
     cands = [
         np.frombuffer(seq.candidate_ids, dtype="<i4").reshape(end - start, seq.num_candidates)
@@ -212,10 +216,12 @@ class ReplayClient(Closeable):
                 int(request.samples),
             )
 
-    def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
+    def _answer(
+        self, request: pb.ScoreRequest, options: RequestOptions, device: torch.device | str
+    ) -> TeacherPayload:
         self._check(request)
-        asm = ResponseAssembler(request)
-        asm.add(replay_response(self._reader, request))
+        asm = ResponseAssembler(request, options)
+        asm.add(replay_response(self._reader, request, options))
         return asm.payload(device)
 
     def score(
@@ -232,15 +238,15 @@ class ReplayClient(Closeable):
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``;
         ``teacher`` is ignored, as by a single-teacher client)."""
+        asked = RequestOptions.of(top_k, **options)
         request, layout = build_aligned_request(
             sequences,
-            RequestOptions.of(top_k, **options),
+            asked,
             attention_mask=attention_mask,
             positions=positions,
             candidate_ids=candidate_ids,
-            **options,
         )
-        return align(self._answer(request, device), layout)
+        return align(self._answer(request, asked, device), layout)
 
     def stream(
         self,
