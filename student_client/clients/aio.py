@@ -49,7 +49,15 @@ from student_client.clients.stream_loop import run_stream
 from student_client.clients.window import Answer, Outgoing, as_async, decoded
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
-from student_client.data.batch import ScoreBatch
+from student_client.data.batch import (
+    AnswerKeywords,
+    LiveScoreKeywords,
+    LiveStreamKeywords,
+    ScoreBatch,
+    split_call,
+    split_device,
+    split_stream,
+)
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     DEFAULT_MAX_MESSAGE_MB,
@@ -67,7 +75,6 @@ from topk_protocol.errors import (
     ResourceExhaustedError,
     TeacherError,
 )
-from topk_protocol.requests import RequestKeywords
 from topk_protocol.status import error_from_rpc
 
 __all__ = ["AsyncTeacherClient"]
@@ -283,14 +290,7 @@ class AsyncTeacherClient(AsyncCloseable):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        timeout_s: float | None = None,
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[LiveScoreKeywords],
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
 
@@ -323,10 +323,9 @@ class AsyncTeacherClient(AsyncCloseable):
                 The payload then has ``candidate_ids`` / ``candidate_logprobs``
                 ``[B, S, C]`` (NaN at ``-1``). Needs ``C <= info().max_candidates``.
         """
-        timeout = self._deadline(timeout_s)
-        opts = RequestOptions.of(top_k, **options)
-        item = ScoreBatch(sequences, positions, attention_mask, candidate_ids=candidate_ids)
-        request, layout, asked = self._request(item, opts)
+        call = split_call(sequences, keywords)
+        timeout = self._deadline(call.timeout_s)
+        request, layout, asked = self._request(call.batch, RequestOptions.of(top_k, **call.options))
 
         async def unary(index: int) -> Answer:
             await self._fetch_info(index)
@@ -344,36 +343,29 @@ class AsyncTeacherClient(AsyncCloseable):
         ):
             gen = run_stream(self, as_async([(request, layout, asked)]), 0, timeout)
             try:
-                return self.decode(await anext(gen), device)
+                return self.decode(await anext(gen), call.device)
             finally:
                 await gen.aclose()
-        return self.decode(await self._call(unary, self._current), device)
+        return self.decode(await self._call(unary, self._current), call.device)
 
     # -- stream -------------------------------------------------------------------------
     def stream(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[LiveStreamKeywords],
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
         ``device``; ``depth``, ``timeout_s`` and the request options (``dtype``,
         ``include_sampled``, ...) as :meth:`stream_answers`."""
-        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
-        return decoded(answers, self.decode, device)
+        device, rest = split_device(keywords)
+        return decoded(self.stream_answers(batches, top_k, **rest), self.decode, device)
 
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[AnswerKeywords],
     ) -> AsyncIterator[Answer]:
         """The complete answers to ``batches``, in input order, undecoded (each one's
         ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,
@@ -390,9 +382,10 @@ class AsyncTeacherClient(AsyncCloseable):
         ``include_sampled``, ...), ``timeout_s``: as :meth:`score` (``timeout_s`` counts
         per request, from when it is sent).
         """
-        check_depth(depth)
-        timeout = self._deadline(timeout_s)
-        opts = RequestOptions.of(top_k, **options)
+        call = split_stream(keywords)
+        check_depth(call.depth)
+        timeout = self._deadline(call.timeout_s)
+        opts = RequestOptions.of(top_k, **call.options)
 
         async def requests() -> AsyncIterator[Outgoing | TeacherError]:
             async for batch in as_async(batches):
@@ -401,7 +394,7 @@ class AsyncTeacherClient(AsyncCloseable):
                 except TeacherError as e:  # raised when the caller reaches this batch
                     yield e
 
-        return run_stream(self, requests(), depth, timeout)
+        return run_stream(self, requests(), call.depth, timeout)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def close(self) -> None:

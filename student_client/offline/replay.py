@@ -16,7 +16,7 @@ recording.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from typing_extensions import Unpack
 
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
-from student_client.data.batch import ScoreBatch
+from student_client.data.batch import ScoreBatch, ScoreKeywords, StreamKeywords, split_call
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     RequestOptions,
@@ -228,37 +228,29 @@ class ReplayClient(Closeable):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[ScoreKeywords],
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``;
         ``teacher`` is ignored, as by a single-teacher client)."""
-        asked = RequestOptions.of(top_k, **options)
+        call = split_call(sequences, keywords)
+        asked = RequestOptions.of(top_k, **call.options)
         request, layout = build_aligned_request(
             sequences,
             asked,
-            attention_mask=attention_mask,
-            positions=positions,
-            candidate_ids=candidate_ids,
+            attention_mask=call.batch.attention_mask,
+            positions=call.batch.positions,
+            candidate_ids=call.batch.candidate_ids,
         )
-        return align(self._answer(request, asked, device), layout)
+        return align(self._answer(request, asked, call.device), layout)
 
     def stream(
         self,
         batches: Iterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[StreamKeywords],
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order (see :func:`replay_stream`)."""
-        return replay_stream(self.score, batches, top_k, depth=depth, device=device, **options)
+        return replay_stream(self.score, batches, top_k, **keywords)
 
     def close(self) -> None:
         if hasattr(self, "_reader"):
