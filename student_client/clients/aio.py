@@ -46,16 +46,14 @@ from student_client.clients.channels import (
 )
 from student_client.clients.recording import AnswerRecorder
 from student_client.clients.stream_loop import run_stream
-from student_client.clients.window import Answer, Outgoing, as_async, decoded
+from student_client.clients.window import Answer, DecodedStream, Outgoing, as_async
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
 from student_client.data.batch import (
     AnswerKeywords,
     LiveScoreKeywords,
-    LiveStreamKeywords,
     ScoreBatch,
     split_call,
-    split_device,
     split_stream,
 )
 from student_client.data.payload import TeacherPayload
@@ -82,7 +80,7 @@ __all__ = ["AsyncTeacherClient"]
 T = TypeVar("T")
 
 
-class AsyncTeacherClient(AsyncCloseable):
+class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
     """asyncio client of a ``topk_distill.v1.Teacher`` service.
 
     Args:
@@ -349,18 +347,6 @@ class AsyncTeacherClient(AsyncCloseable):
         return self.decode(await self._call(unary, self._current), call.device)
 
     # -- stream -------------------------------------------------------------------------
-    def stream(
-        self,
-        batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions | None = None,
-        **keywords: Unpack[LiveStreamKeywords],
-    ) -> AsyncIterator[TeacherPayload]:
-        """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
-        ``device``; ``depth``, ``timeout_s`` and the request options (``dtype``,
-        ``include_sampled``, ...) as :meth:`stream_answers`."""
-        device, rest = split_device(keywords)
-        return decoded(self.stream_answers(batches, top_k, **rest), self.decode, device)
-
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],

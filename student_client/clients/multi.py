@@ -43,14 +43,12 @@ from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import BlockingFacade
 from student_client.clients.channels import ClientOptions, ConnectionOptions
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
-from student_client.clients.window import as_async, decoded
+from student_client.clients.window import DecodedStream, as_async
 from student_client.data.batch import (
     AnswerKeywords,
     LiveScoreKeywords,
-    LiveStreamKeywords,
     ScoreBatch,
     split_call,
-    split_device,
     split_stream,
 )
 from student_client.data.payload import TeacherPayload
@@ -89,7 +87,7 @@ class RoutedAnswer:
     teachers: list[str]
 
 
-class AsyncMultiTeacherClient(AsyncCloseable):
+class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
     """asyncio client over named teachers (see the module docstring).
 
     Args:
@@ -248,16 +246,6 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         return self.decode(await self._answer(call.batch, opts, call.timeout_s), call.device)
 
     # -- stream ------------------------------------------------------------------------
-    def stream(
-        self,
-        batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions | None = None,
-        **keywords: Unpack[LiveStreamKeywords],
-    ) -> AsyncIterator[TeacherPayload]:
-        """Payloads of ``batches`` in input order (see :meth:`stream_answers`)."""
-        device, rest = split_device(keywords)
-        return decoded(self.stream_answers(batches, top_k, **rest), self.decode, device)
-
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
