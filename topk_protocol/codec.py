@@ -249,9 +249,10 @@ def decode_sequence_into(out: Mapping[str, npt.NDArray[Any]], msg: pb.SequencePa
     if msg.encoding == pb.PAYLOAD_ENCODING_PACKED:
         decode_packed_into(ids, logprobs, msg)
     else:
-        if len(msg.ids) != ids.size * 4:
-            raise ValueError(f"ids: expected {ids.size * 4} bytes, got {len(msg.ids)}")
-        ids[...] = np.frombuffer(msg.ids, dtype=_LE_I32).reshape(ids.shape)
+        raw = msg.ids  # read once: each read of a bytes field may copy it
+        if len(raw) != ids.size * 4:
+            raise ValueError(f"ids: expected {ids.size * 4} bytes, got {len(raw)}")
+        ids[...] = np.frombuffer(raw, dtype=_LE_I32).reshape(ids.shape)
         decode_floats_into(logprobs, msg.logprobs, enum, "logprobs")
     for f in ARRAY_FIELDS:
         dst = out.get(f.name)
