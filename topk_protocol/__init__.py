@@ -24,6 +24,7 @@ from topk_protocol.codec import (
     decode_floats_into,
     decode_packed_into,
     decode_sequence,
+    decode_sequence_into,
     decode_token_ids,
     dtype_from_name,
     dtype_name,
@@ -34,6 +35,7 @@ from topk_protocol.codec import (
 from topk_protocol.info import TeacherInfo
 from topk_protocol.requests import (
     DEFAULT_DTYPE,
+    DEFAULT_INCLUDE_SAMPLED,
     DEFAULT_MAX_MESSAGE_MB,
     FRAMING_BYTES,
     RECORDED,
@@ -51,6 +53,7 @@ from topk_protocol.temperature import (
 
 __all__ = [
     "DEFAULT_DTYPE",
+    "DEFAULT_INCLUDE_SAMPLED",
     "DEFAULT_MAX_MESSAGE_MB",
     "DEFAULT_TEACHER_TEMPERATURE",
     "DTYPE_NAMES",
@@ -68,6 +71,7 @@ __all__ = [
     "decode_floats_into",
     "decode_packed_into",
     "decode_sequence",
+    "decode_sequence_into",
     "decode_token_ids",
     "dtype_from_name",
     "dtype_name",

@@ -207,10 +207,13 @@ def request_spans(req: pb.ScoreRequest) -> list[Span]:
     return [sequence_span(seq) for seq in req.sequences]
 
 
-def response_bytes(req: pb.ScoreRequest, vocab_size: int = 0) -> int:
+def response_bytes(
+    req: pb.ScoreRequest, vocab_size: int = 0, options: RequestOptions | None = None
+) -> int:
     """Bytes of the payload arrays the answer to ``req`` carries (a packed answer's from
-    a teacher of ``vocab_size`` tokens; 0: unknown, an upper bound)."""
-    opts = RequestOptions.from_proto(req)
+    a teacher of ``vocab_size`` tokens; 0: unknown, an upper bound); ``options``: the ones
+    ``req`` was built with (None: read back from it)."""
+    opts = RequestOptions.from_proto(req) if options is None else options
     return sum(
         (end - start) * opts.bytes_per_row(vocab_size, int(seq.num_candidates))
         for seq, (start, end) in zip(req.sequences, request_spans(req), strict=True)

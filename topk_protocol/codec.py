@@ -9,11 +9,14 @@ All arrays on the wire are little-endian and row-major (layout: ``docs/protocol.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.arrays import SequenceArrays
+from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
 from topk_protocol.floats import f32_to_bf16_bits
 from topk_protocol.packing import (
     ENDS_PER_ROW,
@@ -32,6 +35,7 @@ __all__ = [
     "decode_floats_into",
     "decode_packed_into",
     "decode_sequence",
+    "decode_sequence_into",
     "decode_token_ids",
     "dtype_from_name",
     "dtype_name",
@@ -227,6 +231,46 @@ def decode_packed_into(
     decode_floats_into(ends, bytes(buf[:n_ends]), enum, "packed_logprobs")
     codes = unpack_uint(buf[n_ends:], int(msg.logprob_bits), s * max(k - 2, 0))
     dequantize_logprobs(ends, codes.reshape(s, max(k - 2, 0)), int(msg.logprob_bits), logprobs)
+
+
+def decode_sequence_into(out: Mapping[str, npt.NDArray[Any]], msg: pb.SequencePayload) -> None:
+    """Decode a ``SequencePayload``'s rows into ``out``'s arrays, one vectorized copy each.
+
+    ``out`` maps field names of :class:`~topk_protocol.arrays.SequenceArrays` to arrays of
+    the message's shape (``[S, K]``, ``[S]``, ``[S, C]``; any numeric dtype the values fit,
+    e.g. slices of a padded batch): ``ids`` and ``logprobs`` are required, each other wire
+    field in ``out`` is decoded from its bytes (log-probs from the message's dtype, the
+    integer fields from their :data:`~topk_protocol.arrays.ARRAY_FIELDS` dtype), fields
+    not in ``out`` are skipped; candidate ids are the request's and never travel.
+    ``ValueError`` naming the field when a byte length does not fit.
+    """
+    enum = dtype_from_name(int(msg.dtype))
+    ids, logprobs = out["ids"], out["logprobs"]
+    if msg.encoding == pb.PAYLOAD_ENCODING_PACKED:
+        decode_packed_into(ids, logprobs, msg)
+    else:
+        raw = msg.ids  # read once: each read of a bytes field may copy it
+        if len(raw) != ids.size * 4:
+            raise ValueError(f"ids: expected {ids.size * 4} bytes, got {len(raw)}")
+        ids[...] = np.frombuffer(raw, dtype=_LE_I32).reshape(ids.shape)
+        decode_floats_into(logprobs, msg.logprobs, enum, "logprobs")
+    for f in ARRAY_FIELDS:
+        dst = out.get(f.name)
+        if dst is None or f.name in _NOT_DECODED:
+            continue
+        buf = getattr(msg, f.name)
+        if f.dtype is np.float32:
+            decode_floats_into(dst, buf, enum, f.name)
+            continue
+        size = np.dtype(f.dtype).itemsize
+        if len(buf) != dst.size * size:
+            raise ValueError(f"{f.name}: expected {dst.size * size} bytes, got {len(buf)}")
+        dst[...] = np.frombuffer(buf, dtype=np.dtype(f.dtype).newbyteorder("<")).reshape(dst.shape)
+
+
+#: Fields :func:`decode_sequence_into` does not decode from their own bytes: ids and
+#: log-probs (decoded first, packed or not) and the request's candidate ids.
+_NOT_DECODED = frozenset({"ids", "logprobs", "candidate_ids"})
 
 
 def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:

@@ -38,6 +38,7 @@ from topk_protocol.packing import DEFAULT_LOGPROB_BITS, Packing, packed_row_byte
 
 __all__ = [
     "DEFAULT_DTYPE",
+    "DEFAULT_INCLUDE_SAMPLED",
     "DEFAULT_MAX_MESSAGE_MB",
     "FRAMING_BYTES",
     "RECORDED",
@@ -53,6 +54,11 @@ Span = tuple[int, int]
 
 #: Wire dtype of the log-probs when a request leaves it unset.
 DEFAULT_DTYPE = pb.LOGPROB_DTYPE_FLOAT16
+
+#: Whether a request (and a payload dataset) carries the log-prob of the token that
+#: actually follows each position when the caller leaves it unset: the one default of
+#: ``include_sampled`` (``RequestOptions``, ``PayloadDataset``; an unset wire field too).
+DEFAULT_INCLUDE_SAMPLED = True
 
 #: Default gRPC message-size limit, in MiB, of the server (``--max-message-mb``) and of
 #: the client (``max_message_mb``): one value, so that both sides agree out of the box.
@@ -123,7 +129,7 @@ class RequestOptions:
 
     top_k: int
     dtype: str = dtype_name(DEFAULT_DTYPE)
-    include_sampled: bool = True
+    include_sampled: bool = DEFAULT_INCLUDE_SAMPLED
     encoding: str = "default"
     logprob_bits: int | None = None
     samples: int = field(default=0, metadata=RECORDED)
@@ -292,8 +298,8 @@ class RequestOptions:
         """Write these options into ``request`` (defaults left unset); returns it."""
         request.top_k = self.top_k
         request.dtype = self.wire_dtype  # type: ignore[assignment]
-        if not self.include_sampled:
-            request.include_sampled_logprobs = False
+        if self.include_sampled != DEFAULT_INCLUDE_SAMPLED:
+            request.include_sampled_logprobs = self.include_sampled
         if self.logprob_bits is not None:
             request.encoding = self.wire_encoding  # type: ignore[assignment]
             request.logprob_bits = self.logprob_bits
@@ -319,7 +325,7 @@ class RequestOptions:
         sampled = (
             bool(request.include_sampled_logprobs)
             if request.HasField("include_sampled_logprobs")
-            else True
+            else DEFAULT_INCLUDE_SAMPLED
         )
         names = {v: k for k, v in ENCODING_NAMES.items()}
         if int(request.encoding) not in names:

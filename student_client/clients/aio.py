@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
-import time
 import uuid
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Awaitable,
@@ -47,19 +44,18 @@ from student_client.clients.channels import (
     parse_targets,
     positive,
 )
-from student_client.clients.window import (
-    END,
-    Answer,
-    Connection,
-    Outgoing,
-    RetryStream,
-    StreamWindow,
-    as_async,
-    decoded,
-)
+from student_client.clients.recording import AnswerRecorder
+from student_client.clients.stream_loop import run_stream
+from student_client.clients.window import Answer, DecodedStream, Outgoing, as_async
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
-from student_client.data.batch import ScoreBatch
+from student_client.data.batch import (
+    AnswerKeywords,
+    LiveScoreKeywords,
+    ScoreBatch,
+    split_call,
+    split_stream,
+)
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     DEFAULT_MAX_MESSAGE_MB,
@@ -74,22 +70,17 @@ from topk_protocol import (
 from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
 from topk_protocol.errors import (
-    DeadlineExceededError,
     ResourceExhaustedError,
     TeacherError,
-    TeacherUnavailableError,
 )
-from topk_protocol.recording import RecordingWriter
-from topk_protocol.requests import RequestKeywords
 from topk_protocol.status import error_from_rpc
-from topk_protocol.storage import location
 
 __all__ = ["AsyncTeacherClient"]
 
 T = TypeVar("T")
 
 
-class AsyncTeacherClient(AsyncCloseable):
+class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
     """asyncio client of a ``topk_distill.v1.Teacher`` service.
 
     Args:
@@ -162,13 +153,7 @@ class AsyncTeacherClient(AsyncCloseable):
             if expect_temperature is None
             else check_temperature(expect_temperature, "expect_temperature"),
         }
-        self._record = (
-            None if record_to is None else location(record_to),
-            record_compression,
-            dict(record_metadata or {}),
-        )
-        self._recorder: RecordingWriter | None = None
-        self._lock = threading.Lock()
+        self._recorder = AnswerRecorder(record_to, record_compression, record_metadata)
         self._channels: list[Any] = []
         self._stubs: list[pb_grpc.TeacherStub] = []
         self._infos: dict[int, tuple[TeacherInfo, pb.TeacherInfo]] = {}
@@ -264,18 +249,7 @@ class AsyncTeacherClient(AsyncCloseable):
     # -- recording ----------------------------------------------------------------------
     def _record_answer(self, index: int, asm: ResponseAssembler) -> None:
         """Write one answered request to the recording (when recording)."""
-        path, compression, metadata = self._record
-        if path is None or asm.error is not None:
-            return
-        with self._lock:
-            if self._recorder is None:
-                self._recorder = RecordingWriter(
-                    path,
-                    self._infos[index][1],
-                    compression=compression,
-                    metadata={"targets": self.targets, **metadata},
-                )
-        self._recorder.write(asm.request, asm.merged_response())
+        self._recorder.write(asm, self._infos[index][1], self.targets)
 
     # -- score --------------------------------------------------------------------------
     def _request(self, batch: Any, options: RequestOptions) -> Outgoing:
@@ -284,8 +258,7 @@ class AsyncTeacherClient(AsyncCloseable):
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
         asked = item.request_options(options)
-        if self._recorder is not None:  # refused before the teacher works, by name
-            self._recorder.check_request(asked)
+        self._recorder.check(asked)  # refused before the teacher works, by name
         request, layout = build_aligned_request(
             item.sequences,
             asked,
@@ -301,7 +274,7 @@ class AsyncTeacherClient(AsyncCloseable):
                 f"max_message_mb {self._max_message_bytes >> 20} MiB; split the batch",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
-        return request, layout
+        return request, layout, asked
 
     def decode(self, answer: Answer, device: torch.device | str) -> TeacherPayload:
         """A complete answer's tensors on ``device``, placed into its batch's padded
@@ -315,14 +288,7 @@ class AsyncTeacherClient(AsyncCloseable):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        timeout_s: float | None = None,
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[LiveScoreKeywords],
     ) -> TeacherPayload:
         """Score one batch; returns ``[B, S, K]`` tensors (see :class:`TeacherPayload`).
 
@@ -355,14 +321,13 @@ class AsyncTeacherClient(AsyncCloseable):
                 The payload then has ``candidate_ids`` / ``candidate_logprobs``
                 ``[B, S, C]`` (NaN at ``-1``). Needs ``C <= info().max_candidates``.
         """
-        timeout = self._deadline(timeout_s)
-        opts = RequestOptions.of(top_k, **options)
-        item = ScoreBatch(sequences, positions, attention_mask, candidate_ids=candidate_ids)
-        request, layout = self._request(item, opts)
+        call = split_call(sequences, keywords)
+        timeout = self._deadline(call.timeout_s)
+        request, layout, asked = self._request(call.batch, RequestOptions.of(top_k, **call.options))
 
         async def unary(index: int) -> Answer:
             await self._fetch_info(index)
-            asm = ResponseAssembler(request)
+            asm = ResponseAssembler(request, asked)
             asm.add(
                 await self._stub(index).Score(request, timeout=timeout, metadata=self._metadata)
             )
@@ -372,40 +337,21 @@ class AsyncTeacherClient(AsyncCloseable):
         info = await self._call(self._fetch_info, next(self._rr) % len(self.targets))
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
         if not fits_one_message(
-            response_bytes(request, info.vocab_size), len(request.sequences), limit
+            response_bytes(request, info.vocab_size, asked), len(request.sequences), limit
         ):
-            gen = self._run_stream(as_async([(request, layout)]), 0, timeout)
+            gen = run_stream(self, as_async([(request, layout, asked)]), 0, timeout)
             try:
-                return self.decode(await anext(gen), device)
+                return self.decode(await anext(gen), call.device)
             finally:
                 await gen.aclose()
-        return self.decode(await self._call(unary, self._current), device)
+        return self.decode(await self._call(unary, self._current), call.device)
 
     # -- stream -------------------------------------------------------------------------
-    def stream(
-        self,
-        batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
-    ) -> AsyncIterator[TeacherPayload]:
-        """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
-        ``device``; ``depth``, ``timeout_s`` and the request options (``dtype``,
-        ``include_sampled``, ...) as :meth:`stream_answers`."""
-        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
-        return decoded(answers, self.decode, device)
-
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[AnswerKeywords],
     ) -> AsyncIterator[Answer]:
         """The complete answers to ``batches``, in input order, undecoded (each one's
         ``payload(device)`` gives the tensors); :meth:`stream` decodes them on the loop,
@@ -422,9 +368,10 @@ class AsyncTeacherClient(AsyncCloseable):
         ``include_sampled``, ...), ``timeout_s``: as :meth:`score` (``timeout_s`` counts
         per request, from when it is sent).
         """
-        check_depth(depth)
-        timeout = self._deadline(timeout_s)
-        opts = RequestOptions.of(top_k, **options)
+        call = split_stream(keywords)
+        check_depth(call.depth)
+        timeout = self._deadline(call.timeout_s)
+        opts = RequestOptions.of(top_k, **call.options)
 
         async def requests() -> AsyncIterator[Outgoing | TeacherError]:
             async for batch in as_async(batches):
@@ -433,88 +380,7 @@ class AsyncTeacherClient(AsyncCloseable):
                 except TeacherError as e:  # raised when the caller reaches this batch
                     yield e
 
-        return self._run_stream(requests(), depth, timeout)
-
-    async def _run_stream(
-        self,
-        requests: AsyncIterator[Outgoing | TeacherError],
-        depth: int,
-        timeout_s: float,
-    ) -> AsyncGenerator[Answer, None]:
-        window = StreamWindow()
-        index = next(self._rr) % len(self.targets)
-        conn: Connection | None = None
-        exhausted = False
-        failures = 0
-
-        async def fill(conn: Connection, limit: int) -> None:
-            nonlocal exhausted
-            while not exhausted and len(window) < limit:
-                request = await anext(requests, None)
-                exhausted = request is None
-                if isinstance(request, TeacherError):
-                    window.add_failed(request)
-                elif request is not None:
-                    window.add(*request)
-                    await conn.send(request[0])
-
-        try:
-            while True:
-                if conn is None:
-                    if failures:
-                        await asyncio.sleep(self._wait(failures))
-                        index = (index + 1) % len(self.targets)
-                    self._current = index = await self._pick(index)
-                    try:
-                        await self._fetch_info(index)
-                    except ReplicaDisagreesError:
-                        continue  # refused now: _pick moves on
-                    except grpc.RpcError as e:
-                        failures += 1
-                        give_up(failures, self._tries, error_from_rpc(e), self.targets)
-                        continue
-                    conn = Connection(self._stub(index), self._metadata)
-                    for pending in window.unanswered():
-                        await conn.send(pending.request)
-                await fill(conn, max(depth, 1))
-                if not window:
-                    return
-                head = window.head()
-                if head.assembler.complete:
-                    window.pop()
-                    if head.assembler.error is not None:
-                        raise head.assembler.error
-                    await fill(conn, depth)
-                    self._record_answer(index, head.assembler)
-                    yield Answer(head.assembler, head.layout)
-                    continue
-                try:
-                    item = await conn.get(head.sent_at + timeout_s - time.monotonic())
-                except TimeoutError:
-                    raise DeadlineExceededError(
-                        f"request {head.request.request_id}: no complete answer within "
-                        f"timeout_s {timeout_s} s",
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                    ) from None
-                if isinstance(item, grpc.RpcError):
-                    last = error_from_rpc(item)
-                elif item is END:
-                    last = TeacherUnavailableError("the teacher closed the stream early")
-                else:
-                    try:
-                        if window.route(item):
-                            failures = 0
-                        continue
-                    except RetryStream as e:
-                        last = e.error
-                # Connection lost (or the teacher refused with UNAVAILABLE): reconnect.
-                failures += 1
-                give_up(failures, self._tries, last, self.targets)
-                await conn.close()
-                conn = None
-        finally:
-            if conn is not None:
-                await conn.close()
+        return run_stream(self, requests(), call.depth, timeout)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def close(self) -> None:
@@ -522,9 +388,6 @@ class AsyncTeacherClient(AsyncCloseable):
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            if self._recorder is not None:
-                self._recorder.close()
-                self._recorder = None
+        self._recorder.close()
         for channel in self._channels:
             await channel.close()

@@ -30,11 +30,16 @@ from typing_extensions import Unpack
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.channels import ClientOptions
 from student_client.clients.window import Answer
+from student_client.data.batch import (
+    AnswerKeywords,
+    LiveScoreKeywords,
+    LiveStreamKeywords,
+    split_device,
+)
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
 from topk_protocol.errors import TeacherError
-from topk_protocol.requests import RequestKeywords
 
 __all__ = ["BlockingFacade", "TeacherClient"]
 
@@ -82,36 +87,22 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        timeout_s: float | None = None,
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[LiveScoreKeywords],
     ) -> TeacherPayload:
         """Score one batch: see the asyncio client's ``score`` (same arguments; ``teacher``
         routes the sequences of a multi-teacher client, a single teacher ignores it)."""
-        call = {"positions": positions, "device": device, "timeout_s": timeout_s}
-        call |= {"attention_mask": attention_mask, "candidate_ids": candidate_ids}
-        if teacher is not None:
-            call["teacher"] = teacher
-        return self._run(self._core.score(sequences, top_k, **call, **options))
+        return self._run(self._core.score(sequences, top_k, **keywords))
 
     def stream(
         self,
         batches: Iterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[LiveStreamKeywords],
     ) -> Iterator[TeacherPayload]:
         """Payloads of ``batches`` in input order, ``depth`` requests in flight: see the
         asyncio client's ``stream`` (same arguments)."""
-        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
+        device, rest = split_device(keywords)
+        answers = self.stream_answers(batches, top_k, **rest)
 
         def iterate() -> Iterator[TeacherPayload]:
             with contextlib.closing(answers):  # decoded here while the loop reads on
@@ -124,19 +115,14 @@ class BlockingFacade(Closeable, Generic[AnswerT]):
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[AnswerKeywords],
     ) -> Generator[AnswerT, None, None]:
         """The complete answers to ``batches`` in input order, undecoded (:meth:`stream`
         decodes each one): for a caller that needs only that they arrived, such as a
         recorder whose client writes them (``record_to``)."""
         if self._loop.is_closed():
             raise TeacherError("client: already closed")
-        answers = self._core.stream_answers(
-            batches, top_k, depth=depth, timeout_s=timeout_s, **options
-        )
+        answers = self._core.stream_answers(batches, top_k, **keywords)
 
         async def step() -> Any:
             return await anext(answers, _DONE)

@@ -43,8 +43,14 @@ from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import BlockingFacade
 from student_client.clients.channels import ClientOptions, ConnectionOptions
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
-from student_client.clients.window import as_async, decoded
-from student_client.data.batch import ScoreBatch
+from student_client.clients.window import DecodedStream, as_async
+from student_client.data.batch import (
+    AnswerKeywords,
+    LiveScoreKeywords,
+    ScoreBatch,
+    split_call,
+    split_stream,
+)
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import AsyncCloseable
@@ -55,7 +61,6 @@ from topk_protocol.recording.multi import (
     teacher_recording_path,
     write_manifest,
 )
-from topk_protocol.requests import RequestKeywords
 
 __all__ = ["AsyncMultiTeacherClient", "MultiTeacherClient", "RoutedAnswer"]
 
@@ -82,7 +87,7 @@ class RoutedAnswer:
     teachers: list[str]
 
 
-class AsyncMultiTeacherClient(AsyncCloseable):
+class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
     """asyncio client over named teachers (see the module docstring).
 
     Args:
@@ -229,56 +234,33 @@ class AsyncMultiTeacherClient(AsyncCloseable):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        timeout_s: float | None = None,
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[LiveScoreKeywords],
     ) -> TeacherPayload:
         """Score one batch, each sequence by its ``teacher`` (a name per sequence, one
         name, or indices into :attr:`names`); the other arguments (the request options:
         ``top_k`` or a :class:`~topk_protocol.RequestOptions`, and keywords;
         ``candidate_ids``) and the ``[B, S, K]`` payload as
         :meth:`AsyncTeacherClient.score`, with ``payload.teachers`` set."""
-        opts = RequestOptions.of(top_k, **options)
-        item = ScoreBatch(sequences, positions, attention_mask, teacher, candidate_ids)
-        return self.decode(await self._answer(item, opts, timeout_s), device)
+        call = split_call(sequences, keywords)
+        opts = RequestOptions.of(top_k, **call.options)
+        return self.decode(await self._answer(call.batch, opts, call.timeout_s), call.device)
 
     # -- stream ------------------------------------------------------------------------
-    def stream(
-        self,
-        batches: Iterable[Any] | AsyncIterable[Any],
-        top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
-    ) -> AsyncIterator[TeacherPayload]:
-        """Payloads of ``batches`` in input order (see :meth:`stream_answers`)."""
-        answers = self.stream_answers(batches, top_k, depth=depth, timeout_s=timeout_s, **options)
-        return decoded(answers, self.decode, device)
-
     def stream_answers(
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        depth: int = 4,
-        timeout_s: float | None = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[AnswerKeywords],
     ) -> AsyncIterator[RoutedAnswer]:
         """The answers to ``batches`` (:class:`ScoreBatch` items with ``teacher``; plain
         batches only with a single teacher), in input order, with ``depth`` batches in
         flight ahead of the one the caller holds. A batch that failed raises (its
         teacher named) when the caller reaches it, which ends the iteration. ``top_k``
         and the request ``options``: as :meth:`AsyncTeacherClient.stream_answers`."""
-        check_depth(depth)
-        opts = RequestOptions.of(top_k, **options)
-        return self._run_stream(as_async(batches), opts, depth, timeout_s)
+        call = split_stream(keywords)
+        check_depth(call.depth)
+        opts = RequestOptions.of(top_k, **call.options)
+        return self._run_stream(as_async(batches), opts, call.depth, call.timeout_s)
 
     async def _run_stream(
         self,

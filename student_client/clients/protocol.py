@@ -19,15 +19,14 @@ names, routed per sequence by ``teacher=`` / :attr:`ScoreBatch.teacher
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-import torch
 from typing_extensions import Unpack
 
+from student_client.data.batch import ScoreKeywords, StreamKeywords
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, TeacherInfo
-from topk_protocol.requests import RequestKeywords
 
 __all__ = ["AsyncTeacherSource", "TeacherSource"]
 
@@ -57,13 +56,7 @@ class TeacherSource(Protocol):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[ScoreKeywords],
     ) -> TeacherPayload:
         """Score one batch (``positions``, ``attention_mask``, ``teacher``, ``device`` and
         the request options by keyword)."""
@@ -73,10 +66,7 @@ class TeacherSource(Protocol):
         self,
         batches: Iterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[StreamKeywords],
     ) -> Iterator[TeacherPayload]:
         """Payloads of ``batches`` (batches or :class:`ScoreBatch` items), in order."""
         ...
@@ -104,13 +94,7 @@ class AsyncTeacherSource(Protocol):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[ScoreKeywords],
     ) -> TeacherPayload:
         """Score one batch (see :meth:`TeacherSource.score`)."""
         ...
@@ -119,10 +103,7 @@ class AsyncTeacherSource(Protocol):
         self,
         batches: Iterable[Any] | AsyncIterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[StreamKeywords],
     ) -> AsyncIterator[TeacherPayload]:
         """Payloads of ``batches``, in order, ``depth`` requests ahead."""
         ...

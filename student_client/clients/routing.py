@@ -28,6 +28,7 @@ import torch
 
 from student_client.data.alignment import unpack_inputs
 from student_client.data.batch import ScoreBatch
+from student_client.data.padding import PayloadBuffers, present_fields
 from student_client.data.payload import TeacherPayload
 from topk_protocol import TeacherInfo
 from topk_protocol.errors import (
@@ -170,61 +171,27 @@ def merge_payloads(
     """
     if not parts:
         raise ValueError("parts: empty")
-    b = len(teachers)
     first = parts[0][1]
-    k, s = first.top_k, max(int(p.ids.shape[1]) for _, p in parts)
-    with_sampled = first.sampled_logprobs is not None
-    widths = [int(p.candidate_ids.shape[2]) for _, p in parts if p.candidate_ids is not None]
-    cand_ids = cand_lps = None
-    if widths:  # the candidate padding: -1 / NaN (TeacherPayload)
-        cand_ids = torch.full((b, s, max(widths)), -1, dtype=torch.int64)
-        cand_lps = torch.full((b, s, max(widths)), float("nan"), dtype=torch.float32)
-    ids = torch.zeros((b, s, k), dtype=first.ids.dtype)
-    lps = torch.zeros((b, s, k), dtype=first.logprobs.dtype)
-    sampled = torch.zeros((b, s), dtype=torch.float32) if with_sampled else None
-    counts = None if first.sample_counts is None else torch.zeros((b, s, k), dtype=torch.int64)
-    log_z = None if first.proposal_log_normalizer is None else torch.zeros((b, s))
-    mask = torch.zeros((b, s), dtype=torch.bool)
-    starts = torch.zeros(b, dtype=torch.int64)
-    lengths = torch.zeros(b, dtype=torch.int64)
+    s = max(int(p.ids.shape[1]) for _, p in parts)
+    out = PayloadBuffers.like([p for _, p in parts], len(teachers), s, first.top_k)
+    starts = torch.zeros(len(teachers), dtype=torch.int64)
+    lengths = torch.zeros(len(teachers), dtype=torch.int64)
     for rows, p in parts:
-        if p.top_k != k or p.dtype != first.dtype:
+        if p.top_k != first.top_k or p.dtype != first.dtype:
             raise ValueError("parts: payloads of different K or dtype")
         idx = torch.tensor(list(rows), dtype=torch.long)
-        n = int(p.ids.shape[1])
         p = p.to("cpu")
-        ids[idx, :n] = p.ids
-        lps[idx, :n] = p.logprobs
-        if sampled is not None and p.sampled_logprobs is not None:
-            sampled[idx, :n] = p.sampled_logprobs
-        if counts is not None and p.sample_counts is not None:
-            counts[idx, :n] = p.sample_counts
-        if log_z is not None and p.proposal_log_normalizer is not None:
-            log_z[idx, :n] = p.proposal_log_normalizer
-        mask[idx, :n] = p.mask
-        if cand_ids is not None and cand_lps is not None and p.candidate_ids is not None:
-            assert p.candidate_logprobs is not None  # present together (TeacherPayload)
-            c = int(p.candidate_ids.shape[2])
-            cand_ids[idx, :n, :c] = p.candidate_ids
-            cand_lps[idx, :n, :c] = p.candidate_logprobs
+        out.put((idx, slice(0, int(p.ids.shape[1]))), present_fields(p))
         starts[idx] = p.position_start
         lengths[idx] = p.lengths
-    return TeacherPayload(
-        ids=ids,
-        logprobs=lps,
-        sampled_logprobs=sampled,
-        mask=mask,
+    return out.payload(
         position_start=starts,
         lengths=lengths,
-        top_k=k,
+        top_k=first.top_k,
         dtype=first.dtype,
         request_id=",".join(p.request_id for _, p in parts),
         teacher_seconds=sum(p.teacher_seconds for _, p in parts),
         teachers=tuple(teachers),
-        candidate_ids=cand_ids,
-        candidate_logprobs=cand_lps,
-        sample_counts=counts,
-        proposal_log_normalizer=log_z,
         proposal_temperature=first.proposal_temperature,
     )
 

@@ -17,16 +17,19 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import torch
+from typing_extensions import Unpack
 
 from student_client.clients.channels import is_retryable
 from student_client.data.alignment import PaddedLayout
 from student_client.data.assembler import ResponseAssembler
+from student_client.data.batch import AnswerKeywords, LiveStreamKeywords, split_device
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
+    RequestOptions,
     pb,
     pb_grpc,
 )
@@ -38,6 +41,7 @@ __all__ = [
     "END",
     "Answer",
     "Connection",
+    "DecodedStream",
     "Outgoing",
     "Pending",
     "RetryStream",
@@ -47,8 +51,11 @@ __all__ = [
 ]
 
 END = object()  # the server closed the stream
-#: A request to send and the padded layout its answer goes back into (None: unpadded).
-Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None]
+#: What a core's ``stream_answers`` yields (``Answer``, or a multi-teacher ``RoutedAnswer``).
+AnswerT = TypeVar("AnswerT")
+#: A request to send, the padded layout its answer goes back into (None: unpadded) and
+#: the options it was built with (handed to its assembler and recording, not re-derived).
+Outgoing = tuple[pb.ScoreRequest, PaddedLayout | None, RequestOptions]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +104,16 @@ class StreamWindow:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, request: pb.ScoreRequest, layout: PaddedLayout | None = None) -> Pending:
+    def add(
+        self,
+        request: pb.ScoreRequest,
+        layout: PaddedLayout | None = None,
+        options: RequestOptions | None = None,
+    ) -> Pending:
+        """Take a sent request (``options``: the ones it was built with)."""
         if request.request_id in self._pending:
             raise TeacherError(f"request_id: {request.request_id!r} is already in flight")
-        pending = Pending(ResponseAssembler(request), layout)
+        pending = Pending(ResponseAssembler(request, options), layout)
         self._pending[request.request_id] = pending
         return pending
 
@@ -184,6 +197,37 @@ async def decoded(
             yield decode(answer, device)
     finally:
         await answers.aclose()  # type: ignore[attr-defined]
+
+
+class DecodedStream(Generic[AnswerT]):
+    """``stream`` of an asyncio client core, written once: the core's ``stream_answers``
+    decoded on the loop by its ``decode`` (:class:`~student_client.clients.aio.
+    AsyncTeacherClient`, :class:`~student_client.clients.multi.AsyncMultiTeacherClient`)."""
+
+    def stream(
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int | RequestOptions | None = None,
+        **keywords: Unpack[LiveStreamKeywords],
+    ) -> AsyncIterator[TeacherPayload]:
+        """Payloads of ``batches``, in input order, with ``depth`` requests in flight, on
+        ``device``; ``depth``, ``timeout_s`` and the request options (``dtype``,
+        ``include_sampled``, ...) as ``stream_answers``."""
+        device, rest = split_device(keywords)
+        return decoded(self.stream_answers(batches, top_k, **rest), self.decode, device)
+
+    def stream_answers(
+        self,
+        batches: Iterable[Any] | AsyncIterable[Any],
+        top_k: int | RequestOptions | None = None,
+        **keywords: Unpack[AnswerKeywords],
+    ) -> AsyncIterator[AnswerT]:
+        """The complete answers to ``batches``, in input order, undecoded."""
+        raise NotImplementedError
+
+    def decode(self, answer: AnswerT, device: torch.device | str) -> TeacherPayload:
+        """One complete answer's payload on ``device``."""
+        raise NotImplementedError
 
 
 async def as_async(batches: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:

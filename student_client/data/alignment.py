@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from student_client.data.padding import PayloadBuffers, present_fields
 from student_client.data.payload import TeacherPayload
 from topk_protocol import RequestOptions, Span, build_request, pb
 from topk_protocol.building import check_span
@@ -272,37 +273,17 @@ def place_rows(payload: TeacherPayload, layout: PaddedLayout) -> TeacherPayload:
     real = payload.mask
     if bool((cols[real] >= t).any()):
         raise ValueError(f"payload: rows reach past column {t - 1} of the padded batch")
-    where = (rows[real], cols[real])
-
-    def place(src: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
-        out = torch.full((b, t, *src.shape[2:]), fill, dtype=src.dtype, device=device)
-        out[where] = src[real]
-        return out
-
-    mask = place(payload.mask, False)
-    cand_ids, cand_lps = payload.candidate_ids, payload.candidate_logprobs
-    return TeacherPayload(
-        ids=place(payload.ids),
-        logprobs=place(payload.logprobs),
-        sampled_logprobs=(
-            None if payload.sampled_logprobs is None else place(payload.sampled_logprobs)
-        ),
-        mask=mask,
+    out = PayloadBuffers.like([payload], b, t, payload.top_k, device)
+    out.put((rows[real], cols[real]), {k: v[real] for k, v in present_fields(payload).items()})
+    mask = out.tensors["mask"]
+    return out.payload(
         position_start=torch.zeros(b, dtype=torch.int64, device=device),
         lengths=mask.sum(dim=1),
         top_k=payload.top_k,
         dtype=payload.dtype,
         request_id=payload.request_id,
         teacher_seconds=payload.teacher_seconds,
-        candidate_ids=None if cand_ids is None else place(cand_ids, -1),
-        candidate_logprobs=None if cand_lps is None else place(cand_lps, float("nan")),
         proposal_temperature=payload.proposal_temperature,
-        sample_counts=None if payload.sample_counts is None else place(payload.sample_counts),
-        proposal_log_normalizer=(
-            None
-            if payload.proposal_log_normalizer is None
-            else place(payload.proposal_log_normalizer)
-        ),
     )
 
 

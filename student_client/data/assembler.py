@@ -17,13 +17,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from student_client.data.padding import PayloadBuffers
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     RequestOptions,
     SequenceArrays,
-    decode_floats_into,
-    decode_packed_into,
     decode_sequence,
+    decode_sequence_into,
     dtype_from_name,
     dtype_name,
     encode_sequence,
@@ -49,14 +49,19 @@ class ResponseAssembler:
 
     Feed every ``ScoreResponse`` of the request to :meth:`add` (one unary answer, or the
     stream's row chunks in arrival order). Once :attr:`complete`, :meth:`payload` builds
-    the tensors and :meth:`merged_response` the equivalent single message (chunks joined),
-    which is what recordings store. An ``error`` answer sets :attr:`error` instead.
+    the tensors, :meth:`sequences` each sequence's decoded rows (what a recording
+    stores, with :attr:`options`) and :meth:`merged_response` the equivalent single
+    message (chunks joined). An ``error`` answer sets :attr:`error` instead.
+
+    ``options``: the :class:`RequestOptions` the request was built with, handed on by
+    the client that built it (None: read back from ``request``).
     """
 
-    def __init__(self, request: pb.ScoreRequest) -> None:
+    def __init__(self, request: pb.ScoreRequest, options: RequestOptions | None = None) -> None:
         self.request = request
         self.spans = request_spans(request)
-        options = RequestOptions.from_proto(request)
+        if options is None:  # a request built elsewhere: read its options back
+            options = RequestOptions.from_proto(request)
         self.top_k = options.top_k
         self.dtype = options.wire_dtype
         self.include_sampled = options.include_sampled
@@ -176,6 +181,24 @@ class ResponseAssembler:
                 f"logprob_bits {c.logprob_bits}"
             )
 
+    def sequences(self) -> list[SequenceArrays | None]:
+        """Each sequence's rows decoded and joined (candidate ids included; None: an
+        empty range), what :meth:`RecordingWriter.write_sequences
+        <topk_protocol.recording.writer.RecordingWriter.write_sequences>` records."""
+        if not self.complete or self.error is not None:
+            raise TeacherError("sequences: the request is not answered (or failed)")
+        return [self._joined(i) if rows else None for i, rows in enumerate(self._rows)]
+
+    def _joined(self, i: int) -> SequenceArrays:
+        """Sequence ``i``'s chunks decoded and joined (at least one row)."""
+        cand, parts, row = self.candidates[i], [], 0
+        for c in self._chunks[i]:
+            n = int(c.num_positions)
+            if n:
+                parts.append(decode_sequence(c, None if cand is None else cand[row : row + n]))
+                row += n
+        return SequenceArrays.concat(parts)
+
     def merged_response(self) -> pb.ScoreResponse:
         """The complete answer as one message: one ``SequencePayload`` per sequence."""
         if not self.complete or self.error is not None:
@@ -212,16 +235,8 @@ class ResponseAssembler:
         which gives the bytes of a one-message answer (packing decoded rows is
         idempotent, :mod:`topk_protocol.packing`). Candidate log-probs travel unpacked:
         their bytes are joined as they came, as in a default answer."""
-        cand, rows, row = self.candidates[i], [], 0
-        for c in chunks:
-            n = int(c.num_positions)
-            if n:
-                rows.append(decode_sequence(c, None if cand is None else cand[row : row + n]))
-                row += n
         joined = (
-            SequenceArrays.concat(rows)
-            if rows
-            else SequenceArrays.empty(self.top_k, self.spans[i][0])
+            self._joined(i) if self._rows[i] else SequenceArrays.empty(self.top_k, self.spans[i][0])
         )
         joined = replace(joined, candidate_ids=None, candidate_logprobs=None)
         first = chunks[0] if chunks else pb.SequencePayload(id_bits=1)
@@ -237,73 +252,38 @@ class ResponseAssembler:
             raise self.error
         if not self.complete:
             raise TeacherError("payload: the request is not answered yet")
-        b, k = len(self.spans), self.top_k
-        s = max(self._rows, default=0)
-        ids = np.zeros((b, s, k), dtype=np.int64)
-        lps = np.zeros((b, s, k), dtype=np.float32)
-        sampled = np.zeros((b, s), dtype=np.float32) if self.include_sampled else None
-        mask = np.zeros((b, s), dtype=np.bool_)
-        c_max = max((0 if c is None else c.shape[1] for c in self.candidates), default=0)
-        cand_ids = cand_lps = None
-        if any(c is not None for c in self.candidates):
-            cand_ids = np.full((b, s, c_max), -1, dtype=np.int64)
-            cand_lps = np.full((b, s, c_max), np.nan, dtype=np.float32)
-        counts = np.zeros((b, s, k), dtype=np.int64) if self.sampled else None
-        log_z = np.zeros((b, s), dtype=np.float32) if self.proposal_normalizer else None
+        asked = self.options
+        present = {
+            "sampled_logprobs": asked.include_sampled,
+            "sample_counts": self.sampled,
+            "proposal_log_normalizer": self.proposal_normalizer,
+            "candidate_ids": any(c is not None for c in self.candidates),
+            "candidate_logprobs": any(c is not None for c in self.candidates),
+        }
+        widest = max((0 if c is None else c.shape[1] for c in self.candidates), default=0)
+        out = PayloadBuffers(
+            [name for name, held in present.items() if held],
+            len(self.spans),
+            max(self._rows, default=0),
+            self.top_k,
+            widest,
+        )
         for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
-            row = 0
+            cand, row = self.candidates[i], 0
+            width = 0 if cand is None else cand.shape[1]
             for c in chunks:
                 n = int(c.num_positions)
-                if n == 0:
-                    continue
-                rows = slice(row, row + n)
-                if c.encoding == pb.PAYLOAD_ENCODING_PACKED:
-                    decode_packed_into(ids[i, rows], lps[i, rows], c)
-                else:
-                    ids[i, rows] = np.frombuffer(c.ids, dtype=_LE_I32).reshape(n, k)
-                    decode_floats_into(lps[i, rows], c.logprobs, self.dtype, "logprobs")
-                if sampled is not None:
-                    decode_floats_into(
-                        sampled[i, rows], c.sampled_logprobs, self.dtype, "sampled_logprobs"
-                    )
-                cand = self.candidates[i]
-                if cand_lps is not None and cand is not None:
-                    width = slice(0, cand.shape[1])
-                    decode_floats_into(
-                        cand_lps[i, rows, width],
-                        c.candidate_logprobs,
-                        self.dtype,
-                        "candidate_logprobs",
-                    )
-                if counts is not None:
-                    counts[i, rows] = np.frombuffer(c.sample_counts, dtype=np.uint8).reshape(n, k)
-                if log_z is not None:
-                    decode_floats_into(
-                        log_z[i, rows],
-                        c.proposal_log_normalizer,
-                        self.dtype,
-                        "proposal_log_normalizer",
-                    )
-                row += n
-            mask[i, :row] = True
-            if cand_ids is not None and (cand := self.candidates[i]) is not None:
-                cand_ids[i, :row, : cand.shape[1]] = cand
-        starts = torch.tensor([sp[0] for sp in self.spans], dtype=torch.int64)
-        payload = TeacherPayload(
-            ids=torch.from_numpy(ids),
-            logprobs=torch.from_numpy(lps),
-            sampled_logprobs=None if sampled is None else torch.from_numpy(sampled),
-            mask=torch.from_numpy(mask),
-            position_start=starts,
+                if n:
+                    decode_sequence_into(out.views((i, slice(row, row + n)), width), c)
+                    row += n
+            out.put((i, slice(0, row)), {"mask": True, "candidate_ids": cand})
+        payload = out.payload(
+            position_start=torch.tensor([sp[0] for sp in self.spans], dtype=torch.int64),
             lengths=torch.tensor(self._rows, dtype=torch.int64),
-            top_k=k,
+            top_k=self.top_k,
             dtype=dtype_name(self.dtype),
             request_id=self.request.request_id,
             teacher_seconds=self.teacher_seconds,
-            candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
-            candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
-            sample_counts=None if counts is None else torch.from_numpy(counts),
-            proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
-            proposal_temperature=self.options.proposal_temperature,
+            proposal_temperature=asked.proposal_temperature,
         )
         return payload if str(device) == "cpu" else payload.to(device)

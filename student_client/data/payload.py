@@ -12,16 +12,48 @@ Candidates (when the request named candidate ids) follow one rule everywhere:
 ``candidate_ids == -1`` exactly where ``candidate_logprobs`` is NaN (padding inside a
 row, padding rows, sequences sent without candidates), so a loss selects real entries
 with ``candidate_ids >= 0`` and must not multiply the NaN away.
+
+These pad values, dtypes and widths are written once, in the field table
+(:data:`PAYLOAD_FIELDS`, from each field's metadata), and every padded payload is built
+through it (:mod:`student_client.data.padding`). Adding a payload field touches the
+proto, :class:`~topk_protocol.arrays.SequenceArrays`, the codec and its line here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Final, Literal
 
 import torch
 
-__all__ = ["TeacherPayload"]
+__all__ = ["PAYLOAD_FIELDS", "PayloadField", "TeacherPayload"]
+
+#: The name of a padded field's last dimension: ``"K"`` (a column per top-k entry or
+#: draw), ``"C"`` (a column per candidate id) or ``""`` (``[B, S]``, one value a row).
+Width = Literal["K", "C", ""]
+
+
+@dataclass(frozen=True)
+class PayloadField:
+    """How one ``[B, S, ...]`` tensor field of :class:`TeacherPayload` is laid out and
+    padded: its ``dtype``, the ``pad`` value of padding rows (and columns), its last
+    dimension's ``width`` and whether it may be None (``optional``)."""
+
+    name: str
+    dtype: torch.dtype
+    pad: float | bool
+    width: Width
+    optional: bool
+
+    def shape(self, batch_size: int, rows: int, top_k: int, num_candidates: int) -> tuple[int, ...]:
+        """Its shape for ``batch_size`` sequences of ``rows`` rows."""
+        width = {"K": (top_k,), "C": (num_candidates,), "": ()}[self.width]
+        return (batch_size, rows, *width)
+
+
+def _padded(dtype: torch.dtype, pad: float | bool, width: Width, optional: bool = False) -> Any:
+    """The metadata of a :class:`TeacherPayload` tensor field (its :class:`PayloadField`)."""
+    return {"padded": (dtype, pad, width, optional)}
 
 
 @dataclass(frozen=True)
@@ -65,10 +97,10 @@ class TeacherPayload:
             (``TeacherTargets.from_payload``) weighs the draws without being told.
     """
 
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    sampled_logprobs: torch.Tensor | None
-    mask: torch.Tensor
+    ids: torch.Tensor = field(metadata=_padded(torch.int64, 0, "K"))
+    logprobs: torch.Tensor = field(metadata=_padded(torch.float32, 0, "K"))
+    sampled_logprobs: torch.Tensor | None = field(metadata=_padded(torch.float32, 0, "", True))
+    mask: torch.Tensor = field(metadata=_padded(torch.bool, False, ""))
     position_start: torch.Tensor
     lengths: torch.Tensor
     top_k: int
@@ -76,10 +108,18 @@ class TeacherPayload:
     request_id: str = ""
     teacher_seconds: float = 0.0
     teachers: tuple[str, ...] | None = None
-    candidate_ids: torch.Tensor | None = None
-    candidate_logprobs: torch.Tensor | None = None
-    sample_counts: torch.Tensor | None = None
-    proposal_log_normalizer: torch.Tensor | None = None
+    candidate_ids: torch.Tensor | None = field(
+        default=None, metadata=_padded(torch.int64, -1, "C", True)
+    )
+    candidate_logprobs: torch.Tensor | None = field(
+        default=None, metadata=_padded(torch.float32, float("nan"), "C", True)
+    )
+    sample_counts: torch.Tensor | None = field(
+        default=None, metadata=_padded(torch.int64, 0, "K", True)
+    )
+    proposal_log_normalizer: torch.Tensor | None = field(
+        default=None, metadata=_padded(torch.float32, 0, "", True)
+    )
     proposal_temperature: float = 1.0
 
     @property
@@ -99,3 +139,14 @@ class TeacherPayload:
             if isinstance(value := getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
+
+
+#: The ``[B, S, ...]`` tensor fields of :class:`TeacherPayload`, in declaration order:
+#: each one's dtype, pad value and width. The one table the padders go over
+#: (:class:`~student_client.data.padding.PayloadBuffers`): a new payload field is declared
+#: above with its metadata and is padded, stacked and placed everywhere without more code.
+PAYLOAD_FIELDS: Final[tuple[PayloadField, ...]] = tuple(
+    PayloadField(f.name, *f.metadata["padded"])
+    for f in fields(TeacherPayload)
+    if "padded" in f.metadata
+)

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from student_client.data.padding import PayloadBuffers, present_fields
 from student_client.data.payload import TeacherPayload
-from topk_protocol import RequestOptions, SequenceArrays, TeacherInfo
+from topk_protocol import DEFAULT_INCLUDE_SAMPLED, RequestOptions, SequenceArrays, TeacherInfo
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.packing import packed_roundtrip
 from topk_protocol.recording import RecordingReader
@@ -94,7 +95,10 @@ class PayloadDataset(Dataset[PayloadItem]):
         top_k: K' <= the recorded K (the top-K' prefix of each row); default: recorded K.
         dtype: log-prob dtype to serve, the values the teacher would have sent in it
             (float32 recordings serve every dtype); default: the recorded one.
-        include_sampled: also return sampled log-probs (every row must have them).
+        include_sampled: also return sampled log-probs (every row must have them);
+            default: ``DEFAULT_INCLUDE_SAMPLED`` (True), the request options' default, so
+            that a batch holds what the live client returns for the same options. Pass
+            False for a recording made without them.
         encoding, logprob_bits: serve what a ``"packed"`` answer at ``logprob_bits``
             decodes to (a packed recording: its own, the default; a float32 one: packed
             as the teacher packs); default: the recording's encoding.
@@ -109,7 +113,7 @@ class PayloadDataset(Dataset[PayloadItem]):
         *,
         top_k: int | None = None,
         dtype: str | None = None,
-        include_sampled: bool = False,
+        include_sampled: bool = DEFAULT_INCLUDE_SAMPLED,
         encoding: str | None = None,
         logprob_bits: int | None = None,
     ) -> None:
@@ -257,60 +261,24 @@ def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBa
     item has them, ``[B, S, C_max]`` with ``-1`` / NaN padding)."""
     if not items:
         raise ValueError("items: empty batch")
-    b = len(items)
-    k = items[0].arrays.top_k
     lengths = [len(it.token_ids) for it in items]
     rows = [len(it.arrays) for it in items]
-    s = max(rows)
-    # numpy buffers: np.zeros gets lazily zeroed pages from the OS, where torch.zeros
-    # fills them with its thread pool (slow on a busy CPU); the tensors share the memory.
-    tokens = np.full((b, max(lengths)), pad_id, dtype=np.int64)
-    attn = np.zeros((b, max(lengths)), dtype=np.bool_)
-    ids = np.zeros((b, s, k), dtype=np.int64)
-    lps = np.zeros((b, s, k), dtype=np.float32)
-    with_sampled = items[0].arrays.sampled_logprobs is not None
-    sampled = np.zeros((b, s), dtype=np.float32) if with_sampled else None
-    first = items[0].arrays
-    counts = None if first.sample_counts is None else np.zeros((b, s, k), dtype=np.int64)
-    log_z = None if first.proposal_log_normalizer is None else np.zeros((b, s), np.float32)
-    mask = np.zeros((b, s), dtype=np.bool_)
-    c_max = max(it.arrays.num_candidates for it in items)
-    with_cands = any(it.arrays.candidate_ids is not None for it in items)
-    cand_ids = np.full((b, s, c_max), -1, dtype=np.int64) if with_cands else None
-    cand_lps = np.full((b, s, c_max), np.nan, dtype=np.float32) if with_cands else None
-    names = [it.teacher for it in items]
-    teachers = None if any(n is None for n in names) else tuple(str(n) for n in names)
+    # numpy buffers (PayloadBuffers): np.zeros gets lazily zeroed pages from the OS,
+    # where torch.zeros fills them with its thread pool (slow on a busy CPU).
+    tokens = np.full((len(items), max(lengths)), pad_id, dtype=np.int64)
+    attn = np.zeros((len(items), max(lengths)), dtype=np.bool_)
+    k = items[0].arrays.top_k
+    out = PayloadBuffers.like([it.arrays for it in items], len(items), max(rows), k)
     for j, it in enumerate(items):
-        tok, p = it.token_ids, it.arrays
-        tokens[j, : len(tok)] = tok.numpy()
-        attn[j, : len(tok)] = True
-        n = rows[j]
-        ids[j, :n] = p.ids
-        lps[j, :n] = p.logprobs
-        if sampled is not None and p.sampled_logprobs is not None:
-            sampled[j, :n] = p.sampled_logprobs
-        if cand_ids is not None and cand_lps is not None and p.candidate_ids is not None:
-            c = p.num_candidates
-            cand_ids[j, :n, :c] = p.candidate_ids
-            cand_lps[j, :n, :c] = p.candidate_logprobs
-        if counts is not None and p.sample_counts is not None:
-            counts[j, :n] = p.sample_counts
-        if log_z is not None and p.proposal_log_normalizer is not None:
-            log_z[j, :n] = p.proposal_log_normalizer
-        mask[j, :n] = True
-    payload = TeacherPayload(
-        ids=torch.from_numpy(ids),
-        logprobs=torch.from_numpy(lps),
-        sampled_logprobs=None if sampled is None else torch.from_numpy(sampled),
-        mask=torch.from_numpy(mask),
+        tokens[j, : len(it.token_ids)] = it.token_ids.numpy()
+        attn[j, : len(it.token_ids)] = True
+        out.put((j, slice(0, rows[j])), {**present_fields(it.arrays), "mask": True})
+    names = [it.teacher for it in items]
+    payload = out.payload(
         position_start=torch.tensor([it.arrays.position_start for it in items], dtype=torch.int64),
         lengths=torch.tensor(rows, dtype=torch.int64),
         top_k=k,
         dtype=items[0].dtype,
-        teachers=teachers,
-        candidate_ids=None if cand_ids is None else torch.from_numpy(cand_ids),
-        candidate_logprobs=None if cand_lps is None else torch.from_numpy(cand_lps),
-        sample_counts=None if counts is None else torch.from_numpy(counts),
-        proposal_log_normalizer=None if log_z is None else torch.from_numpy(log_z),
+        teachers=None if any(n is None for n in names) else tuple(str(n) for n in names),
     )
     return PayloadBatch(torch.from_numpy(tokens), torch.from_numpy(attn), payload)

@@ -9,22 +9,20 @@ and the payload's ``teachers`` names the teacher of every row.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from typing_extensions import Unpack
 
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
-from student_client.data.batch import ScoreBatch
+from student_client.data.batch import ScoreKeywords, StreamKeywords, split_call
 from student_client.data.payload import TeacherPayload
 from student_client.offline.replay import ReplayClient, replay_stream
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
 from topk_protocol.errors import NotRecordedError, TeacherError
 from topk_protocol.recording.multi import read_manifest, recorded_teachers
-from topk_protocol.requests import RequestKeywords
 
 __all__ = ["MultiReplayClient"]
 
@@ -98,18 +96,12 @@ class MultiReplayClient(Closeable):
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[ScoreKeywords],
     ) -> TeacherPayload:
         """The recorded payload of this batch, each sequence from its ``teacher``'s rows
         (arguments as ``MultiTeacherClient.score``)."""
-        item = ScoreBatch(sequences, positions, attention_mask, teacher, candidate_ids)
-        teachers, routes = plan_routes(item, self._names)
+        call = split_call(sequences, keywords)
+        teachers, routes = plan_routes(call.batch, self._names)
         parts = []
         for r in routes:
             try:
@@ -121,26 +113,23 @@ class MultiReplayClient(Closeable):
                     positions=r.batch.positions,
                     attention_mask=r.batch.attention_mask,
                     candidate_ids=r.batch.candidate_ids,
-                    **options,
+                    **call.options,
                 )
             except TeacherError as e:
                 raise name_error(r.teacher, e) from None
             parts.append((r.rows, part))
         merged = merge_payloads(parts, teachers)
-        return merged if str(device) == "cpu" else merged.to(device)
+        return merged if str(call.device) == "cpu" else merged.to(call.device)
 
     def stream(
         self,
         batches: Iterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[StreamKeywords],
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order (see
         :func:`~student_client.offline.replay.replay_stream`)."""
-        return replay_stream(self.score, batches, top_k, depth=depth, device=device, **options)
+        return replay_stream(self.score, batches, top_k, **keywords)
 
     def close(self) -> None:
         for c in self._teachers.values():

@@ -16,7 +16,7 @@ recording.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from typing_extensions import Unpack
 
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
-from student_client.data.batch import ScoreBatch
+from student_client.data.batch import ScoreBatch, ScoreKeywords, StreamKeywords, split_call
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
     RequestOptions,
@@ -58,13 +58,17 @@ from topk_protocol.requests import RequestKeywords
 __all__ = ["ReplayClient", "replay_response", "replay_stream"]
 
 
-def replay_response(reader: RecordingReader, request: pb.ScoreRequest) -> pb.ScoreResponse:
-    """The answer the teacher would have sent to ``request``, from recorded rows.
+def replay_response(
+    reader: RecordingReader, request: pb.ScoreRequest, options: RequestOptions | None = None
+) -> pb.ScoreResponse:
+    """The answer the teacher would have sent to ``request``, from recorded rows
+    (``options``: the ones the request was built with; None: read back from it).
 
     Raises :class:`NotRecordedError` naming every sequence that cannot be answered
     exactly and why (the rules of :mod:`topk_protocol.recording.replay`).
     """
-    options = RequestOptions.from_proto(request)
+    if options is None:
+        options = RequestOptions.from_proto(request)
     spans = request_spans(request)
     cands = [
         np.frombuffer(seq.candidate_ids, dtype="<i4").reshape(end - start, seq.num_candidates)
@@ -212,47 +216,41 @@ class ReplayClient(Closeable):
                 int(request.samples),
             )
 
-    def _answer(self, request: pb.ScoreRequest, device: torch.device | str) -> TeacherPayload:
+    def _answer(
+        self, request: pb.ScoreRequest, options: RequestOptions, device: torch.device | str
+    ) -> TeacherPayload:
         self._check(request)
-        asm = ResponseAssembler(request)
-        asm.add(replay_response(self._reader, request))
+        asm = ResponseAssembler(request, options)
+        asm.add(replay_response(self._reader, request, options))
         return asm.payload(device)
 
     def score(
         self,
         sequences: Any,
         top_k: int | RequestOptions | None = None,
-        *,
-        positions: Sequence[tuple[int, int]] | None = None,
-        device: torch.device | str = "cpu",
-        attention_mask: Any = None,
-        teacher: Any = None,
-        candidate_ids: Any = None,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[ScoreKeywords],
     ) -> TeacherPayload:
         """The recorded payload of this batch (arguments as ``TeacherClient.score``;
         ``teacher`` is ignored, as by a single-teacher client)."""
+        call = split_call(sequences, keywords)
+        asked = RequestOptions.of(top_k, **call.options)
         request, layout = build_aligned_request(
             sequences,
-            RequestOptions.of(top_k, **options),
-            attention_mask=attention_mask,
-            positions=positions,
-            candidate_ids=candidate_ids,
-            **options,
+            asked,
+            attention_mask=call.batch.attention_mask,
+            positions=call.batch.positions,
+            candidate_ids=call.batch.candidate_ids,
         )
-        return align(self._answer(request, device), layout)
+        return align(self._answer(request, asked, call.device), layout)
 
     def stream(
         self,
         batches: Iterable[Any],
         top_k: int | RequestOptions | None = None,
-        *,
-        device: torch.device | str = "cpu",
-        depth: int = 4,
-        **options: Unpack[RequestKeywords],
+        **keywords: Unpack[StreamKeywords],
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order (see :func:`replay_stream`)."""
-        return replay_stream(self.score, batches, top_k, depth=depth, device=device, **options)
+        return replay_stream(self.score, batches, top_k, **keywords)
 
     def close(self) -> None:
         if hasattr(self, "_reader"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -10,12 +12,14 @@ from topk_protocol import (
     SequenceArrays,
     decode_floats_into,
     decode_sequence,
+    decode_sequence_into,
     decode_token_ids,
     dtype_from_name,
     encode_sequence,
     encode_token_ids,
     pb,
 )
+from topk_protocol.packing import Packing
 
 SHAPES = [(0, 4), (1, 1), (1, 64), (47, 1), (47, 8), (3, 256), (129, 64)]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -66,6 +70,35 @@ def test_decode_floats_into_a_strided_view(shape: tuple[int, int], dtype: str) -
         and (big[1, :2] == 7.0).all()
         and (big[1, 2 + shape[0] :] == 7.0).all()
     )
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_sequence_into_equals_decode_sequence(dtype: str, packed: bool) -> None:
+    """Decoding into slices of a padded batch gives what ``decode_sequence`` gives."""
+    a = replace(
+        _arrays(5, 4, seed=2),
+        sample_counts=np.arange(20).reshape(5, 4) % 3,
+        proposal_log_normalizer=np.linspace(-1, 1, 5),
+    )
+    msg = encode_sequence(a, dtype=dtype, packing=Packing(18, 8) if packed else None)
+    want = decode_sequence(msg)
+    out = {
+        "ids": np.zeros((2, 7, 4), np.int64),
+        "logprobs": np.zeros((2, 7, 4), np.float32),
+        "sampled_logprobs": np.zeros((2, 7), np.float32),
+        "sample_counts": np.zeros((2, 7, 4), np.int64),
+        "proposal_log_normalizer": np.zeros((2, 7), np.float32),
+        "mask": np.zeros((2, 7), bool),  # not a wire field: left alone
+    }
+    decode_sequence_into({k: v[1, 1:6] for k, v in out.items()}, msg)
+    for name in ("ids", "logprobs", "sampled_logprobs", "sample_counts"):
+        np.testing.assert_array_equal(out[name][1, 1:6], getattr(want, name))
+        assert not out[name][0].any() and not out[name][1, 6:].any()
+    np.testing.assert_array_equal(
+        out["proposal_log_normalizer"][1, 1:6], want.proposal_log_normalizer
+    )
+    assert not out["mask"].any()
 
 
 def test_payload_size_at_k64_float16() -> None:

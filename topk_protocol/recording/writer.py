@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,11 @@ from topk_protocol import (
     teacher_temperature,
 )
 from topk_protocol._closeable import Closeable
-from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
+from topk_protocol.arrays import SequenceArrays
 from topk_protocol.errors import RecordingError
 from topk_protocol.fingerprint import answer_problems
 from topk_protocol.packing import Packing
+from topk_protocol.recording.columns import BufferedRow, record_batch
 from topk_protocol.recording.format import (
     COMPRESSIONS,
     DEFAULT_FLUSH_INTERVAL_S,
@@ -43,50 +45,19 @@ from topk_protocol.recording.format import (
     next_shard_number,
     packing_metadata,
     recording_schema,
-    row_crc,
     sequence_key,
     shard_name,
     shards,
-    storage_dtype,
     teacher_info_json,
     write_json_atomic,
 )
 from topk_protocol.recording.index import RowIndex
-from topk_protocol.recording.packed import PACKED_COLUMNS, pack_row
 from topk_protocol.recording.reader import RecordingReader
 from topk_protocol.storage import Location, StorageError, location
 
 __all__ = ["RecordingWriter"]
 
 log = logging.getLogger(__name__)
-
-
-def _offsets(lengths: list[int] | npt.NDArray[np.int64]) -> pa.Array:
-    return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
-
-
-def _list_column(
-    rows: list[npt.NDArray[Any] | None], typ: pa.DataType, width: int = 0, ragged: bool = False
-) -> pa.Array:
-    """``[n_i]`` (or ``[n_i, width]``) arrays -> ``list<typ>`` (or
-    ``list<fixed_size_list<typ, width>>``); ``ragged``: ``[n_i, c_i]`` arrays ->
-    ``list<list<typ>>`` (each row its own width); a None row is a null list."""
-    present = [r for r in rows if r is not None]
-    lengths = np.array([0 if r is None else len(r) for r in rows], dtype=np.int64)
-    offsets = _offsets(lengths)
-    flat = np.concatenate([r.reshape(-1) for r in present]) if present else np.zeros(0)
-    values = pa.array(flat, type=typ)
-    if width:
-        values = pa.FixedSizeListArray.from_arrays(values, width)
-    elif ragged:  # one list per position: [c_i] * n_i
-        widths = np.concatenate(
-            [np.full(len(r), r.shape[1], np.int64) for r in present] or [np.zeros(0, np.int64)]
-        )
-        values = pa.ListArray.from_arrays(_offsets(widths), values)
-    if len(present) == len(rows):
-        return pa.ListArray.from_arrays(offsets, values)
-    mask = pa.array([r is None for r in rows], type=pa.bool_())
-    return pa.ListArray.from_arrays(offsets, values, mask=mask)
 
 
 class RecordingWriter(Closeable):
@@ -148,7 +119,7 @@ class RecordingWriter(Closeable):
         self._lock = threading.RLock()
         self._closed = False
         #: (key, token ids [L], arrays: values already cast as the recording stores them)
-        self._buffer: list[tuple[bytes, npt.NDArray[np.int32], SequenceArrays]] = []
+        self._buffer: list[BufferedRow] = []
         self._file: Any = None
         self._stream: pa.ipc.RecordBatchStreamWriter | None = None
         self._shard: Location | None = None
@@ -352,27 +323,41 @@ class RecordingWriter(Closeable):
         response: pb.ScoreResponse,
         options: RequestOptions | None = None,
     ) -> int:
-        """Record every sequence of an answered request (``response`` complete, e.g.
-        :meth:`~student_client.data.payload.ResponseAssembler.merged_response`; ``options``
-        default: the request's). Returns the number of rows written (covered sequences
-        are skipped)."""
-        options = RequestOptions.from_proto(request) if options is None else options
-        self._fix_options(options.recorded())
-        spans = request_spans(request)
+        """Record every sequence of an answered request (``response`` complete, one
+        ``SequencePayload`` per sequence, e.g. ``ResponseAssembler.merged_response``;
+        ``options`` default: the request's), decoded here: see :meth:`write_sequences`."""
         by_index = {int(p.sequence_index): p for p in response.sequences}
-        n = 0
+        spans = request_spans(request)
+        sequences = []
         for i, (seq, (start, end)) in enumerate(zip(request.sequences, spans, strict=True)):
             if i not in by_index:
                 raise ValueError(f"response: sequence {i} is missing")
-            if start == end:
-                continue  # an empty range: nothing to record
             raw, c = seq.candidate_ids, int(seq.num_candidates)
             cand = np.frombuffer(raw, dtype="<i4").reshape(end - start, c) if c else None
-            arrays = decode_sequence(by_index[i], cand)
+            sequences.append(decode_sequence(by_index[i], cand) if start != end else None)
+        return self.write_sequences(
+            request, sequences, RequestOptions.from_proto(request) if options is None else options
+        )
+
+    def write_sequences(
+        self,
+        request: pb.ScoreRequest,
+        sequences: Sequence[SequenceArrays | None],
+        options: RequestOptions,
+    ) -> int:
+        """Record the decoded answer of a request: ``sequences[i]`` the rows of its
+        sequence ``i`` (None: an empty range), ``options`` the ones the request was built
+        with (the client hands on what it asked; nothing is re-derived from the message).
+        Returns the number of rows written (covered sequences are skipped)."""
+        self._fix_options(options.recorded())
+        packing = options.packing(int(self.info.vocab_size))
+        n = 0
+        for seq, arrays in zip(request.sequences, sequences, strict=True):
+            if arrays is None or not arrays.num_positions:
+                continue  # an empty range: nothing to record
             if not options.include_sampled:
                 arrays = replace(arrays, sampled_logprobs=None)
             tokens = np.frombuffer(seq.token_ids, dtype="<i4")
-            packing = options.packing(int(self.info.vocab_size))
             n += self.add(tokens, arrays, dtype=options.dtype, packing=packing)
         return n
 
@@ -394,41 +379,7 @@ class RecordingWriter(Closeable):
             schema = recording_schema(self.top_k, self.dtype, self._format(), packing=self.packing)
             if self._stream is None:
                 self._open_shard(schema)
-            # Each row's array fields in the storage dtype (exact: the values were cast),
-            # a packed recording's ids and log-probs as the packed bytes.
-            stored = [
-                {
-                    f.name: None
-                    if getattr(a, f.name) is None
-                    else getattr(a, f.name).astype(storage_dtype(f, self.dtype), copy=False)
-                    for f in ARRAY_FIELDS
-                }
-                for _, _, a in self._buffer
-            ]
-            if self.packing is not None:
-                for values, (_, _, a) in zip(stored, self._buffer, strict=True):
-                    values.update(pack_row(a, self.dtype, self.packing))
-            columns = [
-                pa.array([k for k, _, _ in self._buffer], pa.binary()),
-                _list_column([t for _, t, _ in self._buffer], pa.int32()),
-                pa.array([a.position_start for _, _, a in self._buffer], pa.int32()),
-                pa.array([a.position_end for _, _, a in self._buffer], pa.int32()),
-            ]
-            for f in ARRAY_FIELDS:
-                if self.packing is not None and f.name in PACKED_COLUMNS:
-                    packed = [np.asarray(v[f.name]).tobytes() for v in stored]
-                    columns.append(pa.array(packed, pa.binary()))
-                    continue
-                typ = pa.from_numpy_dtype(storage_dtype(f, self.dtype))
-                width = self.top_k if f.columns else 0
-                rows = [v[f.name] for v in stored]
-                columns.append(_list_column(rows, typ, width, ragged=f.candidates))
-            checksums = [
-                row_crc(k, t, a.position_start, a.position_end, v)
-                for (k, t, a), v in zip(self._buffer, stored, strict=True)
-            ]
-            columns.append(pa.array(checksums, pa.uint32()))
-            batch = pa.record_batch(columns, schema=schema)
+            batch = record_batch(self._buffer, schema, self.top_k, self.dtype, self.packing)
             assert self._stream is not None and self._shard is not None
             try:
                 self._stream.write_batch(batch)
@@ -440,9 +391,9 @@ class RecordingWriter(Closeable):
                 if not self._shard.local:
                     self._drop_shard()
                 raise RecordingError(
-                    self._shard, None, f"writing {len(stored)} rows failed (kept to retry): {e}"
+                    self._shard, None, f"writing {batch.num_rows} rows failed (kept to retry): {e}"
                 ) from None
-            self.rows_written += len(stored)
+            self.rows_written += batch.num_rows
             self._buffer.clear()
 
     def _format(self) -> dict[str, Any]:

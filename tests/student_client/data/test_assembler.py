@@ -9,7 +9,14 @@ import torch
 
 from student_client.data.assembler import ResponseAssembler
 from teacher_server.grpc_api.answers import encode_scored, iter_stream_responses
-from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, request_spans
+from topk_protocol import (
+    RequestOptions,
+    SequenceArrays,
+    build_request,
+    decode_sequence,
+    pb,
+    request_spans,
+)
 from topk_protocol.errors import (
     InvalidRequestError,
     TeacherError,
@@ -103,6 +110,30 @@ def test_merged_response_equals_the_unary_answer() -> None:
     assert [m.SerializeToString() for m in merged.sequences] == [
         m.SerializeToString() for m in unary
     ]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sequences_are_what_the_merged_response_decodes_to(packed: bool) -> None:
+    """What the client records (``sequences()``, with the options it built) equals the
+    merged one-message answer decoded, without packing the rows again."""
+    lengths, spans, k = [9, 4, 3], [(0, 9), (1, 3), (2, 2)], 5
+    seqs, scored = _case(lengths, spans, k, seed=4)
+    asked = RequestOptions.of(k, encoding="packed" if packed else "default")
+    req = build_request(seqs, asked, positions=spans, request_id="x")
+    asm = ResponseAssembler(req, asked)
+    assert asm.options is asked
+    for msg in iter_stream_responses("x", scored, asked, chunk_bytes=64, vocab_size=512):
+        asm.add(msg)
+    merged = asm.merged_response().sequences
+    got = asm.sequences()
+    assert got[2] is None  # the empty range
+    for i in (0, 1):
+        want = decode_sequence(merged[i])
+        have = got[i]
+        assert have is not None and have.position_start == want.position_start
+        np.testing.assert_array_equal(have.ids, want.ids)
+        np.testing.assert_array_equal(have.logprobs, want.logprobs)
+        np.testing.assert_array_equal(have.sampled_logprobs, want.sampled_logprobs)
 
 
 def test_without_sampled_logprobs() -> None:

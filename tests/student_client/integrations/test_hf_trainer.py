@@ -200,7 +200,7 @@ def test_payload_dataset_trains_without_a_client(
     trainer = TopKDistillationTrainer(
         model=copy.deepcopy(student),
         args=_trainer_args(tmp_path / "ds", 1, steps=3),
-        train_dataset=PayloadDataset(scored),
+        train_dataset=PayloadDataset(scored, include_sampled=False),
         data_collator=payload_dataset_collator(pad_id=tokenizer.pad_token_id),
         distill=DistillationConfig(RequestOptions(K, include_sampled=False)),
     )

@@ -55,7 +55,7 @@ def test_dataloader_shuffles_with_two_workers(recording: Path) -> None:
     """Spawned workers (the dataset pickles by path): a worker forked from this pytest
     process (which has run gRPC servers and clients) once spun forever, cause not pinned
     down. ``timeout`` turns a stuck worker into a failure."""
-    ds = PayloadDataset(recording)
+    ds = PayloadDataset(recording, include_sampled=False)
     loader = DataLoader(
         ds,
         batch_size=5,
@@ -88,12 +88,12 @@ def test_refuses_what_it_cannot_serve(recording: Path, tmp_path: Path) -> None:
     ):
         PayloadDataset(path, dtype="float32")
     with pytest.raises(NotRecordedError, match="row 0: sampled log-probs are not recorded"):
-        PayloadDataset(path, include_sampled=True)[0]
-    assert np.array_equal(PayloadDataset(path)[0].arrays.ids, full.ids)
+        PayloadDataset(path)[0]  # the default asks for them (DEFAULT_INCLUDE_SAMPLED)
+    assert np.array_equal(PayloadDataset(path, include_sampled=False)[0].arrays.ids, full.ids)
 
 
 def test_items_are_sequence_arrays(recording: Path) -> None:
-    item = PayloadDataset(recording, top_k=3, dtype="float16")[5]
+    item = PayloadDataset(recording, top_k=3, dtype="float16", include_sampled=False)[5]
     assert isinstance(item.arrays, SequenceArrays) and item.arrays.top_k == 3
     assert (item.dtype, item.teacher, item.arrays.sampled_logprobs) == ("float16", None, None)
     assert len(item.token_ids) == 4 + 3 * 5 and item.arrays.position_end == len(item.token_ids)

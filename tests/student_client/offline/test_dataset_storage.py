@@ -46,8 +46,8 @@ def test_items_from_s3_equal_the_local_ones_through_a_dataloader(
     for path in (uri, tmp_path / "local"):
         write(path, rows=37, positions=23, rows_per_batch=5)
     remote, local = (
-        PayloadDataset(uri, top_k=5, dtype="bfloat16"),
-        PayloadDataset(tmp_path / "local", top_k=5, dtype="bfloat16"),
+        PayloadDataset(uri, top_k=5, dtype="bfloat16", include_sampled=False),
+        PayloadDataset(tmp_path / "local", top_k=5, dtype="bfloat16", include_sampled=False),
     )
     assert remote.path == uri and len(remote) == len(local) == 37
     for i in (0, 36, 7, 7, 20):
@@ -80,12 +80,12 @@ _MEASURE = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     pool = pa.default_memory_pool()
-    ds = PayloadDataset({uri!r})  # import everything first
+    ds = PayloadDataset({uri!r}, include_sampled=False)  # import everything first
     ds = None
     open("/proc/self/clear_refs", "w").write("5")  # peak RSS := RSS now
     before = status("VmRSS")
     arrow_before = pool.max_memory()
-    ds = PayloadDataset({uri!r})
+    ds = PayloadDataset({uri!r}, include_sampled=False)
     total = 0
     for i in range(len(ds)):
         total += int(ds[i].token_ids.sum())
