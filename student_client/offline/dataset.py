@@ -232,7 +232,8 @@ class PayloadDataset(Dataset[PayloadItem]):
         tokens, row = self._reader.row(int(i))
         if self.include_sampled and row.sampled_logprobs is None:
             raise NotRecordedError(
-                f"recording {self.path}: row {i}: sampled log-probs are not recorded"
+                f"recording {self.path}: row {i}: sampled log-probs are not recorded "
+                "(include_sampled=True is the default; pass include_sampled=False)"
             )
         recorded = arrays = replace(  # the row's candidates as recorded (the row is whole)
             recorded_arrays(row, row.position_start, row.position_end, self._served),
