@@ -18,6 +18,11 @@ gRPC layer is the same in every variant and is measured by ``bench_teacher``.
   with the cache on, turn after turn.
 - **mixed**: ``--unrelated`` full-sequence requests of P + R tokens sent together with
   one group; the unrelated requests' positions/s with reuse on vs off.
+- **vLLM's OpenAI server** (unless ``--no-openai``): the same groups and conversations as
+  ``/v1/completions`` requests with ``prompt_logprobs=K``, ``max_tokens=1`` (vLLM's own
+  server recomputes every prompt position of a request with prompt log-probs), all of a
+  group in flight at once, JSON decoded; its own engine process (same settings), idle
+  while the other variants run.
 
 Reported: medians over rounds of answered positions/s, and ratios paired within a round.
 Every reuse-on payload is checked against the reuse-off one (log-probs within 1e-4, ids
@@ -25,25 +30,31 @@ where the rank is unambiguous) once per run.
 
     python -m benchmarks.bench_prefix_reuse [--model DIR] [--prompt 1024] [--completion 256]
         [--group 8] [--k 64] [--turns 4] [--turn-tokens 512] [--unrelated 4] [--reps 5]
+        [--no-openai]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures as cf
 import itertools
+import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.bench_teacher import engine_backend, model_or_tiny
+from benchmarks.bench_teacher import ROOT, _stop, _wait_http, engine_backend, model_or_tiny
+from devtools.launch import free_port
 from teacher_server.backends.vllm.backend import VLLMBackend
 from teacher_server.backends.vllm.prefix import PrefixOrder
 from teacher_server.validation import ParsedSequence
@@ -108,13 +119,62 @@ class Bench:
         await asyncio.gather(*(one(s) for s in seqs))
 
 
+class OpenAIServer:
+    """vLLM's OpenAI server on ``model`` (the in-process engine's settings), scoring with
+    ``prompt_logprobs=K``: every prompt position, recomputed."""
+
+    def __init__(self, model: str, k: int, log: Path) -> None:
+        port = free_port()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-logprobs", str(k), "--max-model-len", "4096",
+            "--max-num-batched-tokens", "16384", "--served-model-name", "tiny",
+        ]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ["VLLM_CPU_KVCACHE_SPACE"]}
+        self.proc = subprocess.Popen(
+            cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        self.k = k
+        self.pool = cf.ThreadPoolExecutor(16)
+        _wait_http(f"http://127.0.0.1:{port}/health", self.proc)
+
+    def _one(self, seq: np.ndarray) -> None:
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "prompt": seq.tolist(),
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "logprobs": self.k,
+                "prompt_logprobs": self.k,
+            }
+        ).encode()
+        req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        if len(out["choices"][0]["prompt_logprobs"]) != len(seq):
+            raise RuntimeError("vLLM's OpenAI server returned the wrong number of rows")
+
+    async def score(self, seqs: list[np.ndarray]) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self.pool, self._one, s) for s in seqs))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        _stop(self.proc)
+
+
 async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
     t0 = time.perf_counter()
     await fn()
     return time.perf_counter() - t0
 
 
-def plan(b: Bench, a: argparse.Namespace) -> dict[str, Callable[[], Awaitable[Any]]]:
+def plan(
+    b: Bench, a: argparse.Namespace, openai: OpenAIServer | None
+) -> dict[str, Callable[[], Awaitable[Any]]]:
     """``{variant: coroutine factory}``: one timed run each (fresh prompts per call)."""
     p, r, g = a.prompt, a.completion, a.group
 
@@ -133,6 +193,10 @@ def plan(b: Bench, a: argparse.Namespace) -> dict[str, Callable[[], Awaitable[An
         await b.forward([seqs[0][:p]], cache=True)  # the prompt first
         await b.forward(seqs, cache=True)
 
+    async def group_openai() -> None:
+        assert openai is not None
+        await openai.score(b.group(p, r, g))
+
     def turns(kind: str) -> Callable[[], Awaitable[Any]]:
         async def run() -> None:
             b.reuse(kind == "on")
@@ -143,12 +207,15 @@ def plan(b: Bench, a: argparse.Namespace) -> dict[str, Callable[[], Awaitable[An
                     seq = np.concatenate([seq, b.tokens(a.turn_tokens)])
                 if kind == "forward":
                     await b.forward([seq], cache=True)
+                elif kind == "openai":
+                    assert openai is not None
+                    await openai.score([seq])
                 else:
                     await b.score([seq], start)
 
         return run
 
-    return {
+    variants: dict[str, Callable[[], Awaitable[Any]]] = {
         "group, reuse off": groups(False, 0),
         "group, reuse on, one request": groups(True, 0),
         f"group, reuse on, {g} requests": groups(True, 1e-3),
@@ -158,6 +225,10 @@ def plan(b: Bench, a: argparse.Namespace) -> dict[str, Callable[[], Awaitable[An
         "multi-turn, reuse on": turns("on"),
         "multi-turn, forward only, cache on": turns("forward"),
     }
+    if openai is not None:
+        variants["group, vLLM OpenAI server (prompt_logprobs)"] = group_openai
+        variants["multi-turn, vLLM OpenAI server (prompt_logprobs)"] = turns("openai")
+    return variants
 
 
 async def mixed(b: Bench, a: argparse.Namespace, on: bool) -> float:
@@ -195,12 +266,13 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-async def run(a: argparse.Namespace, model: str) -> None:
+async def run(a: argparse.Namespace, model: str, tmp: Path) -> None:
+    openai = None if a.no_openai else OpenAIServer(model, a.k, tmp / "openai.log")
     backend = engine_backend(model, a.k, enable_prefix_caching=True)
-    await backend.start()
     try:
+        await backend.start()
         b = Bench(backend, a.k)
-        variants = plan(b, a)
+        variants = plan(b, a, openai)
         times: dict[str, list[float]] = {name: [] for name in variants}
         mix: dict[bool, list[float]] = {False: [], True: []}
         print(f"# load before: {uptime()}", flush=True)
@@ -218,6 +290,8 @@ async def run(a: argparse.Namespace, model: str) -> None:
         report(a, times, mix)
     finally:
         await backend.close()
+        if openai is not None:
+            openai.close()
 
 
 def report(a: argparse.Namespace, times: dict[str, list[float]], mix: dict) -> None:
@@ -264,6 +338,7 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=512)
     ap.add_argument("--unrelated", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-openai", action="store_true", help="skip vLLM's OpenAI server")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
     model = model_or_tiny(a.model, tmp)
@@ -273,7 +348,7 @@ def main() -> None:
         f"{a.turns} x {a.turn_tokens}; mixed: {a.unrelated} unrelated; {a.reps} rounds",
         flush=True,
     )
-    asyncio.run(run(a, model))
+    asyncio.run(run(a, model, tmp))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from teacher_server.backends.base import topk_from_logprobs
-from teacher_server.backends.vllm.backend import flat_to_topk
+from teacher_server.backends.vllm.flat import flat_to_topk
 
 
 def test_flat_to_topk_handles_k_and_k_plus_1_entries() -> None:

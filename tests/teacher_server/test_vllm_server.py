@@ -302,12 +302,20 @@ def test_expired_deadline_aborts_engine_work(vllm_teacher, stub) -> None:  # typ
 # -- fallbacks, vLLM's flat_logprobs path and vLLM's own top-k (fallback server) -----------
 
 
-def test_session_server_uses_the_array_path_and_the_kernel(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
+def test_session_server_uses_the_array_path_and_picks_the_top_k_by_speed(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
     log = vllm_teacher.log()
     assert "log-prob path: arrays" in log
     assert "array log-prob path not used" not in log
-    assert "engine top-k: kernel" in log
     assert "CPU top-k kernel not used" not in log
+    # auto installs the kernel (its self-check passed) and keeps the faster of the two,
+    # saying which and the timings it picked by (which one wins is the CPU's business).
+    picked = [ln for ln in log.splitlines() if "engine top-k: " in ln]
+    assert len(picked) == 1, picked
+    assert (
+        "engine top-k: kernel (the kernel is faster: " in picked[0]
+        or "engine top-k: vllm (vLLM's torch.topk is faster: the kernel takes " in picked[0]
+    ), picked
+    assert "us/row against vLLM's" in picked[0] and "V = 512, K = " in picked[0]
 
 
 @pytest.fixture(scope="module")

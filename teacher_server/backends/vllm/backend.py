@@ -28,7 +28,6 @@ import asyncio
 import itertools
 import logging
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +44,10 @@ from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm import arrays as vllm_arrays
 from teacher_server.backends.vllm import sampling as vllm_sampling
+from teacher_server.backends.vllm import topk_choice
 from teacher_server.backends.vllm.candidates import extra_args
 from teacher_server.backends.vllm.flags import VLLMFlags, engine_kwargs, engine_parser
+from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
 from teacher_server.backends.vllm.prefix import (
     CAP_KEY,
     SCHEDULER_QUALNAME,
@@ -57,7 +58,6 @@ from teacher_server.backends.vllm.prefix import (
 from teacher_server.backends.vllm.worker import (
     CANDIDATES_METHOD,
     ENGINE_TOPK_CHOICES,
-    ENGINE_TOPK_METHOD,
     EXTENSION_QUALNAME,
     KERNEL,
     MALLOC_TRIM_METHOD,
@@ -78,52 +78,6 @@ log = logging.getLogger(__name__)
 #: Set (to the reason) where no vLLM engine may start: the test suite sets it while a test
 #: without the ``vllm`` marker runs, so ``pytest -m "not vllm"`` provably starts none.
 NO_ENGINE_ENV = "TOPK_DISTILL_NO_VLLM_ENGINE"
-
-
-def flat_to_topk(
-    token_ids: list[int],
-    logprobs: list[float],
-    starts: list[int],
-    ends: list[int],
-    top_k: int,
-    position_start: int = 0,
-) -> SequenceArrays:
-    """Convert flat vLLM log-probs of ``P`` positions (from ``position_start``) into
-    ``[P, K]`` arrays with numpy.
-
-    Every position holds the actual next token first (with its true rank) and then the
-    top-K; when the actual token is itself in the top-K, vLLM may have de-duplicated it, so
-    a position holds K+1 or K entries. Returns ``ids`` ``[P, K]``, ``logprobs`` ``[P, K]``
-    sorted descending and ``sampled_logprobs`` ``[P]`` (the actual token's).
-    """
-    n = len(starts)
-    k = top_k
-    if n == 0:
-        return SequenceArrays.empty(k, position_start)
-    st = np.asarray(starts, dtype=np.int64)
-    cnt = np.asarray(ends, dtype=np.int64) - st
-    base = st[0]
-    tid = np.asarray(token_ids[base : ends[-1]], dtype=np.int32)
-    lp = np.asarray(logprobs[base : ends[-1]], dtype=np.float32)
-    st = st - base
-    if np.any((cnt != k) & (cnt != k + 1)):
-        bad = int(np.flatnonzero((cnt != k) & (cnt != k + 1))[0])
-        raise RuntimeError(
-            f"vLLM returned {cnt[bad]} log-prob entries at a position; expected {k} or {k + 1}"
-        )
-    actual = lp[st]
-    # K+1 entries: skip the leading actual-token entry. K entries: it is one of the top-K.
-    first = st + (cnt == k + 1)
-    cols = first[:, None] + np.arange(k)[None, :]
-    ids = tid[cols]
-    vals = lp[cols]
-    order = np.argsort(-vals, axis=1, kind="stable")
-    return SequenceArrays(
-        np.take_along_axis(ids, order, axis=1),
-        np.take_along_axis(vals, order, axis=1),
-        actual,
-        position_start,
-    )
 
 
 class VLLMBackend(Backend):
@@ -169,6 +123,8 @@ class VLLMBackend(Backend):
         self.logprobs_path = "flat"
         self._requested_topk = engine_topk
         self.engine_topk = VLLM_TOPK
+        #: Why :attr:`engine_topk` is the one in use (timings where ``auto`` measured).
+        self.engine_topk_reason = ""
         self._temperature = check_temperature(temperature, "teacher_temperature")
         self._own_extension = not (engine_kwargs or {}).get("worker_extension_cls")
         if not self._own_extension and (self._temperature != 1.0 or engine_topk == KERNEL):
@@ -229,11 +185,18 @@ class VLLMBackend(Backend):
                 await self.close()
                 raise
         try:
-            self.engine_topk = await self._route_engine_topk()
+            choice = await topk_choice.start_up_choice(
+                self._engine,
+                self._requested_topk,
+                self._own_extension,
+                self._max_top_k,
+                vllm_arrays.version_problem(),
+            )
         except BaseException:
             await self.close()
             raise
-        log.info("engine top-k: %s", self.engine_topk)
+        self.engine_topk, self.engine_topk_reason = choice.name, choice.reason
+        log.info("engine top-k: %s (%s)", choice.name, choice.reason)
         self.logprobs_path = vllm_arrays.select_path(self._requested_path, self._engine)
         log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
@@ -347,32 +310,7 @@ class VLLMBackend(Backend):
         """Route every worker's log-prob top-k to the CPU kernel (``use_kernel``) or to
         vLLM's own; returns each worker's answer (``kernel``, ``vllm`` or
         ``unavailable: <why>``). Takes effect for the engine steps that follow."""
-        answers = await self._engine.collective_rpc(ENGINE_TOPK_METHOD, args=(use_kernel,))
-        return [str(a) for a in answers]
-
-    async def _route_engine_topk(self) -> str:
-        """The start-up choice: the kernel on every worker where it checks out, else
-        vLLM's everywhere (``auto`` warns once when a CPU worker could not use it)."""
-        from vllm.platforms import current_platform
-
-        auto, on_cpu = self._requested_topk == "auto", current_platform.is_cpu()
-        if self._requested_topk == VLLM_TOPK or (auto and not on_cpu):
-            return VLLM_TOPK
-        if not self._own_extension:
-            log.info("engine top-k: vLLM's (worker_extension_cls is set by the caller)")
-            return VLLM_TOPK
-        if auto and (why := vllm_arrays.version_problem()):
-            log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
-            return VLLM_TOPK
-        answers = await self.route_engine_topk(True)
-        if all(a == KERNEL for a in answers):
-            return KERNEL
-        await self.route_engine_topk(False)
-        why = "; ".join(sorted({a for a in answers if a != KERNEL}))
-        if self._requested_topk == KERNEL:
-            raise RuntimeError(f"engine_topk kernel: the CPU top-k kernel cannot be used: {why}")
-        log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
-        return VLLM_TOPK
+        return await topk_choice.route_engine_topk(self._engine, use_kernel)
 
     async def _candidates_problem(self) -> str | None:
         """Why candidate ids cannot be scored (None: every worker gathers them): they
@@ -438,7 +376,7 @@ class VLLMBackend(Backend):
             return vllm_arrays.sampled_payload(final, sequence, options)
         if arrays:
             return vllm_arrays.payload_from_output(final, top_k, sequence)
-        return self._to_payload(final, token_ids, top_k, start, end)
+        return flat_payload(final, token_ids, top_k, start, end)
 
     async def _prefill(self, token_ids: npt.NDArray[np.int32]) -> None:
         """Compute a prefix's KV blocks into the prefix cache (the forward pass alone: one
@@ -497,25 +435,3 @@ class VLLMBackend(Backend):
             detokenize=False,
             **overrides,
         )
-
-    @staticmethod
-    def _to_payload(
-        out: Any, token_ids: npt.NDArray[np.int32], k: int, start: int, end: int
-    ) -> SequenceArrays:
-        n = len(token_ids)
-        pl = out.prompt_logprobs  # FlatLogprobs, row 0 empty
-        # Payload positions [start, min(end, n-1)) come from prompt rows [start+1, ...).
-        p_end = min(end, n - 1)
-        rows = slice(start + 1, p_end + 1)
-        head = flat_to_topk(
-            pl.token_ids, pl.logprobs, pl.start_indices[rows], pl.end_indices[rows], k, start
-        )
-        if end < n:
-            return head
-        # The last position: the generated token's distribution (no next token: NaN).
-        gl = out.outputs[0].logprobs
-        last = flat_to_topk(
-            gl.token_ids, gl.logprobs, gl.start_indices[:1], gl.end_indices[:1], k, n - 1
-        )
-        nan = np.full(1, np.nan, np.float32)
-        return SequenceArrays.concat([head, replace(last, sampled_logprobs=nan)])

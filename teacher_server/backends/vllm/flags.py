@@ -40,8 +40,8 @@ class VLLMFlags(ModelFlags):
     lists), auto (arrays where the installed vLLM checks out, else flat)"""
     engine_topk: str = field(default="auto", metadata={"choices": ENGINE_TOPK_CHOICES})
     """top-K inside a CPU vLLM engine: kernel (this project's, bit-identical log-probs,
-    several times faster), vllm (vLLM's torch.topk), auto (kernel where it checks out;
-    vLLM's on GPUs)"""
+    several times faster on small vocabularies), vllm (vLLM's torch.topk), auto (both
+    timed at start-up at the served vocabulary and K, the faster kept; vLLM's on GPUs)"""
 
 
 def engine_parser() -> tuple[argparse.ArgumentParser, type] | None:

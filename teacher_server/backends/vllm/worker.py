@@ -22,7 +22,11 @@ top-K and the actual token's log-prob and rank, for prompt rows and sampled rows
 (CPU float32 rows, K <= V / 4, finite values) and by vLLM's own otherwise. The values are
 copied from vLLM's log-probs, so they are bit-identical; only the order of exactly equal
 log-probs can differ (lower id first). It is installed only after a self-check against
-vLLM's own function on the installed vLLM.
+vLLM's own function on the installed vLLM. Which one is faster depends on the vocabulary,
+K and the CPU (the kernel's counting passes win on small vocabularies, ``torch.topk``'s
+partial sort can win at V = 151,936): :func:`time_gather` times both on the worker, at the
+served vocabulary and K, for ``--engine-topk auto`` to pick by
+(:mod:`teacher_server.backends.vllm.topk_choice`).
 
 **Candidates.** :meth:`TeacherWorkerExtension.topk_distill_candidates` makes the worker
 append each request's candidate log-probs to its log-prob rows, gathered from the same
@@ -45,14 +49,18 @@ __all__ = [
     "KERNEL",
     "MALLOC_TRIM_METHOD",
     "SET_TEMPERATURE_METHOD",
+    "TIME_TOPK_METHOD",
     "VLLM_TOPK",
     "TeacherWorkerExtension",
     "route_gather_logprobs",
+    "time_gather",
+    "timing_rows",
 ]
 
 #: The engine top-k in use: this project's CPU kernel, or vLLM's own ``torch.topk``.
 KERNEL, VLLM_TOPK = "kernel", "vllm"
-#: ``--engine-topk`` choices: ``auto`` (the kernel where it checks out, else vLLM's),
+#: ``--engine-topk`` choices: ``auto`` (the faster of the two where the kernel checks out,
+#: else vLLM's: :mod:`teacher_server.backends.vllm.topk_choice`),
 #: ``kernel`` (required: fail at start-up without it), ``vllm`` (vLLM's own).
 ENGINE_TOPK_CHOICES = ("auto", KERNEL, VLLM_TOPK)
 
@@ -122,6 +130,46 @@ def _self_check(stock: Any, replacement: Any) -> str | None:
     return None
 
 
+#: Elements (rows x V) of the timed batch: about 128 MiB of float32 log-probs, so a big
+#: vocabulary is timed on rows that, like an engine step's, do not fit in the CPU's caches.
+TIMING_ELEMENTS = 1 << 25
+#: Rows of the timed batch: between these bounds (an engine step has up to thousands).
+TIMING_ROWS = (64, 2048)
+#: Timed calls of each function (after one warm-up call each), alternated; best kept.
+TIMING_REPS = 5
+
+
+def timing_rows(vocab: int) -> int:
+    """Rows of the batch :func:`time_gather` times at vocabulary ``vocab``."""
+    lo, hi = TIMING_ROWS
+    return max(lo, min(hi, TIMING_ELEMENTS // max(1, vocab)))
+
+
+def time_gather(
+    stock: Any, kernel: Any, vocab: int, k: int, reps: int = TIMING_REPS
+) -> tuple[float, float]:
+    """Seconds per row of ``stock`` (vLLM's ``gather_logprobs``) and ``kernel`` (its
+    replacement) on one batch of teacher-like rows ``[timing_rows(vocab), vocab]``
+    (``log_softmax`` of scaled normal logits) at ``K = k``: best of ``reps`` calls each,
+    alternated, in the calling thread's torch settings (a worker's: its own cores)."""
+    import time
+
+    import torch
+
+    rows = timing_rows(vocab)
+    gen = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * 3, -1)
+    token_ids = torch.randint(0, vocab, (rows,), generator=gen)
+    best = [float("inf"), float("inf")]
+    for rep in range(reps + 1):  # the first round warms up
+        for i, fn in enumerate((stock, kernel)):
+            t0 = time.perf_counter()
+            fn(logprobs, k, token_ids)
+            if rep:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0] / rows, best[1] / rows
+
+
 class TeacherWorkerExtension:
     """Worker mix-in: the teacher temperature and the engine top-k of this worker."""
 
@@ -153,6 +201,19 @@ class TeacherWorkerExtension:
         runner = getattr(worker, "model_runner", None)
         return route_gather_logprobs(getattr(runner, "sampler", None), use_kernel)
 
+    def topk_distill_time_engine_topk(self, k: int) -> list[float]:
+        """``[vLLM's, kernel's]`` seconds per row of this worker's log-prob top-k at the
+        model's vocabulary and ``K = k`` (:func:`time_gather`); ``[]`` where the kernel is
+        not installed (route it first)."""
+        worker: Any = self
+        runner = getattr(worker, "model_runner", None)
+        current = getattr(getattr(runner, "sampler", None), "gather_logprobs", None)
+        stock = getattr(current, _STOCK_ATTR, None)
+        if stock is None or runner is None:
+            return []
+        vocab = int(runner.model_config.get_vocab_size())
+        return list(time_gather(stock, current, vocab, k))
+
     def topk_distill_candidates(self) -> str:
         """Let this worker gather candidate log-probs with the top-k
         (:func:`teacher_server.backends.vllm.candidates.install`); ``"ok"`` or
@@ -173,6 +234,7 @@ class TeacherWorkerExtension:
 #: Method names called on every worker with ``collective_rpc``.
 SET_TEMPERATURE_METHOD = TeacherWorkerExtension.topk_distill_set_temperature.__name__
 ENGINE_TOPK_METHOD = TeacherWorkerExtension.topk_distill_engine_topk.__name__
+TIME_TOPK_METHOD = TeacherWorkerExtension.topk_distill_time_engine_topk.__name__
 MALLOC_TRIM_METHOD = TeacherWorkerExtension.topk_distill_malloc_trim.__name__
 CANDIDATES_METHOD = TeacherWorkerExtension.topk_distill_candidates.__name__
 #: Value of vLLM's ``worker_extension_cls`` engine argument.

@@ -21,7 +21,8 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 from teacher_server.backends.base import topk_from_logprobs
 from teacher_server.backends.vllm import arrays as va
-from teacher_server.backends.vllm.backend import VLLMBackend, flat_to_topk
+from teacher_server.backends.vllm.backend import VLLMBackend
+from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
 from teacher_server.validation import ParsedSequence
 
 V = 512
@@ -121,7 +122,7 @@ def test_array_path_matches_flat_path_and_reference(
     ref = topk_from_logprobs(dense, x, k)
     for a, b in ranges:
         got = va.payload_from_output(arr, k, ParsedSequence(x, a, b))
-        want = VLLMBackend._to_payload(flat, x, k, a, b)
+        want = flat_payload(flat, x, k, a, b)
         assert got.position_start == want.position_start == a and len(got) == b - a
         assert got.sampled_logprobs is not None and want.sampled_logprobs is not None
         assert ref.sampled_logprobs is not None
