@@ -253,24 +253,33 @@ def decode_sequence_into(out: Mapping[str, npt.NDArray[Any]], msg: pb.SequencePa
         if len(raw) != ids.size * 4:
             raise ValueError(f"ids: expected {ids.size * 4} bytes, got {len(raw)}")
         ids[...] = np.frombuffer(raw, dtype=_LE_I32).reshape(ids.shape)
+        del raw  # freed before the next field's bytes are read: the allocator reuses it
         decode_floats_into(logprobs, msg.logprobs, enum, "logprobs")
-    for f in ARRAY_FIELDS:
-        dst = out.get(f.name)
-        if dst is None or f.name in _NOT_DECODED:
+    for name, wire_dtype in _OTHER_FIELDS:
+        dst = out.get(name)
+        if dst is None:
             continue
-        buf = getattr(msg, f.name)
-        if f.dtype is np.float32:
-            decode_floats_into(dst, buf, enum, f.name)
+        buf = getattr(msg, name)  # read once: each read of a bytes field may copy it
+        if wire_dtype is None:
+            decode_floats_into(dst, buf, enum, name)
             continue
-        size = np.dtype(f.dtype).itemsize
-        if len(buf) != dst.size * size:
-            raise ValueError(f"{f.name}: expected {dst.size * size} bytes, got {len(buf)}")
-        dst[...] = np.frombuffer(buf, dtype=np.dtype(f.dtype).newbyteorder("<")).reshape(dst.shape)
+        if len(buf) != dst.size * wire_dtype.itemsize:
+            raise ValueError(
+                f"{name}: expected {dst.size * wire_dtype.itemsize} bytes, got {len(buf)}"
+            )
+        dst[...] = np.frombuffer(buf, dtype=wire_dtype).reshape(dst.shape)
 
 
 #: Fields :func:`decode_sequence_into` does not decode from their own bytes: ids and
 #: log-probs (decoded first, packed or not) and the request's candidate ids.
 _NOT_DECODED = frozenset({"ids", "logprobs", "candidate_ids"})
+#: The other wire fields, each with its little-endian wire dtype (None: log-probs in
+#: the message's dtype), worked out once from the field table rather than per message.
+_OTHER_FIELDS: tuple[tuple[str, np.dtype[Any] | None], ...] = tuple(
+    (f.name, None if f.dtype is np.float32 else np.dtype(f.dtype).newbyteorder("<"))
+    for f in ARRAY_FIELDS
+    if f.name not in _NOT_DECODED
+)
 
 
 def _check_shape(msg: pb.SequencePayload) -> tuple[int, int, int]:

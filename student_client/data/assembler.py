@@ -85,8 +85,41 @@ class ResponseAssembler:
         """Forget partial chunks (the request is being sent again)."""
         self._chunks: list[list[pb.SequencePayload]] = [[] for _ in self.spans]
         self._rows = [0] * len(self.spans)
+        #: The padded buffers each chunk is decoded into as it arrives (None until the
+        #: first rows, and after :meth:`payload` handed them out).
+        self._buffers: PayloadBuffers | None = None
         self.complete = False
         self.error: TeacherError | None = None
+
+    def _new_buffers(self) -> PayloadBuffers:
+        """Empty padded buffers for the whole answer: ``[B, S, ...]``, ``S`` the longest
+        requested range (every range is answered in full, or the answer is refused)."""
+        present = {
+            "sampled_logprobs": self.include_sampled,
+            "sample_counts": self.sampled,
+            "proposal_log_normalizer": self.proposal_normalizer,
+            "candidate_ids": any(c is not None for c in self.candidates),
+            "candidate_logprobs": any(c is not None for c in self.candidates),
+        }
+        return PayloadBuffers(
+            [name for name, held in present.items() if held],
+            len(self.spans),
+            max((end - start for start, end in self.spans), default=0),
+            self.top_k,
+            max((0 if c is None else c.shape[1] for c in self.candidates), default=0),
+        )
+
+    def _decode_into(self, out: PayloadBuffers, i: int, row: int, c: pb.SequencePayload) -> None:
+        """Decode chunk ``c`` (``n`` rows of sequence ``i``) into ``out`` at rows
+        ``[row, row + n)``, reading each bytes field once (each read copies it).
+        :class:`TeacherError` naming the field when a byte length does not fit."""
+        n, cand = int(c.num_positions), self.candidates[i]
+        try:
+            decode_sequence_into(
+                out.views((i, slice(row, row + n)), 0 if cand is None else cand.shape[1]), c
+            )
+        except ValueError as e:
+            raise _protocol(f"sequences[{i}]: {e} for [{n}, {self.top_k}]") from None
 
     def add(self, msg: pb.ScoreResponse) -> None:
         """Take one response message of this request. Raises :class:`TeacherError` when it
@@ -125,7 +158,7 @@ class ResponseAssembler:
         if self._rows[i] + n > self.spans[i][1] - self.spans[i][0]:
             raise _protocol(f"{where}: more rows than the positions requested")
         if n:
-            self._check_arrays(c, where)
+            self._check_encoding(c, where)
         want_sampled = n * self._size if self.include_sampled else 0
         if len(c.sampled_logprobs) != want_sampled:
             raise _protocol(
@@ -149,20 +182,20 @@ class ResponseAssembler:
                 raise _protocol(
                     f"{where}: {name} has {len(getattr(c, name))} bytes, expected {want}"
                 )
+        if n:  # decoded as it arrives: the byte lengths are checked on the one read
+            if self._buffers is None:
+                self._buffers = self._new_buffers()
+            self._decode_into(self._buffers, i, self._rows[i], c)
         self._chunks[i].append(c)
         self._rows[i] += n
 
-    def _check_arrays(self, c: pb.SequencePayload, where: str) -> None:
-        """The chunk's arrays have the encoding asked and the byte lengths of its rows."""
+    def _check_encoding(self, c: pb.SequencePayload, where: str) -> None:
+        """The chunk has the encoding asked (a packed one: its bit widths and byte
+        lengths; a default one's byte lengths are checked as it is decoded)."""
         n, k = int(c.num_positions), self.top_k
         if int(c.encoding) != self.options.wire_encoding:
             raise _protocol(f"{where}: encoding {c.encoding}, requested {self.options.encoding}")
         if self.options.logprob_bits is None:
-            if len(c.ids) != n * k * 4 or len(c.logprobs) != n * k * self._size:
-                raise _protocol(
-                    f"{where}: ids/logprobs byte lengths {len(c.ids)}/{len(c.logprobs)} do "
-                    f"not fit [{n}, {k}]"
-                )
             return
         if int(c.logprob_bits) != self.options.logprob_bits:
             raise _protocol(
@@ -252,31 +285,17 @@ class ResponseAssembler:
             raise self.error
         if not self.complete:
             raise TeacherError("payload: the request is not answered yet")
-        asked = self.options
-        present = {
-            "sampled_logprobs": asked.include_sampled,
-            "sample_counts": self.sampled,
-            "proposal_log_normalizer": self.proposal_normalizer,
-            "candidate_ids": any(c is not None for c in self.candidates),
-            "candidate_logprobs": any(c is not None for c in self.candidates),
-        }
-        widest = max((0 if c is None else c.shape[1] for c in self.candidates), default=0)
-        out = PayloadBuffers(
-            [name for name, held in present.items() if held],
-            len(self.spans),
-            max(self._rows, default=0),
-            self.top_k,
-            widest,
-        )
-        for i, chunks in enumerate(self._chunks):  # one loop over sequences and chunks
-            cand, row = self.candidates[i], 0
-            width = 0 if cand is None else cand.shape[1]
-            for c in chunks:
-                n = int(c.num_positions)
-                if n:
-                    decode_sequence_into(out.views((i, slice(row, row + n)), width), c)
-                    row += n
-            out.put((i, slice(0, row)), {"mask": True, "candidate_ids": cand})
+        out, self._buffers = self._buffers, None  # handed out: a second call decodes anew
+        if out is None:
+            out = self._new_buffers()
+            for i, chunks in enumerate(self._chunks):
+                row = 0
+                for c in chunks:
+                    if int(c.num_positions):
+                        self._decode_into(out, i, row, c)
+                        row += int(c.num_positions)
+        for i, rows in enumerate(self._rows):
+            out.put((i, slice(0, rows)), {"mask": True, "candidate_ids": self.candidates[i]})
         payload = out.payload(
             position_start=torch.tensor([sp[0] for sp in self.spans], dtype=torch.int64),
             lengths=torch.tensor(self._rows, dtype=torch.int64),
@@ -284,6 +303,6 @@ class ResponseAssembler:
             dtype=dtype_name(self.dtype),
             request_id=self.request.request_id,
             teacher_seconds=self.teacher_seconds,
-            proposal_temperature=asked.proposal_temperature,
+            proposal_temperature=self.options.proposal_temperature,
         )
         return payload if str(device) == "cpu" else payload.to(device)

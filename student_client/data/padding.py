@@ -37,8 +37,11 @@ def present_fields(part: Any) -> dict[str, Any]:
     }
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
-    return torch.empty(0, dtype=dtype).numpy().dtype
+#: Each field's numpy dtype, for the CPU buffers (worked out once: asking torch per
+#: buffer costs more than a small batch's decode).
+_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    f.name: torch.empty(0, dtype=f.dtype).numpy().dtype for f in PAYLOAD_FIELDS
+}
 
 
 class PayloadBuffers:
@@ -73,7 +76,7 @@ class PayloadBuffers:
                 continue
             shape = f.shape(batch_size, rows, top_k, num_candidates)
             if self.device.type == "cpu":
-                dtype = _numpy_dtype(f.dtype)
+                dtype = _NUMPY_DTYPES[f.name]
                 arr = np.zeros(shape, dtype) if f.pad == 0 else np.full(shape, f.pad, dtype)
                 self._arrays[f.name] = arr
                 self.tensors[f.name] = torch.from_numpy(arr)

@@ -247,7 +247,7 @@ def test_answer_that_contradicts_the_request_is_refused() -> None:
     # Truncated bytes.
     msg = _one_chunk(req, scored)
     msg.sequences[0].logprobs = msg.sequences[0].logprobs[:-2]
-    with pytest.raises(TeacherError, match="byte lengths"):
+    with pytest.raises(TeacherError, match=r"sequences\[0\]: logprobs: expected 40 bytes"):
         ResponseAssembler(req).add(msg)
     # A sequence index the request does not have.
     msg = _one_chunk(req, scored)
