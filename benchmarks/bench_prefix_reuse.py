@@ -205,8 +205,8 @@ def plan(
                 start = 0 if turn == 0 else len(seq)
                 if turn:
                     seq = np.concatenate([seq, b.tokens(a.turn_tokens)])
-                if kind == "forward":
-                    await b.forward([seq], cache=True)
+                if kind.startswith("forward"):
+                    await b.forward([seq], cache=kind == "forward on")
                 elif kind == "openai":
                     assert openai is not None
                     await openai.score([seq])
@@ -223,7 +223,8 @@ def plan(
         "group, forward only, cache on": fwd_on,
         "multi-turn, reuse off": turns("off"),
         "multi-turn, reuse on": turns("on"),
-        "multi-turn, forward only, cache on": turns("forward"),
+        "multi-turn, forward only, cache off": turns("forward off"),
+        "multi-turn, forward only, cache on": turns("forward on"),
     }
     if openai is not None:
         variants["group, vLLM OpenAI server (prompt_logprobs)"] = group_openai
@@ -295,27 +296,41 @@ async def run(a: argparse.Namespace, model: str, tmp: Path) -> None:
 
 
 def report(a: argparse.Namespace, times: dict[str, list[float]], mix: dict) -> None:
+    """The table: per variant, answered positions/s, its speedup over reuse off and that
+    speedup as a share of the limit's (vLLM's forward pass alone with the cache read vs
+    skipped), each ratio paired within a round; and, for where the time goes, its time
+    against the forward pass alone with the cache read."""
     med = statistics.median
     g, p, r = a.group, a.prompt, a.completion
     answered = {"group": g * r, "multi-turn": a.turns * a.turn_tokens}
 
-    def ratio(num: str, den: str) -> float:  # time(den) / time(num), paired by round
-        return med(d / n for n, d in zip(times[num], times[den], strict=True))
+    def per_round(num: str, den: str) -> list[float]:  # time(den) / time(num), by round
+        return [d / n for n, d in zip(times[num], times[den], strict=True)]
+
+    def ratio(num: str, den: str) -> float:
+        return med(per_round(num, den))
 
     print()
-    print("| workload | variant | answered positions/s | time, s | vs reuse off | vs limit |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "| workload | variant | answered positions/s | time, s | speedup vs reuse off "
+        "| share of the limit's speedup | time vs forward only, cache on |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
     for name, ts in times.items():
         work = name.split(",")[0]
-        off = f"{work}, reuse off"
-        limit = f"{work}, forward only, cache on"
+        off, fwd_off, fwd_on = (f"{work}, reuse off", f"{work}, forward only, cache off",
+                                f"{work}, forward only, cache on")  # fmt: skip
         speed = answered[work] / med(ts)
-        vs_off = f"{ratio(name, off):.2f}x"
-        vs_limit = "-" if "forward" in name else f"{ratio(name, limit):.2f}x"
+        share = "-"
+        if "reuse on" in name:
+            pairs = zip(per_round(name, off), per_round(fwd_on, fwd_off), strict=True)
+            share = f"{med(x / lim for x, lim in pairs):.2f}x"
+        vs_fwd = "-" if "forward" in name else f"{ratio(name, fwd_on):.2f}x"
         print(f"| {work} | {name.split(', ', 1)[1]} | {speed:,.0f} | {med(ts):.3f} "
-              f"| {vs_off} | {vs_limit} |")  # fmt: skip
-    lim = ratio("group, forward only, cache on", "group, forward only, cache off")
-    print(f"\nforward-only limit, cache on vs off (groups): {lim:.2f}x")
+              f"| {ratio(name, off):.2f}x | {share} | {vs_fwd} |")  # fmt: skip
+    for work in answered:
+        lim = ratio(f"{work}, forward only, cache on", f"{work}, forward only, cache off")
+        print(f"\nthe limit ({work}): vLLM's forward pass alone, cache read vs skipped: {lim:.2f}x")
     unrelated = a.unrelated * (p + r)
     on, off = med(mix[True]), med(mix[False])
     keep = med(f / o for o, f in zip(mix[True], mix[False], strict=True))

@@ -17,7 +17,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_pipeline import LoopbackTeacher
 
 from student_client import (
     AsyncTeacherClient,
@@ -34,6 +33,7 @@ from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.config import ServerConfig
 from teacher_server.grpc_api.answers import encode_response, iter_stream_responses
 from teacher_server.validation import Limits, parse_request
+from tests.teacher_server.loopback import LoopbackTeacher
 from topk_protocol import RequestOptions, SequenceArrays, build_request, decode_sequence, pb
 from topk_protocol.errors import ResourceExhaustedError
 from topk_protocol.status import REASON_KEY

@@ -36,9 +36,9 @@ from teacher_server.pipeline import (
     RequestPipeline,
     gather_bounded,
 )
-from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import Limits, ParsedSequence, parse_request
-from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, pb_grpc
+from tests.teacher_server.loopback import LoopbackTeacher
+from topk_protocol import RequestOptions, SequenceArrays, build_request, pb
 from topk_protocol import status as status_table
 from topk_protocol.errors import (
     DataLossError,
@@ -100,34 +100,6 @@ class FailingBackend(Backend):
             np.zeros(n, np.float32),
             sequence.start,
         )
-
-
-class LoopbackTeacher:
-    """A ``TeacherServer`` on 127.0.0.1 (gRPC and HTTP) with its event loop in a thread."""
-
-    def __init__(self, backend: Backend) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        cfg = ServerConfig(host="127.0.0.1", port=0, http_port=0, warmup=False, drain_timeout_s=1)
-        self.server = TeacherServer(backend, cfg)
-        self._call(self._start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
-        self.stub = pb_grpc.TeacherStub(self.channel)
-        self.http = f"http://127.0.0.1:{self.server.http_port}"
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    async def _start(self) -> None:
-        await self.server.start()
-        await self.server.wait_ready(30)
-
-    def stop(self) -> None:
-        self.channel.close()
-        self._call(self.server.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

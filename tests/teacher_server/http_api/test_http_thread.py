@@ -10,8 +10,6 @@ import asyncio
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -21,8 +19,8 @@ import pytest
 from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.http_api.thread import probe_answer
 from teacher_server.lifecycle import Lifecycle, Phase
-from teacher_server.server import ServerConfig, TeacherServer
 from teacher_server.validation import ParsedSequence
+from tests.teacher_server.loopback import LoopbackTeacher
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb, pb_grpc
 
 #: The serving loop is held this long, in one go, during the flood.
@@ -51,50 +49,9 @@ class OneRowBackend(Backend):
         return SequenceArrays(ids, lps, np.full(n, np.nan, np.float32), sequence.start)
 
 
-class LoopbackServer:
-    """A ``TeacherServer`` (gRPC + HTTP on free ports) on its own serving loop."""
-
-    def __init__(self, backend: Backend) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        cfg = ServerConfig(host="127.0.0.1", port=0, http_port=0, warmup=False, drain_timeout_s=1)
-        self.server = TeacherServer(backend, cfg)
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
-        self.target = f"127.0.0.1:{self.server.port}"
-        self.http = f"http://127.0.0.1:{self.server.http_port}"
-
-    async def _start(self) -> None:
-        await self.server.start()
-        await self.server.wait_ready(30)
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.http + path, timeout=30) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    def hold_loop(self, seconds: float, started: threading.Event) -> None:
-        """Hold the serving loop for ``seconds``, GIL and all, from a callback on it."""
-
-        def busy() -> None:
-            started.set()
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                pass
-
-        self.loop.call_soon_threadsafe(busy)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture
-def loopback() -> Iterator[LoopbackServer]:
-    server = LoopbackServer(OneRowBackend())
+def loopback() -> Iterator[LoopbackTeacher]:
+    server = LoopbackTeacher(OneRowBackend())
     yield server
     server.stop()
 
@@ -106,7 +63,7 @@ def _tiny_requests(n: int) -> Iterator[pb.ScoreRequest]:
         yield req
 
 
-def test_probes_answer_while_a_flood_holds_the_serving_loop(loopback: LoopbackServer) -> None:
+def test_probes_answer_while_a_flood_holds_the_serving_loop(loopback: LoopbackTeacher) -> None:
     answered: list[str] = []
 
     def flood() -> None:
@@ -143,7 +100,7 @@ def test_probes_answer_while_a_flood_holds_the_serving_loop(loopback: LoopbackSe
     assert answered == [str(i) for i in range(FLOOD)]
 
 
-def test_other_routes_still_reach_the_serving_loop(loopback: LoopbackServer) -> None:
+def test_other_routes_still_reach_the_serving_loop(loopback: LoopbackTeacher) -> None:
     status, body = loopback.get("/metrics")
     assert status == 200 and b"# HELP" in body
     status, body = loopback.get("/v1/info")
@@ -151,7 +108,7 @@ def test_other_routes_still_reach_the_serving_loop(loopback: LoopbackServer) -> 
     assert loopback.get("/no-such-route")[0] == 404
 
 
-def test_readiness_turns_false_when_the_engine_is_lost(loopback: LoopbackServer) -> None:
+def test_readiness_turns_false_when_the_engine_is_lost(loopback: LoopbackTeacher) -> None:
     assert loopback.get("/readyz") == (200, b'{"status":"ready"}')
     backend = loopback.server._backend
     assert isinstance(backend, OneRowBackend)
