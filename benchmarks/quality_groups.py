@@ -23,7 +23,7 @@ KL(student || teacher) over their own continuations of held-out prompts.
 
 Run from the repository root (builds the demo teacher first if it is not cached)::
 
-    python -m benchmarks.quality_groups [--steps 24] [--seeds 0 1] [--out runs/quality_groups]
+    python -m benchmarks.quality_groups [--steps 40] [--seeds 0 1 2 3 4] [--out runs/quality_groups]
 
 Each run's result is kept in ``--out`` with its configuration and budget, and a re-run
 with the same ones reads it instead of training again.
@@ -193,6 +193,12 @@ def _per_token(runs: list[GroupRun]) -> str:
     return f"{computed / tokens:.2f}" if tokens > 0 and computed >= 0 else "-"
 
 
+def _wins(g1: list[GroupRun], g8: list[GroupRun], attr: str) -> int:
+    """On how many seeds G = 8's final ``attr`` is lower than G = 1's."""
+    pairs = zip(g1, g8, strict=True)
+    return sum(getattr(e.result.after, attr) < getattr(o.result.after, attr) for o, e in pairs)
+
+
 def _steps(steps: list[int]) -> str:
     mean = sum(steps) / len(steps)
     text = f"{mean:.0f}" if mean == int(mean) else f"{mean:.1f}"
@@ -208,7 +214,7 @@ def format_table(pairs: list[tuple[OnPolicyConfig, GroupRun, GroupRun]]) -> str:
 
     def row(name: str, steps: list[int], cpu: list[float], ev: list[EvalResult], ratio: str) -> str:
         return (
-            f"| {name} | {_steps(steps)} | {_cell(cpu, 1)} | {ratio} "
+            f"| {name} | {_steps(steps)} | {_cell(cpu, 1) if cpu else ''} | {ratio} "
             f"| {_cell([e.kl_teacher_student for e in ev])} "
             f"| {_cell([e.kl_student_teacher for e in ev])} "
             f"| {_cell([e.onpolicy_kl for e in ev])} |"
@@ -230,7 +236,7 @@ def format_table(pairs: list[tuple[OnPolicyConfig, GroupRun, GroupRun]]) -> str:
         "| run | steps | teacher CPU-s | computed / answered | KL(teacher \\|\\| student) "
         "| KL(student \\|\\| teacher) | on-policy KL(student \\|\\| teacher) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        row("(untrained)", [0] * len(g1), [0.0] * len(g1), [r.result.before for r in g1], ""),
+        row("(untrained)", [0] * len(g1), [], [r.result.before for r in g1], ""),
         row(
             "G = 1",
             [r.result.steps_done for r in g1],
@@ -270,6 +276,15 @@ def format_table(pairs: list[tuple[OnPolicyConfig, GroupRun, GroupRun]]) -> str:
         f"runs (idle included): {totals}",
         f"teacher positions computed per token of the sequences sent: G = 1 "
         f"{_per_token(g1)}, G = 8 {_per_token(g8)} (1.00: every token computed)",
+        "seeds on which G = 8 at the same teacher CPU ends lower than G = 1: "
+        + ", ".join(
+            f"{name} {_wins(g1, g8, attr)}/{len(g1)}"
+            for name, attr in (
+                ("KL(teacher || student)", "kl_teacher_student"),
+                ("KL(student || teacher)", "kl_student_teacher"),
+                ("on-policy", "onpolicy_kl"),
+            )
+        ),
     ]
     return "\n".join(lines)
 
@@ -280,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     d = OnPolicyConfig()
     ap.add_argument("--teacher-dir", type=Path, default=DEFAULT_CACHE_DIR)
-    ap.add_argument("--steps", type=int, default=24, help="steps of the G = 1 run")
+    ap.add_argument("--steps", type=int, default=40, help="steps of the G = 1 run")
     ap.add_argument("--max-steps-factor", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)

@@ -93,5 +93,6 @@ def test_format_table_puts_the_runs_at_their_teacher_cpu() -> None:
     assert "| G = 1 | 4 | 2.0 | 2.00 | 1.500 |" in table
     assert "| G = 8, same steps | 4 | 0.9 |  | 1.600 |" in table
     assert "| G = 8, same teacher CPU | 9 | 1.8 | 2.00 | 1.000 |" in table
-    assert "| (untrained) | 0 | 0.0 |  | 4.000 | 6.000 | 4.500 |" in table
+    assert "| (untrained) | 0 |  |  | 4.000 | 6.000 | 4.500 |" in table
     assert "prompts of 384-512 bytes" in table
+    assert "KL(teacher || student) 1/1, KL(student || teacher) 0/1, on-policy 1/1" in table
