@@ -6,7 +6,9 @@ Each run is `examples/onpolicy.py` with one (divergence, support) pair: a fresh 
 the response rows (and, for the student and union supports, the student's top-C ids at
 each of them, sent as candidates), and the tail-aware loss trains on that support. The
 held-out metrics are teacher-forced full-vocabulary KL in both directions and the
-student's cross-entropy (`examples.distill.evaluate`). Bytes per response row are counted
+student's cross-entropy (`examples.distill.evaluate`), and the on-policy KL(student ||
+teacher) over the student's own continuations of held-out prompts
+(`examples.onpolicy_eval`). Bytes per response row are counted
 both ways: the serialized requests up, the payload arrays down.
 
 Run from the repository root (builds the demo teacher first if it is not cached)::
@@ -94,14 +96,16 @@ def format_table(runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]]) -> str
         f"{first.max_prompt} bytes, {first.response}-byte responses, top-{first.top_k} "
         f"teacher ids, top-{first.candidates} student candidates, tail mode, seeds "
         f"{', '.join(map(str, seeds))} (mean, and range over seeds); held-out "
-        f"{first.eval_windows} windows x {first.eval_len} bytes, nats per byte (lower is "
-        "better).",
+        f"{first.eval_windows} windows x {first.eval_len} bytes teacher-forced, and "
+        f"{first.eval_prompts} prompts of {first.max_prompt} bytes continued by the student "
+        f"for {first.response} bytes (on-policy); nats per byte (lower is better).",
         "",
         "| divergence | support | KL(teacher \\|\\| student) | KL(student \\|\\| teacher) "
-        "| student CE | bytes/row up | bytes/row down |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| on-policy KL(student \\|\\| teacher) | student CE | bytes/row up | bytes/row down |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| (untrained) | | {_cell([b.kl_teacher_student for b in befores])} "
         f"| {_cell([b.kl_student_teacher for b in befores])} "
+        f"| {_cell([b.onpolicy_kl for b in befores])} "
         f"| {_cell([b.student_ce for b in befores])} | | |",
     ]
     for seeds_of_row in runs:
@@ -115,6 +119,7 @@ def format_table(runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]]) -> str
         lines.append(
             f"| {name} | {cfg.support} | {_cell([r.after.kl_teacher_student for r in results])} "
             f"| {_cell([r.after.kl_student_teacher for r in results])} "
+            f"| {_cell([r.after.onpolicy_kl for r in results])} "
             f"| {_cell([r.after.student_ce for r in results])} | {up:.1f} | {down:.1f} |"
         )
     return "\n".join(lines)

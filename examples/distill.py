@@ -98,6 +98,9 @@ class EvalResult:
     kl_teacher_student: float
     teacher_ce: float
     kl_student_teacher: float = math.nan
+    #: KL(student || teacher) per token of the student's own continuations of held-out
+    #: prompts (the on-policy metric, examples/onpolicy_eval.py); NaN when not measured.
+    onpolicy_kl: float = math.nan
 
 
 @dataclass

@@ -17,8 +17,10 @@ little, which is what its own samples expose, instead of asking a small student 
 cover every mode of the teacher (the forward KL's mean-seeking pull). docs/losses.md has
 the comparison. Before and after, the held-out metrics of
 :mod:`examples.distill` (full-vocabulary KL(teacher || student) on held-out files,
-teacher-forced) say what the student learned; the payload bytes received are compared
-with what full-sequence requests would have carried.
+teacher-forced) and the on-policy one of :mod:`examples.onpolicy_eval` (full-vocabulary
+KL(student || teacher) over the student's own continuations of held-out prompts, what
+this loss optimises) say what the student learned; the payload bytes received are
+compared with what full-sequence requests would have carried.
 
 ``--group-size G`` samples G continuations of every prompt (the GRPO-style recipe): a
 batch holds ``batch_size / G`` prompts, each G times. The G sequences of a prompt share it,
@@ -45,6 +47,7 @@ import re
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +56,8 @@ import numpy as np
 import torch
 
 from examples.data import PAD_ID, ByteCorpus, fixed_windows, load_stdlib_corpus
-from examples.distill import DistillConfig, EvalResult, evaluate, heldout_table, student_model
+from examples.distill import DistillConfig, EvalResult, heldout_table, student_model
+from examples.onpolicy_eval import evaluate_with_onpolicy
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
 from student_client.losses import (
     DIVERGENCES,
@@ -84,6 +88,9 @@ class OnPolicyConfig:
     seed: int = 0
     eval_windows: int = 32
     eval_len: int = 256
+    #: Held-out prompts (of ``max_prompt`` bytes) the student continues for the on-policy
+    #: metric, KL(student || teacher) over its own ``response``-byte samples.
+    eval_prompts: int = 32
     hidden_size: int = 64
     num_layers: int = 1
     threads: int = 2
@@ -112,6 +119,8 @@ class OnPolicyResult:
     full_rows: int = 0
     seconds: float = 0.0
     generate_seconds: float = 0.0
+    #: Steps trained (``cfg.steps`` unless ``after_step`` stopped the run earlier).
+    steps_done: int = 0
     #: The teacher's positions answered and computed (forward passes) during the run,
     #: from its /metrics; -1 when its metrics were not reachable.
     teacher_positions_answered: int = -1
@@ -193,10 +202,17 @@ def teacher_compute(http: str | None) -> tuple[int, int] | None:
 
 
 def run_onpolicy(
-    client: Any, teacher_dir: Path, cfg: OnPolicyConfig, teacher_http: str | None = None
+    client: Any,
+    teacher_dir: Path,
+    cfg: OnPolicyConfig,
+    teacher_http: str | None = None,
+    after_step: Callable[[int, Any], bool] | None = None,
 ) -> OnPolicyResult:
     """Train a fresh student on-policy against ``client``; before/after held-out metrics
-    (and the teacher's compute from its metrics at ``teacher_http``, if given)."""
+    (and the teacher's compute from its metrics at ``teacher_http``, if given).
+
+    ``after_step(step, student)``, if given, runs after every optimiser step; when it
+    returns True the run stops there (``steps_done``) and is evaluated."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(cfg.threads)
@@ -214,7 +230,12 @@ def run_onpolicy(
         ),
     )
     heldout = fixed_windows(corpus.heldout, length=cfg.eval_len, count=cfg.eval_windows)
-    result = OnPolicyResult(before=evaluate(student, teacher, heldout), after=None)  # type: ignore[arg-type]
+    prompts = fixed_windows(corpus.heldout, length=cfg.max_prompt, count=cfg.eval_prompts)
+
+    def measure() -> EvalResult:
+        return evaluate_with_onpolicy(student, teacher, heldout, prompts, cfg.response)
+
+    result = OnPolicyResult(before=measure(), after=None)  # type: ignore[arg-type]
     rng = np.random.default_rng(cfg.seed)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
     prompt_end = cfg.max_prompt  # the first response column of every row
@@ -281,6 +302,7 @@ def run_onpolicy(
         result.request_bytes += up
         result.response_rows += int(payload.mask.sum())
         result.full_rows += sum(len(r) for r in real)
+        result.steps_done = step
         if step % 10 == 0 or step == cfg.steps:
             print(
                 f"step {step}/{cfg.steps}: loss {loss.item():.3f}, "
@@ -288,23 +310,32 @@ def run_onpolicy(
                 file=sys.stderr,
                 flush=True,
             )
+        if after_step is not None and after_step(step, student):
+            break
     result.seconds = time.perf_counter() - t0
     now = teacher_compute(teacher_http)
     if counted is not None and now is not None:
         result.teacher_positions_answered = now[0] - counted[0]
         result.teacher_positions_computed = now[1] - counted[1]
-    result.after = evaluate(student, teacher, heldout)
+    result.after = measure()
     return result
 
 
 def format_table(result: OnPolicyResult, cfg: OnPolicyConfig) -> str:
     """The before/after table and the traffic line (markdown)."""
     saved = 100 * (1 - result.payload_bytes / max(result.full_sequence_bytes, 1))
+    table = heldout_table(result.before, result.after, cfg.eval_windows, cfg.eval_len)
+    b, a = result.before.onpolicy_kl, result.after.onpolicy_kl
+    own = "KL(student \\|\\| teacher), student's own samples (*)"
+    table.insert(-1, f"| {own} | {b:.3f} | {a:.3f} |")
     return "\n".join(
         [
-            *heldout_table(result.before, result.after, cfg.eval_windows, cfg.eval_len),
+            *table,
             "",
-            f"{cfg.steps} steps x {cfg.batch_size} samples: prompts of {cfg.min_prompt}-"
+            f"(*) on-policy: {cfg.eval_prompts} held-out prompts of {cfg.max_prompt} bytes, "
+            f"{cfg.response} bytes sampled by the student (fixed seed); nats per sampled byte",
+            "",
+            f"{result.steps_done} steps x {cfg.batch_size} samples: prompts of {cfg.min_prompt}-"
             f"{cfg.max_prompt} bytes, {cfg.response} sampled response bytes, top-{cfg.top_k} "
             f"tail-aware {cfg.divergence} divergence on the {_support_words(cfg)} at the "
             "response positions only; "
@@ -379,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = OnPolicyConfig()
     for name in (
         "steps", "batch_size", "min_prompt", "max_prompt", "response", "top_k", "seed",
-        "eval_windows", "eval_len", "group_size",
+        "eval_windows", "eval_len", "eval_prompts", "group_size",
     ):  # fmt: skip
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--lr", type=float, default=d.lr)
