@@ -271,3 +271,19 @@ def test_error_answer_raises_the_typed_exception_on_payload() -> None:
         asm.payload()
     with pytest.raises(TeacherError):
         asm.merged_response()
+
+
+def test_payload_twice_gives_equal_tensors_that_share_no_memory() -> None:
+    """The first ``payload()`` hands out the buffers the chunks were decoded into as they
+    arrived; a second call decodes the kept chunks again, into buffers of its own."""
+    seqs, scored = _case([7, 3, 9], [(0, 7), (1, 3), (2, 9)], 5)
+    req = build_request(seqs, 5, positions=[(0, 7), (1, 3), (2, 9)])
+    asm = ResponseAssembler(req)
+    asm.add(_one_chunk(req, scored))
+    first, second = asm.payload(), asm.payload()
+    for name in ("ids", "logprobs", "sampled_logprobs", "mask"):
+        a, b = getattr(first, name), getattr(second, name)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+        assert a.data_ptr() != b.data_ptr(), name
+    first.logprobs.zero_()
+    assert not torch.equal(first.logprobs, second.logprobs)
