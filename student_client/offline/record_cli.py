@@ -40,6 +40,8 @@ import sys
 import time
 from typing import Any
 
+# First, before anything imports pyarrow: Arrow's jemalloc pool for this process.
+import student_client.offline._arrow_pool  # noqa: F401
 from student_client.clients.blocking import TeacherClient
 from student_client.clients.multi import MultiTeacherClient
 from student_client.offline.inputs import (

@@ -26,7 +26,8 @@ verifies each row as it reads it and reports damage as a
 :class:`~topk_protocol.errors.RecordingDamagedError` naming the shard and the row.
 
 Crash safety: the writer writes its buffered rows as one record batch every
-``flush_interval_s`` seconds, so a killed writer loses at most that interval's rows; the
+``flush_interval_s`` seconds (sooner once ``flush_bytes`` of arrays are buffered), so a
+killed writer loses at most that interval's rows; the
 reader keeps every complete batch and lists what it skipped in
 :attr:`RecordingReader.skipped`. On object storage (``s3://...``; any filesystem but the
 local one) each flush uploads one whole shard object, which the store publishes only
@@ -36,7 +37,9 @@ such a recording, a few batches in memory (``docs/datasets.md``, "Object storage
 
 from topk_protocol.recording.format import (
     COMPRESSIONS,
+    DEFAULT_FLUSH_BYTES,
     DEFAULT_FLUSH_INTERVAL_S,
+    DEFAULT_OBJECT_FLUSH_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
     METADATA_FILE,
@@ -52,7 +55,9 @@ from topk_protocol.recording.writer import RecordingWriter
 
 __all__ = [
     "COMPRESSIONS",
+    "DEFAULT_FLUSH_BYTES",
     "DEFAULT_FLUSH_INTERVAL_S",
+    "DEFAULT_OBJECT_FLUSH_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_FILE",

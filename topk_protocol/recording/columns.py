@@ -1,15 +1,18 @@
 """The Arrow record batch of a writer's buffered rows: one row a scored sequence.
 
 Pure (arrays in, a ``pa.RecordBatch`` out): :class:`~topk_protocol.recording.writer.
-RecordingWriter` buffers rows and calls :func:`record_batch` at each flush. Every array
-field of :class:`~topk_protocol.arrays.SequenceArrays` (:data:`ARRAY_FIELDS`) becomes a
-list column in its storage dtype (a packed recording's ids and log-probs: the packed
-bytes), and each row carries its checksum (:func:`~topk_protocol.recording.format.row_crc`).
+RecordingWriter` turns each row it takes into a :class:`StoredRow` (:func:`stored_row`:
+the values as the recording stores them, so a buffered float16 row holds 2 bytes a
+log-prob, not 4) and calls :func:`record_batch` at each flush. Every array field of
+:class:`~topk_protocol.arrays.SequenceArrays` (:data:`ARRAY_FIELDS`) becomes a list
+column in its storage dtype (a packed recording's ids and log-probs: the packed bytes),
+and each row carries its checksum (:func:`~topk_protocol.recording.format.row_crc`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,10 +24,47 @@ from topk_protocol.packing import Packing
 from topk_protocol.recording.format import row_crc, storage_dtype
 from topk_protocol.recording.packed import PACKED_COLUMNS, pack_row
 
-__all__ = ["BufferedRow", "record_batch"]
+__all__ = ["StoredRow", "record_batch", "stored_row"]
 
-#: A buffered row: (sequence key, token ids ``[L]``, arrays already cast to the stored dtype).
-BufferedRow = tuple[bytes, npt.NDArray[np.int32], SequenceArrays]
+
+@dataclass(frozen=True, eq=False)
+class StoredRow:
+    """One buffered row as it will be stored: its sequence ``key``, ``token_ids`` ``[L]``
+    int32, positions ``[position_start, position_end)`` and ``values``: array field name
+    -> its ``[S, ...]`` array in the storage dtype (a packed recording's ``ids`` and
+    ``logprobs``: the packed bytes, ``uint8``), or None when absent."""
+
+    key: bytes
+    token_ids: npt.NDArray[np.int32]
+    position_start: int
+    position_end: int
+    values: dict[str, npt.NDArray[Any] | None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its token ids and values."""
+        arrays = [self.token_ids, *self.values.values()]
+        return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+def stored_row(
+    key: bytes,
+    token_ids: npt.NDArray[np.int32],
+    arrays: SequenceArrays,
+    dtype: str,
+    packing: Packing | None,
+) -> StoredRow:
+    """The stored form of ``arrays`` (values already cast as a ``dtype`` recording stores
+    them, exact in its storage dtype; ``packing``: a packed recording's, else None)."""
+    values: dict[str, npt.NDArray[Any] | None] = {
+        f.name: None
+        if (a := getattr(arrays, f.name)) is None
+        else np.ascontiguousarray(a, dtype=storage_dtype(f, dtype))
+        for f in ARRAY_FIELDS
+    }
+    if packing is not None:
+        values.update(pack_row(arrays, dtype, packing))
+    return StoredRow(key, token_ids, arrays.position_start, arrays.position_end, values)
 
 
 def _offsets(lengths: list[int] | npt.NDArray[np.int64]) -> pa.Array:
@@ -56,7 +96,7 @@ def _list_column(
 
 
 def record_batch(
-    rows: Sequence[BufferedRow],
+    rows: Sequence[StoredRow],
     schema: pa.Schema,
     top_k: int,
     dtype: str,
@@ -64,36 +104,25 @@ def record_batch(
 ) -> pa.RecordBatch:
     """The record batch of ``rows`` in ``schema`` (K ``top_k``, stored ``dtype``,
     ``packing``: a packed recording's, else None)."""
-    # Each row's array fields in the storage dtype (exact: the values were cast),
-    # a packed recording's ids and log-probs as the packed bytes.
-    stored: list[dict[str, Any]] = [
-        {
-            f.name: None
-            if getattr(a, f.name) is None
-            else getattr(a, f.name).astype(storage_dtype(f, dtype), copy=False)
-            for f in ARRAY_FIELDS
-        }
-        for _, _, a in rows
-    ]
-    if packing is not None:
-        for values, (_, _, a) in zip(stored, rows, strict=True):
-            values.update(pack_row(a, dtype, packing))
     columns = [
-        pa.array([k for k, _, _ in rows], pa.binary()),
-        _list_column([t for _, t, _ in rows], pa.int32()),
-        pa.array([a.position_start for _, _, a in rows], pa.int32()),
-        pa.array([a.position_end for _, _, a in rows], pa.int32()),
+        pa.array([r.key for r in rows], pa.binary()),
+        _list_column([r.token_ids for r in rows], pa.int32()),
+        pa.array([r.position_start for r in rows], pa.int32()),
+        pa.array([r.position_end for r in rows], pa.int32()),
     ]
     for f in ARRAY_FIELDS:
         if packing is not None and f.name in PACKED_COLUMNS:
-            columns.append(pa.array([np.asarray(v[f.name]).tobytes() for v in stored], pa.binary()))
+            columns.append(
+                pa.array([np.asarray(r.values[f.name]).tobytes() for r in rows], pa.binary())
+            )
             continue
         typ = pa.from_numpy_dtype(storage_dtype(f, dtype))
         width = top_k if f.columns else 0
-        columns.append(_list_column([v[f.name] for v in stored], typ, width, ragged=f.candidates))
+        columns.append(
+            _list_column([r.values[f.name] for r in rows], typ, width, ragged=f.candidates)
+        )
     checksums = [
-        row_crc(k, t, a.position_start, a.position_end, v)
-        for (k, t, a), v in zip(rows, stored, strict=True)
+        row_crc(r.key, r.token_ids, r.position_start, r.position_end, r.values) for r in rows
     ]
     columns.append(pa.array(checksums, pa.uint32()))
     return pa.record_batch(columns, schema=schema)

@@ -78,7 +78,9 @@ from topk_protocol.storage import Location, StorageError
 
 __all__ = [
     "COMPRESSIONS",
+    "DEFAULT_FLUSH_BYTES",
     "DEFAULT_FLUSH_INTERVAL_S",
+    "DEFAULT_OBJECT_FLUSH_BYTES",
     "DTYPES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -108,6 +110,13 @@ FORMAT_VERSION = 2  # 1 was the single-file ``.tkrec`` container
 METADATA_FILE = "metadata.json"
 SHARD_SUFFIX = ".arrow"
 DEFAULT_FLUSH_INTERVAL_S = 2.0
+#: A writer on a local disk flushes early once its buffered rows hold this many bytes, so
+#: what it holds does not grow with the teacher's speed (2 s of a GPU teacher's rows at
+#: K = 64 are over 100 MiB); a record batch of 4 MiB reads as fast as a bigger one.
+DEFAULT_FLUSH_BYTES = 4 << 20
+#: The same on an object store, where each flush is one shard object: large enough that a
+#: fast teacher makes about one object a second, not dozens.
+DEFAULT_OBJECT_FLUSH_BYTES = 64 << 20
 COMPRESSIONS = ("zstd", "lz4", "none", "auto")  # auto: zstd
 DTYPES = ("float32", "float16", "bfloat16")
 #: What reading damaged Arrow bytes raises (ArrowInvalid and UnicodeDecodeError are

@@ -1,7 +1,9 @@
 """Write a recording: scored sequences appended as Arrow record batches, crash-safe.
 
-Rows are buffered and written as one record batch every ``flush_interval_s`` seconds (a
-background thread flushes too), so a killed writer loses at most that interval's rows.
+Rows are buffered and written as one record batch every ``flush_interval_s`` seconds, or
+as soon as ``flush_bytes`` of arrays are buffered (a background thread flushes), so a
+killed writer loses at most that interval's rows and holds a bounded amount whatever the
+teacher's speed.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from topk_protocol.arrays import SequenceArrays
 from topk_protocol.errors import RecordingError
 from topk_protocol.fingerprint import answer_problems
 from topk_protocol.packing import Packing
-from topk_protocol.recording.columns import BufferedRow, record_batch
+from topk_protocol.recording.columns import StoredRow, record_batch, stored_row
 from topk_protocol.recording.format import (
     COMPRESSIONS,
+    DEFAULT_FLUSH_BYTES,
     DEFAULT_FLUSH_INTERVAL_S,
+    DEFAULT_OBJECT_FLUSH_BYTES,
     FORMAT_NAME,
     FORMAT_VERSION,
     METADATA_FILE,
@@ -80,11 +84,17 @@ class RecordingWriter(Closeable):
             disk each flush appends a record batch to this session's shard; on any other
             filesystem (an object store) each flush writes and commits one whole shard
             object, since an object becomes visible, whole, only when its upload ends.
+        flush_bytes: a flush is due as soon as the buffered rows hold this many bytes, so
+            memory does not grow with the teacher's speed. Default: 4 MiB on a local disk
+            (``DEFAULT_FLUSH_BYTES``), 64 MiB on an object store
+            (``DEFAULT_OBJECT_FLUSH_BYTES``: each flush is one object there).
         compression: Arrow IPC buffer codec, ``"zstd"`` (``"auto"``), ``"lz4"`` or
             ``"none"`` (shards are then memory-mapped when read: no decompression).
         metadata: extra JSON-serializable entries for ``metadata.json``.
 
-    Thread-safe. A sequence whose positions (and sampled log-probs) are covered by a
+    Thread-safe; :meth:`add` does not wait for a flush's compression and write (the
+    flush takes the buffered rows and builds their batch outside the rows' lock). A
+    sequence whose positions (and sampled log-probs) are covered by a
     recorded row is not written again; one with candidate ids is written unless this
     writer wrote the same positions with the same candidate ids already (the candidates
     change from request to request, e.g. the student's own top ids).
@@ -98,6 +108,7 @@ class RecordingWriter(Closeable):
         top_k: int | None = None,
         dtype: str | None = None,
         flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        flush_bytes: int | None = None,
         compression: str = "zstd",
         metadata: dict[str, Any] | None = None,
         encoding: str | None = None,
@@ -107,19 +118,29 @@ class RecordingWriter(Closeable):
             raise ValueError(f"compression: {compression!r}; use one of {COMPRESSIONS}")
         if not flush_interval_s > 0:
             raise ValueError(f"flush_interval_s: must be > 0, got {flush_interval_s}")
+        if flush_bytes is not None and not flush_bytes > 0:
+            raise ValueError(f"flush_bytes: must be > 0, got {flush_bytes}")
         if dtype is not None:
             dtype = dtype_name(dtype_from_name(dtype))
         #: The directory as given: a ``Path``, or the URI string.
         self.path: str | Path = location(path)
         self._root = Location.of(path)
+        if flush_bytes is None:
+            local = self._root.local
+            flush_bytes = DEFAULT_FLUSH_BYTES if local else DEFAULT_OBJECT_FLUSH_BYTES
+        self.flush_bytes = int(flush_bytes)
         self.info = info
         self.compression = "zstd" if compression == "auto" else compression
         self.flush_interval_s = float(flush_interval_s)
         self._extra = dict(metadata or {})
+        #: Guards the buffer, the index and the format; held briefly.
         self._lock = threading.RLock()
+        #: One flush at a time, in order: the shard's stream and file are its own.
+        self._flush_lock = threading.Lock()
         self._closed = False
-        #: (key, token ids [L], arrays: values already cast as the recording stores them)
-        self._buffer: list[BufferedRow] = []
+        #: The rows added since the last flush, as they will be stored.
+        self._buffer: list[StoredRow] = []
+        self._buffered_bytes = 0
         self._file: Any = None
         self._stream: pa.ipc.RecordBatchStreamWriter | None = None
         self._shard: Location | None = None
@@ -150,6 +171,7 @@ class RecordingWriter(Closeable):
         elif self.top_k is not None and self.dtype is not None:
             self._write_metadata()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set: a flush is due (flush_bytes buffered, or close)
         self._thread = threading.Thread(target=self._flusher, daemon=True, name="recording-flush")
         self._thread.start()
 
@@ -298,11 +320,15 @@ class RecordingWriter(Closeable):
                     return False
                 self._candidate_rows.add(seen)
             top = arrays.top(self.top_k)
-            stored = cast_arrays(top, self.dtype)
+            cast = cast_arrays(top, self.dtype)
             if self.packing is not None:  # packing quantizes the float32 values itself
-                stored = replace(stored, logprobs=top.logprobs)
-            self._buffer.append((key, tok, stored))
+                cast = replace(cast, logprobs=top.logprobs)
+            row = stored_row(key, tok, cast, self.dtype, self.packing)
+            self._buffer.append(row)
+            self._buffered_bytes += row.nbytes
             self.index.add(key, start, end, has_sampled)
+            if self._buffered_bytes >= self.flush_bytes:
+                self._wake.set()
         return True
 
     def _fix_options(self, recorded: dict[str, Any]) -> None:
@@ -362,7 +388,11 @@ class RecordingWriter(Closeable):
         return n
 
     def _flusher(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
+        while True:
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.flush()
             except Exception:  # pragma: no cover - surfaced again by close()
@@ -372,29 +402,41 @@ class RecordingWriter(Closeable):
         """Write the buffered rows as one record batch and hand it to the OS (a local
         disk), or commit them as one shard object (any other filesystem). When writing
         fails, the rows stay buffered for the next flush and the error is raised."""
-        with self._lock:
-            if not self._buffer:
+        with self._flush_lock:
+            with self._lock:
+                rows, self._buffer = self._buffer, []
+                held, self._buffered_bytes = self._buffered_bytes, 0
+            if not rows:
                 return
-            assert self.top_k is not None and self.dtype is not None
-            schema = recording_schema(self.top_k, self.dtype, self._format(), packing=self.packing)
-            if self._stream is None:
-                self._open_shard(schema)
-            batch = record_batch(self._buffer, schema, self.top_k, self.dtype, self.packing)
-            assert self._stream is not None and self._shard is not None
             try:
-                self._stream.write_batch(batch)
-                if self._shard.local:
-                    self._file.flush()
-                else:
-                    self._end_shard()
-            except (OSError, pa.ArrowException) as e:
-                if not self._shard.local:
-                    self._drop_shard()
-                raise RecordingError(
-                    self._shard, None, f"writing {batch.num_rows} rows failed (kept to retry): {e}"
-                ) from None
-            self.rows_written += batch.num_rows
-            self._buffer.clear()
+                self._write_rows(rows)
+            except BaseException:
+                with self._lock:  # back in front of the rows added meanwhile, to retry
+                    self._buffer[:0] = rows
+                    self._buffered_bytes += held
+                raise
+
+    def _write_rows(self, rows: list[StoredRow]) -> None:
+        """Write ``rows`` as one record batch (the caller holds the flush lock)."""
+        assert self.top_k is not None and self.dtype is not None
+        schema = recording_schema(self.top_k, self.dtype, self._format(), packing=self.packing)
+        if self._stream is None:
+            self._open_shard(schema)
+        batch = record_batch(rows, schema, self.top_k, self.dtype, self.packing)
+        assert self._stream is not None and self._shard is not None
+        try:
+            self._stream.write_batch(batch)
+            if self._shard.local:
+                self._file.flush()
+            else:
+                self._end_shard()
+        except (OSError, pa.ArrowException) as e:
+            if not self._shard.local:
+                self._drop_shard()
+            raise RecordingError(
+                self._shard, None, f"writing {batch.num_rows} rows failed (kept to retry): {e}"
+            ) from None
+        self.rows_written += batch.num_rows
 
     def _format(self) -> dict[str, Any]:
         """The format fields (besides K and dtype) every shard's schema repeats."""
@@ -446,8 +488,9 @@ class RecordingWriter(Closeable):
                 return
             self._closed = True
         self._stop.set()
+        self._wake.set()
         self._thread.join()
-        with self._lock:
-            self.flush()
+        self.flush()
+        with self._flush_lock:
             if self._stream is not None:
                 self._end_shard()

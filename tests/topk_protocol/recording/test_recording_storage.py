@@ -22,7 +22,13 @@ from recording_fakes import INFO, K
 
 from topk_protocol import SequenceArrays
 from topk_protocol.errors import RecordingError
-from topk_protocol.recording import METADATA_FILE, RecordingReader, RecordingWriter
+from topk_protocol.recording import (
+    DEFAULT_FLUSH_BYTES,
+    DEFAULT_OBJECT_FLUSH_BYTES,
+    METADATA_FILE,
+    RecordingReader,
+    RecordingWriter,
+)
 from topk_protocol.storage import Location
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -211,3 +217,44 @@ def test_a_new_shard_follows_the_largest_number_in_use(tmp_path: Path) -> None:
     # a failed upload's number (1, 2) is not reused; 100000 sorts after 99999
     assert [s.name.split("-")[1] for s, _ in shards(loc)] == ["00000", "00003", "99999", "100000"]
     assert next_shard_number(shards(loc)) == 100001
+
+
+def _row_bytes(i: int) -> int:
+    """What sequence ``i`` holds in a float32 writer's buffer: its token ids and values."""
+    tokens, arrays = answer(i)
+    return tokens.nbytes + arrays.ids.nbytes + arrays.logprobs.nbytes
+
+
+def test_a_writer_flushes_as_soon_as_flush_bytes_are_buffered(tmp_path: Path) -> None:
+    """The flush is due when the buffered rows reach ``flush_bytes``, long before the
+    interval: the rows are written as one record batch while the writer stays open."""
+    path = tmp_path / "rec"
+    limit = sum(_row_bytes(i) for i in range(3))
+    with RecordingWriter(path, INFO, flush_interval_s=3600, flush_bytes=limit) as w:
+        for i in range(2):
+            w.add(*answer(i), dtype="float32")
+        assert w.rows_written == 0  # below the limit: buffered
+        w.add(*answer(2), dtype="float32")
+        deadline = time.monotonic() + 60  # the flush thread's turn, not a timing bound
+        while w.rows_written < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.rows_written == 3
+        assert rows(path) == rows_of(range(3))  # readable while the writer is open
+        w.add(*answer(3), dtype="float32")
+        assert w.rows_written == 3
+    assert rows(path) == rows_of(range(4))
+
+
+def rows_of(ids: range) -> list[tuple[bytes, bytes, bytes]]:
+    return [(t.tobytes(), a.ids.tobytes(), a.logprobs.tobytes()) for t, a in map(answer, ids)]
+
+
+def test_flush_bytes_defaults_to_a_small_batch_locally_and_a_large_object_on_a_store(
+    tmp_path: Path, s3_bucket: str
+) -> None:
+    with RecordingWriter(tmp_path / "rec", INFO) as local:
+        assert local.flush_bytes == DEFAULT_FLUSH_BYTES == 4 << 20
+    with RecordingWriter(f"{s3_bucket}/rec", INFO) as remote:
+        assert remote.flush_bytes == DEFAULT_OBJECT_FLUSH_BYTES == 64 << 20
+    with pytest.raises(ValueError, match=r"flush_bytes: must be > 0, got 0"):
+        RecordingWriter(tmp_path / "other", INFO, flush_bytes=0)
