@@ -56,14 +56,15 @@ def stored_row(
 ) -> StoredRow:
     """The stored form of ``arrays`` (values already cast as a ``dtype`` recording stores
     them, exact in its storage dtype; ``packing``: a packed recording's, else None)."""
+    packed = pack_row(arrays, dtype, packing) if packing is not None else {}
     values: dict[str, npt.NDArray[Any] | None] = {
-        f.name: None
+        f.name: packed[f.name]
+        if f.name in packed
+        else None
         if (a := getattr(arrays, f.name)) is None
         else np.ascontiguousarray(a, dtype=storage_dtype(f, dtype))
         for f in ARRAY_FIELDS
     }
-    if packing is not None:
-        values.update(pack_row(arrays, dtype, packing))
     return StoredRow(key, token_ids, arrays.position_start, arrays.position_end, values)
 
 
