@@ -196,11 +196,16 @@ def test_recording_on_ray_with_a_worker_killed_mid_write(
     from topk_protocol.recording.sharded import PART_FILE, part_location
     from topk_ray.record import record_on_ray
 
+    # A shard file must exist while shard 0 still has rows to record, on any CPU: each
+    # worker's writer flushes once 4 MiB of rows are buffered (DEFAULT_FLUSH_BYTES), and
+    # at K = 64 in float32 a shard's 120 rows of 200-400 positions are about 18 MiB, so
+    # its first file is written about a quarter of the way in whatever the teacher's speed
+    # (its 2 s timer alone would not be written before the end on a fast CPU).
     rng = np.random.default_rng(3)
-    seqs = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(20, 120, size=240)]
+    seqs = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(200, 400, size=240)]
     corpus = tmp_path / "tokens.parquet"
     pq.write_table(pa.table({"input_ids": seqs}), corpus, row_group_size=10)
-    flags = ["--top-k", str(K), "--dtype", "float32", "--batch-size", "1", "--depth", "2"]
+    flags = ["--top-k", "64", "--dtype", "float32", "--batch-size", "1", "--depth", "2"]
     single = tmp_path / "single"
     assert record_main(["--teacher", direct.target, "--input", str(corpus), "--output",
                         str(single), "--quiet", *flags]) == 0  # fmt: skip
