@@ -7,6 +7,13 @@ descendants (vLLM's engine-core and worker processes, also by kind of mapping) i
 sampled, with what the server's memory trim (``--memory-trim-idle-s``: only when idle,
 so not under this load) gave back so far (``/metrics``).
 
+Before the load, ``--largest-rounds`` (3) times, every client sends its largest request
+at once (4 x 256 tokens at K = 64, float32): the largest engine batch the load can make,
+so that glibc's heap in vLLM's processes reaches the high-water mark of that batch before
+anything is measured (a heap grows to the largest batch it has served and keeps that
+size; without this the fit sees a step each time the random load first lines up a larger
+batch than any before).
+
 Soak (default): for ``--minutes`` (10); reported: the RSS slope in MiB/min after
 ``--warmup-min`` (2) and over the last ``--slope-last-min`` (10) minutes by a
 least-squares fit, per process and for the whole tree, against the target of 2 MiB/min;
@@ -52,6 +59,9 @@ from topk_protocol import build_request, pb_grpc
 MIB = 1024 * 1024
 DTYPES = ("float32", "float16", "bfloat16")
 KINDS = ("heap", "anon", "file")
+#: The largest request a client sends: ``MAX_SEQS`` sequences of ``MAX_LEN`` tokens at
+#: K = ``MAX_K`` (the load draws 1-4 sequences of 8-256 tokens at K 1-64).
+MAX_SEQS, MAX_LEN, MAX_K = 4, 256, 64
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-storm-mib", type=float, default=50.0)
     ap.add_argument("--slope-last-min", type=float, default=10.0)
     ap.add_argument("--probe-s", type=float, default=0.25, help="probe interval")
+    ap.add_argument(
+        "--largest-rounds",
+        type=int,
+        default=3,
+        help="before the load: rounds of the largest batch the clients can make together (0: none)",
+    )
     return ap
 
 
@@ -108,11 +124,11 @@ class Load:
         with grpc.insecure_channel(self.target) as ch:
             stub = pb_grpc.TeacherStub(ch)
             while not self.stop.is_set():
-                k = int(rng.integers(1, 65))
+                k = int(rng.integers(1, MAX_K + 1))
                 dtype = DTYPES[int(rng.integers(0, 3))]
                 seqs = [
-                    rng.integers(0, 512, int(rng.integers(8, 257))).astype(np.int32)
-                    for _ in range(int(rng.integers(1, 5)))
+                    rng.integers(0, 512, int(rng.integers(8, MAX_LEN + 1))).astype(np.int32)
+                    for _ in range(int(rng.integers(1, MAX_SEQS + 1)))
                 ]
                 t0 = time.monotonic()
                 try:
@@ -163,6 +179,31 @@ class Load:
     def errors_between(self, n_from: int, n_to: int | None = None) -> int:
         with self._lock:
             return len(self.errors[n_from:n_to])
+
+
+def send_largest_batch(target: str, clients: int, rounds: int) -> None:
+    """``rounds`` times, every client's largest request at once: the largest engine batch
+    the load can make, so that the allocators' high-water mark is set before the soak
+    measures (else the fit after warm-up sees a step up whenever the random load first
+    lines up a batch larger than any before, which is not a leak)."""
+    rng = np.random.default_rng(99)
+    req = build_request(
+        [rng.integers(0, 512, MAX_LEN).astype(np.int32) for _ in range(MAX_SEQS)],
+        MAX_K,
+        dtype="float32",
+    )
+
+    def one(stub: pb_grpc.TeacherStub) -> None:
+        stub.Score(req, timeout=120)
+
+    with grpc.insecure_channel(target) as ch:
+        stub = pb_grpc.TeacherStub(ch)
+        for _ in range(rounds):
+            threads = [threading.Thread(target=one, args=(stub,)) for _ in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
 
 
 class Sampler:
@@ -347,6 +388,7 @@ def main() -> None:
             ],
             Path(tmp) / "server.log",
         )
+        send_largest_batch(server.target, args.clients, args.largest_rounds)
         load = Load(server.target, args.clients)
         probes = ProbeWatcher(server.http, server.target, interval_s=args.probe_s)
         try:
