@@ -45,6 +45,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -193,17 +194,10 @@ def send_largest_batch(target: str, clients: int, rounds: int) -> None:
         dtype="float32",
     )
 
-    def one(stub: pb_grpc.TeacherStub) -> None:
-        stub.Score(req, timeout=120)
-
-    with grpc.insecure_channel(target) as ch:
+    with grpc.insecure_channel(target) as ch, ThreadPoolExecutor(clients) as pool:
         stub = pb_grpc.TeacherStub(ch)
         for _ in range(rounds):
-            threads = [threading.Thread(target=one, args=(stub,)) for _ in range(clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            list(pool.map(lambda _: stub.Score(req, timeout=120), range(clients)))
 
 
 class Sampler:
@@ -388,10 +382,10 @@ def main() -> None:
             ],
             Path(tmp) / "server.log",
         )
-        send_largest_batch(server.target, args.clients, args.largest_rounds)
         load = Load(server.target, args.clients)
         probes = ProbeWatcher(server.http, server.target, interval_s=args.probe_s)
         try:
+            send_largest_batch(server.target, args.clients, args.largest_rounds)
             sampler = Sampler(server, time.monotonic())
             for t in load.threads:
                 t.start()

@@ -21,6 +21,8 @@ from student_client import TeacherClient  # noqa: E402
 from topk_ray import PoolConfig, PoolError, PoolResolver, TeacherPool, connect  # noqa: E402
 
 K = 8
+#: K of the kill test's recording: rows large enough to be flushed by size (below).
+KILL_K = 64
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +168,10 @@ def test_a_second_pool_of_the_same_name_is_refused(pool: TeacherPool, tiny_model
         PoolResolver("no-such-pool")()
 
 
-def _rows(path: str | Path) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
+def _rows(path: str | Path, top_k: int = K) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
     from student_client import PayloadDataset
 
-    ds = PayloadDataset(path, top_k=K, dtype="float32")
+    ds = PayloadDataset(path, top_k=top_k, dtype="float32")
     out = []
     for i in range(len(ds)):
         item = ds[i]
@@ -205,7 +207,7 @@ def test_recording_on_ray_with_a_worker_killed_mid_write(
     seqs = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(200, 400, size=240)]
     corpus = tmp_path / "tokens.parquet"
     pq.write_table(pa.table({"input_ids": seqs}), corpus, row_group_size=10)
-    flags = ["--top-k", "64", "--dtype", "float32", "--batch-size", "1", "--depth", "2"]
+    flags = ["--top-k", str(KILL_K), "--dtype", "float32", "--batch-size", "1", "--depth", "2"]
     single = tmp_path / "single"
     assert record_main(["--teacher", direct.target, "--input", str(corpus), "--output",
                         str(single), "--quiet", *flags]) == 0  # fmt: skip
@@ -242,7 +244,7 @@ def test_recording_on_ray_with_a_worker_killed_mid_write(
     assert result["problems"] == []  # --verify accepts it
     retried = [p.name for p in pids.iterdir() if p.name.startswith("0-")]
     assert len(retried) == 2  # Ray ran shard 0 again, which resumed its part
-    got, want = _rows(out), _rows(single)
+    got, want = _rows(out, KILL_K), _rows(single, KILL_K)
     assert len(got) == len(want) == len(seqs)
     for (gt, gi, gl), (wt, wi, wl) in zip(got, want, strict=True):
         assert gt == wt and np.array_equal(gi, wi) and np.array_equal(gl, wl)

@@ -56,15 +56,14 @@ def stored_row(
 ) -> StoredRow:
     """The stored form of ``arrays`` (values already cast as a ``dtype`` recording stores
     them, exact in its storage dtype; ``packing``: a packed recording's, else None)."""
-    packed = pack_row(arrays, dtype, packing) if packing is not None else {}
-    values: dict[str, npt.NDArray[Any] | None] = {
-        f.name: packed[f.name]
-        if f.name in packed
-        else None
-        if (a := getattr(arrays, f.name)) is None
-        else np.ascontiguousarray(a, dtype=storage_dtype(f, dtype))
-        for f in ARRAY_FIELDS
-    }
+    # The packed fields come packed; the others are cast to their storage dtype.
+    values: dict[str, npt.NDArray[Any] | None] = (
+        dict(pack_row(arrays, dtype, packing)) if packing is not None else {}
+    )
+    for f in ARRAY_FIELDS:
+        if f.name not in values:
+            a = getattr(arrays, f.name)
+            values[f.name] = None if a is None else np.ascontiguousarray(a, storage_dtype(f, dtype))
     return StoredRow(key, token_ids, arrays.position_start, arrays.position_end, values)
 
 
