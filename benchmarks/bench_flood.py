@@ -10,9 +10,11 @@ process, :class:`devtools.probes.ProbeWatcher`):
    ``ScoreStream`` as fast as it can;
 3. four such streams at once, ``--requests`` / 4 each.
 
-The flood runs in a process of its own (its client's GIL is not the canary's); it checks
-that every request id was answered once, without error, and counts the answers that came
-ahead of an earlier request's (the protocol allows any order; the client reorders).
+The flood runs in a process of its own (its client's GIL is not the canary's; with
+``--flood-nice 19`` it takes only CPU the server leaves, as a client on another machine
+would); it checks that every request id was answered once, without error, and counts the
+answers that came ahead of an earlier request's (the protocol allows any order; the
+client reorders).
 Reported per load: the flood's wall time and positions/s (flood + canary), the canary's
 latency quantiles against its own alone, the probes (slowest of each kind, how many HTTP
 probes took over 1 s), the server tree's RSS before and after. With ``--baseline-src
@@ -23,7 +25,7 @@ AMX bf16 present or not), and the load average at the start and end of each serv
 runs.
 
     python -m benchmarks.bench_flood [--requests 100000] [--baseline-src DIR]
-        [--server-args "--admission-order arrival"] [--streams 1,4]
+        [--server-args "--admission-order arrival"] [--streams 1,4] [--flood-nice 19]
         [--variant NAME="--max-inflight-requests 32" ...]
 """
 
@@ -63,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=100_000, help="flood requests in all")
     ap.add_argument("--canary-s", type=float, default=0.5)
+    ap.add_argument(
+        "--flood-nice",
+        type=int,
+        default=0,
+        help="run the flood's client at this nice (a load generator sharing the server's cores)",
+    )
     ap.add_argument("--alone-s", type=float, default=30.0)
     ap.add_argument("--baseline-src", default="", help="another checkout's server first")
     ap.add_argument("--server-args", default="", help="extra serve flags (this tree only)")
@@ -136,7 +144,8 @@ def _one_stream(target: str, first: int, n: int, out: dict[str, Any]) -> None:
     out.update(answered=len(answered), errors=errors, every_id=every, ahead=ahead)
 
 
-def _flood(target: str, streams: int, per_stream: int, conn: Any) -> None:
+def _flood(target: str, streams: int, per_stream: int, conn: Any, nice: int = 0) -> None:
+    os.nice(nice)
     results: list[dict[str, Any]] = [{} for _ in range(streams)]
     threads = [
         threading.Thread(target=_one_stream, args=(target, s * per_stream, per_stream, r))
@@ -245,7 +254,9 @@ def run_load(
         if streams:
             ctx = multiprocessing.get_context("spawn")
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_flood, args=(server.target, streams, per_stream, theirs))
+            proc = ctx.Process(
+                target=_flood, args=(server.target, streams, per_stream, theirs, args.flood_nice)
+            )
             proc.start()
             mine.send("go")
             done = lambda: mine.poll() or not proc.is_alive()  # noqa: E731
