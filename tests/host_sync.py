@@ -1,6 +1,9 @@
 """Test helper: a `TorchDispatchMode` that fails on every op making the host wait for the
 device (`_local_scalar_dense` behind `.item()` / `float()` / `bool()`, `nonzero`,
-`masked_select`, boolean-mask indexing, ...)."""
+`masked_select`, boolean-mask indexing, ...). Where CUDA is available it also sets CUDA's
+own sync check (`torch.cuda.set_sync_debug_mode("error")`) while it is active, which
+fails on every synchronizing CUDA call (a device-to-host copy, a blocking host-to-device
+copy, a stream synchronize), whichever op makes it."""
 
 from __future__ import annotations
 
@@ -37,6 +40,19 @@ class NoHostSync(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self._cuda_mode: int | None = None
+
+    def __enter__(self) -> NoHostSync:
+        if torch.cuda.is_available():
+            self._cuda_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self._cuda_mode is not None:
+            torch.cuda.set_sync_debug_mode(self._cuda_mode)
+            self._cuda_mode = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}

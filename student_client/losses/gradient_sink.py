@@ -10,8 +10,8 @@ from torch import Tensor
 
 from student_client.losses.chunked import chunk_bounds, working_dtype
 from student_client.losses.parallel import gather_columns
-from student_client.losses.sizing import FUSED_WEIGHT_SLICE_BYTES
-from student_client.losses.split_columns import column_entries, column_sums, zero_columns_
+from student_client.losses.sizing import FUSED_WEIGHT_SLICE_BYTES, column_batch_entries
+from student_client.losses.split_columns import add_column_sums_, column_entries, zero_columns_
 
 if TYPE_CHECKING:
     from student_client.losses.fused import FusedSettings
@@ -95,6 +95,10 @@ class GradientSink:
             self.teacher_grad = torch.zeros(
                 self.index.shape, dtype=work_dtype, device=weight.device
             )
+        block_rows = min(settings.chunk_rows, hidden.shape[0])
+        self.column_batch = column_batch_entries(
+            block_rows * weight.shape[0] * weight.element_size(), weight.shape[1]
+        )
 
     def keep_teacher_columns(self, part: slice, grad_logits: Tensor) -> None:
         """Keep the teacher columns of rows `part`'s logit gradient `[n, V_local]` (working
@@ -180,14 +184,4 @@ class GradientSink:
             return
         entries = column_entries(self.index, self.owned, self.teacher_grad)
         self.teacher_grad = None
-        batch = max(1, FUSED_WEIGHT_SLICE_BYTES // max(1, 4 * grad_weight.shape[1]))
-        for columns, sums in column_sums(entries, self.hidden, batch):
-            if grad_weight.dtype == sums.dtype:  # "float32": the fp32 sum itself
-                grad_weight.index_add_(0, columns, sums)
-                continue
-            # (Upcast first: a mixed-dtype `add_` takes torch's slow unvectorized CPU path.)
-            sums.add_(grad_weight.index_select(0, columns).float())
-            if compensation is not None:  # hi + lo + sums, kept in hi (lo <- 0)
-                sums.add_(compensation.index_select(0, columns).float())
-                compensation.index_fill_(0, columns, 0)
-            grad_weight.index_copy_(0, columns, sums.to(grad_weight.dtype))
+        add_column_sums_(grad_weight, entries, self.hidden, self.column_batch, compensation)

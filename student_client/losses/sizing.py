@@ -20,6 +20,7 @@ __all__ = [
     "FUSED_WORK_BYTES",
     "FusedChunks",
     "auto_chunk_rows",
+    "column_batch_entries",
     "fused_chunks",
     "rows_within",
 ]
@@ -49,6 +50,14 @@ a GPU; not measured)."""
 FUSED_WEIGHT_SLICE_BYTES = 4 * 2**20
 """Fused loss, "compensated" / "float32" accumulation: `grad_weight` is combined in
 vocabulary slices of this many bytes of the weight's dtype (reused fp32 temporaries)."""
+
+
+def column_batch_entries(block_bytes: int, hidden_size: int) -> int:
+    """Fused loss, bf16 / fp16 weight: entries per batch of the teacher columns' fp32 sums
+    (`split_columns.column_sums`). A batch's four fp32 `[B, H]` temporaries fit in the
+    logits block's `block_bytes` (freed by then: the batches do not raise the peak), and in
+    `FUSED_WEIGHT_SLICE_BYTES` at least; fewer, larger batches mean fewer kernel launches."""
+    return rows_within(max(block_bytes, FUSED_WEIGHT_SLICE_BYTES), 16 * hidden_size)
 
 
 def rows_within(budget_bytes: int, row_bytes: int) -> int:

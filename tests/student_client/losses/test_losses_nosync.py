@@ -4,6 +4,10 @@ A `TorchDispatchMode` sees every aten op of the call and fails on the ones that 
 device value to the host (`_local_scalar_dense`, behind `.item()`, `.tolist()`, `bool()`),
 on `nonzero` / `masked_select` (whose output size depends on the data) and on boolean-mask
 indexing (which calls `nonzero`). The stats are read only after the mode is left.
+
+Each test runs on the CPU and, where CUDA is available, on the GPU, where the guard also
+arms CUDA's own sync check (`host_sync.py`): a GPU machine runs this file as it is
+(`benchmarks/gpu/run.sh`); elsewhere the CUDA cases are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -22,30 +26,44 @@ from student_client.losses import (
 )
 from tests.student_client.losses.calls import teacher_and_options
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
+SYNC_ERRORS = (AssertionError, RuntimeError)  # the dispatch mode's, CUDA's sync check's
+SYNC_MESSAGE = r"host sync|boolean-mask|synchronizing CUDA operation"
 
-def test_the_guard_catches_syncs() -> None:
-    values = torch.randn(5)
-    # (`.tolist()` of a CPU tensor reads its memory without any aten op, so it is not in
-    # this list; on an accelerator it is a device-to-host copy that ends in the same ops.)
-    for sync in (
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_guard_catches_syncs(device: str) -> None:
+    values = torch.randn(5, device=device)
+    syncs = [
         lambda: values.sum().item(),
         lambda: float(values.sum()),
         lambda: bool((values > 0).any()),
         lambda: values[values > 0],
         lambda: values.nonzero(),
-    ):
-        with pytest.raises(AssertionError, match=r"host sync|boolean-mask"), NoHostSync():
+    ]
+    # (`.tolist()` of a CPU tensor reads its memory without any aten op; on a GPU it is a
+    # device-to-host copy, which CUDA's sync check catches.)
+    if device == "cuda":
+        syncs += [lambda: values.tolist(), lambda: values.cpu(), torch.cuda.synchronize]
+    for sync in syncs:
+        with pytest.raises(SYNC_ERRORS, match=SYNC_MESSAGE), NoHostSync():
             sync()
 
 
-def _problem(seed: int = 0):
+def _problem(seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(4, 9, 16, generator=generator)
-    weight = torch.randn(50, 16, generator=generator) * 0.5
+    hidden = torch.randn(4, 9, 16, generator=generator).to(dtype)
+    weight = (torch.randn(50, 16, generator=generator) * 0.5).to(dtype)
     teacher = torch.log_softmax(torch.randn(4, 9, 50, generator=generator) * 2, -1)
     logprobs, ids = teacher.topk(6, dim=-1)
     mask = torch.rand(4, 9, generator=generator) > 0.3
-    return hidden, weight, ids.int(), logprobs.half(), mask
+    tensors = (hidden, weight, ids.int(), logprobs.half(), mask)
+    return tuple(tensor.to(device) for tensor in tensors)
 
 
 OPTIONS = [
@@ -55,9 +73,10 @@ OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("options", OPTIONS)
-def test_topk_kl_loss_does_not_sync(options) -> None:
-    hidden, weight, ids, logprobs, mask = _problem()
+def test_topk_kl_loss_does_not_sync(options, device) -> None:
+    hidden, weight, ids, logprobs, mask = _problem(device=device)
     logits = (hidden @ weight.T).requires_grad_(True)
     guard = NoHostSync()
     with guard:
@@ -75,10 +94,14 @@ def test_topk_kl_loss_does_not_sync(options) -> None:
     assert logits.grad is not None and bool(logits.grad.abs().sum() > 0)
 
 
+# A bf16 weight takes another path for its gradient (the teacher columns summed in fp32,
+# `split_columns`): checked too.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_in_forward", [True, False])
 @pytest.mark.parametrize("options", OPTIONS)
-def test_fused_loss_does_not_sync(options, grad_in_forward) -> None:
-    hidden, weight, ids, logprobs, mask = _problem(1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_loss_does_not_sync(options, grad_in_forward, dtype, device) -> None:
+    hidden, weight, ids, logprobs, mask = _problem(1, dtype, device)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
     guard = NoHostSync()
@@ -109,15 +132,17 @@ def test_fused_loss_does_not_sync(options, grad_in_forward) -> None:
     assert hidden.grad is not None and weight.grad is not None
 
 
-def test_validation_does_sync_and_the_guard_sees_it() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_validation_does_sync_and_the_guard_sees_it(device: str) -> None:
     """The default (`validate=True`) checks values, which the guard must catch."""
-    hidden, weight, ids, logprobs, mask = _problem(2)
-    with pytest.raises(AssertionError, match=r"host sync|boolean-mask"), NoHostSync():
+    hidden, weight, ids, logprobs, mask = _problem(2, device=device)
+    with pytest.raises(SYNC_ERRORS, match=SYNC_MESSAGE), NoHostSync():
         lm_head_topk_kl_loss(weight, hidden, TeacherTargets(ids, logprobs, mask=mask))
 
 
-def test_stats_tensors_need_no_sync() -> None:
-    hidden, weight, ids, logprobs, mask = _problem(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_stats_tensors_need_no_sync(device: str) -> None:
+    hidden, weight, ids, logprobs, mask = _problem(3, device=device)
     with NoHostSync():
         _, stats = lm_head_topk_kl_loss(
             weight, hidden, TeacherTargets(ids, logprobs, mask=mask), LossOptions(validate=False)
@@ -143,7 +168,11 @@ def _candidates(ids: torch.Tensor, vocab: int, seed: int) -> dict[str, torch.Ten
     }
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize(
+    ("fused", "dtype"),
+    [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+    ids=["logits", "fused", "fused-bf16"],
+)
 @pytest.mark.parametrize(
     "options",
     [
@@ -152,12 +181,15 @@ def _candidates(ids: torch.Tensor, vocab: int, seed: int) -> dict[str, torch.Ten
         {"support": "union", "mode": "truncated", "reduction": "none"},
     ],
 )
-def test_candidate_supports_do_not_sync(options, fused) -> None:
-    hidden, weight, ids, logprobs, mask = _problem(4)
-    extra = _candidates(ids, weight.shape[0], 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_candidate_supports_do_not_sync(options, fused, dtype, device) -> None:
+    hidden, weight, ids, logprobs, mask = _problem(4, dtype, device)
+    extra = {
+        name: value.to(device) for name, value in _candidates(ids.cpu(), weight.shape[0], 4).items()
+    }
     if options.get("mode") == "tail_actual":
         extra["sampled_ids"] = extra["candidate_ids"][..., 0]
-        extra["sampled_logprobs"] = torch.full(mask.shape, -3.0)
+        extra["sampled_logprobs"] = torch.full(mask.shape, -3.0, device=device)
     hidden.requires_grad_(True)
     weight.requires_grad_(True)
     call = teacher_and_options(

@@ -21,7 +21,12 @@ from student_client.losses import (
     lm_head_topk_kl_loss,
     topk_kl_loss,
 )
-from student_client.losses.split_columns import column_entries, column_sums, zero_columns_
+from student_client.losses.split_columns import (
+    add_column_sums_,
+    column_entries,
+    column_sums,
+    zero_columns_,
+)
 
 N_ROWS, HIDDEN, VOCAB, TOP_K = 47, 37, 123, 7
 
@@ -47,34 +52,90 @@ def test_zero_columns_zeroes_exactly_the_owned_teacher_columns(use_owned: bool) 
     assert torch.equal(block, want)
 
 
-@pytest.mark.parametrize("batch_columns", [1, 3, 1000])
-def test_column_sums_equal_float64_sums_over_owned_nonzero_entries(batch_columns: int) -> None:
+def _float64_sums(
+    ids: torch.Tensor, owned: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor
+) -> dict[int, torch.Tensor]:
+    """Per column: `sum values * hidden[row]` over its owned, nonzero entries, float64."""
+    want: dict[int, torch.Tensor] = {}
+    for row in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            if owned[row, k] and values[row, k] != 0:
+                column = int(ids[row, k])
+                term = values[row, k].double() * hidden[row].double()
+                want[column] = want.get(column, 0) + term
+    return want
+
+
+def _repeated_columns(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct ids per row `[N, K]` where id 5 is in every row and id 9 in every other
+    one, so that columns span several batches; a random owned mask."""
+    others = torch.tensor([i for i in range(VOCAB) if i not in (5, 9)])
+    rows = [others[torch.randperm(len(others), generator=generator)[:TOP_K]] for _ in range(N_ROWS)]
+    ids = torch.stack(rows)
+    ids[:, 0] = 5
+    ids[::2, 1] = 9
+    owned = torch.rand(N_ROWS, TOP_K, generator=generator) < 0.7
+    return ids, owned
+
+
+@pytest.mark.parametrize("batch_entries", [1, 3, 40, 47 * 7, 10_000])
+def test_column_sums_equal_float64_sums_over_owned_entries(batch_entries: int) -> None:
     generator = torch.Generator().manual_seed(2)
-    ids, owned = _teacher_columns(generator)
+    ids, owned = _repeated_columns(generator)
+    assert all(len(set(row.tolist())) == TOP_K for row in ids)  # distinct within a row
     values = torch.randn(N_ROWS, TOP_K, generator=generator)
     values[::5] = 0  # e.g. rows that do not count
     hidden = torch.randn(N_ROWS, HIDDEN, generator=generator).to(torch.bfloat16)
-    want = torch.zeros(VOCAB, HIDDEN, dtype=torch.float64)
-    touched = set()
-    for row in range(N_ROWS):
-        for k in range(TOP_K):
-            if owned[row, k] and values[row, k] != 0:
-                want[ids[row, k]] += values[row, k].double() * hidden[row].double()
-                touched.add(int(ids[row, k]))
+    want = _float64_sums(ids, owned, values, hidden)
 
-    batches = list(column_sums(column_entries(ids, owned, values), hidden, batch_columns))
-    assert all(len(columns) <= batch_columns for columns, _ in batches)
-    columns = torch.cat([columns for columns, _ in batches])
-    sums = torch.cat([sums for _, sums in batches])
-    assert sums.dtype == torch.float32
-    assert columns.tolist() == sorted(touched)  # ascending, each column once
-    torch.testing.assert_close(sums.double(), want[columns], rtol=1e-6, atol=1e-6)
+    got: dict[int, torch.Tensor] = {}
+    for batch in column_sums(column_entries(ids, owned, values), hidden, batch_entries):
+        assert batch.sums.dtype == torch.float32
+        assert batch.columns.shape[0] <= batch_entries
+        if not bool(batch.complete):
+            continue
+        for column, total in zip(batch.columns.tolist(), batch.sums, strict=True):
+            if column in got:  # a repeated slot: the same column, the same sum
+                assert torch.equal(got[column], total)
+            got[column] = total
+    assert set(got) >= set(want)  # every column with an entry, each complete once
+    for column, total in got.items():
+        expected = want.get(column, torch.zeros(HIDDEN, dtype=torch.float64))
+        torch.testing.assert_close(total.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_entries", [1, 4, 1000])
+@pytest.mark.parametrize("compensated", [False, True])
+def test_add_column_sums_rounds_each_column_once(batch_entries: int, compensated: bool) -> None:
+    generator = torch.Generator().manual_seed(3)
+    ids, owned = _repeated_columns(generator)
+    values = torch.randn(N_ROWS, TOP_K, generator=generator)
+    hidden = torch.randn(N_ROWS, HIDDEN, generator=generator).to(torch.bfloat16)
+    grad_weight = torch.randn(VOCAB, HIDDEN, generator=generator).to(torch.bfloat16)
+    low = (torch.randn(VOCAB, HIDDEN, generator=generator) * 1e-3).to(torch.bfloat16)
+    start = grad_weight.double() + (low.double() if compensated else 0)
+    want = start.clone()
+    for column, total in _float64_sums(ids, owned, values, hidden).items():
+        want[column] += total
+    before = grad_weight.clone()
+    compensation = low.clone() if compensated else None
+    entries = column_entries(ids, owned, values)
+    add_column_sums_(grad_weight, entries, hidden, batch_entries, compensation)
+    touched = sorted({int(i) for i in ids.reshape(-1)})  # not-owned entries add 0 there
+    untouched = [c for c in range(VOCAB) if c not in touched]
+    # Columns with an entry: the fp32 sum rounded once; the others exactly as they were.
+    rounded_once = want[touched].to(torch.bfloat16).double()
+    torch.testing.assert_close(grad_weight[touched].double(), rounded_once, rtol=8e-3, atol=1e-5)
+    assert torch.equal(grad_weight[untouched], before[untouched])
+    if compensation is not None:
+        assert bool((compensation[touched] == 0).all())
+        assert torch.equal(compensation[untouched], low[untouched])
 
 
 def test_no_entries_give_no_batches() -> None:
-    ids = torch.zeros(3, 2, dtype=torch.int64)
-    entries = column_entries(ids, None, torch.zeros(3, 2))
-    assert list(column_sums(entries, torch.ones(3, 4), 8)) == []
+    ids = torch.zeros(0, 2, dtype=torch.int64)
+    entries = column_entries(ids, None, torch.zeros(0, 2))
+    assert list(column_sums(entries, torch.ones(0, 4), 8)) == []
 
 
 def _problem() -> tuple[torch.Tensor, ...]:
