@@ -24,8 +24,9 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from teacher_server.grpc_api.auth import token_matches
+from teacher_server.http_api.answers import HTTPAnswer
 from teacher_server.http_api.thread import probe_answer
-from teacher_server.http_api.trl import HTTPAnswer, TRLEndpoints
+from teacher_server.http_api.trl import TRLEndpoints
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 from topk_protocol import pb

@@ -19,7 +19,8 @@ A request ``temperature`` other than the served one is refused (a top-k answer c
 be re-tempered), and so is anything this teacher would otherwise have to ignore
 (generation options, text prompts).
 Refusals are the protocol's typed errors with the field named; the pipeline maps them to
-a gRPC status, and :func:`http_status` that status to HTTP, once.
+a transport-free status, and :func:`teacher_server.http_api.answers.http_status` that
+status to HTTP, once.
 
 Differences from vLLM's server, all documented in docs/trl.md: no token is generated
 (``text`` is empty); an entry's ``decoded_token`` is not sent (the teacher serves ids);
@@ -37,15 +38,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 
+from teacher_server.http_api.answers import HTTPAnswer
+from teacher_server.http_api.bodies import (
+    check_temperature,
+    int_field,
+    invalid,
+    json_object,
+    refuse_unknown,
+    token_id_lists,
+)
 from teacher_server.pipeline import Refused, RequestPipeline
 from teacher_server.validation import Limits, ParsedRequest
-from topk_protocol import SequenceArrays, encode_token_ids, pb, temperature_mismatch
-from topk_protocol.checks import check_token_ids, check_top_k, check_total_tokens
-from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
+from topk_protocol import SequenceArrays, encode_token_ids, pb
+from topk_protocol.checks import check_top_k
+from topk_protocol.codes import Status
+from topk_protocol.errors import TeacherError, TeacherUnavailableError
 from topk_protocol.trl_layout import (
     JSON_NEG_INF,
     TRLRows,
@@ -57,25 +67,12 @@ from topk_protocol.trl_layout import (
 __all__ = [
     "COMPLETIONS_METHOD",
     "SEQUENCE_LOGPROBS_METHOD",
-    "HTTPAnswer",
     "TRLEndpoints",
-    "http_status",
 ]
 
 #: Metric labels (``method``) of the two routes.
 COMPLETIONS_METHOD = "HTTP /v1/completions"
 SEQUENCE_LOGPROBS_METHOD = "HTTP /get_sequence_logprobs"
-
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
-    grpc.StatusCode.UNAVAILABLE: 503,  # TRL's client retries 500, 502, 503
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 
 # Fields each route reads; any other field is refused by name rather than ignored.
 _COMPLETIONS_FIELDS = frozenset(
@@ -88,83 +85,6 @@ _SEQUENCE_FIELDS = frozenset(
 _RESPONSE_FORMATS = ("json", "binary")
 #: TRL 1.10's default ``top_logprobs`` when a request leaves it out.
 TRL_DEFAULT_TOP_LOGPROBS = 100
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    """The HTTP status of a refusal with gRPC status ``code`` (500 for the others)."""
-    return _HTTP_STATUS.get(code, 500)
-
-
-def _invalid(message: str) -> InvalidRequestError:
-    return InvalidRequestError(message)
-
-
-@dataclass(frozen=True)
-class HTTPAnswer:
-    """A route's answer: status and JSON body bytes."""
-
-    status: int
-    body: bytes
-
-    @staticmethod
-    def refused(code: grpc.StatusCode, message: str) -> HTTPAnswer:
-        """A refusal with gRPC status ``code``: its HTTP status (:func:`http_status`)."""
-        body = {"error": message, "code": code.name}
-        return HTTPAnswer(http_status(code), json.dumps(body).encode())
-
-
-# -- request parsing (named-field errors) -----------------------------------------------
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _invalid(f"body: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise _invalid(f"body: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _refuse_unknown(data: dict[str, Any], known: frozenset[str], route: str) -> None:
-    extra = sorted(set(data) - known)
-    if extra:
-        raise _invalid(
-            f"{extra[0]}: not supported by this teacher's {route} (it serves prompt "
-            f"log-probs only; fields read: {', '.join(sorted(known))})"
-        )
-
-
-def _int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:
-    value = data.get(name, default)
-    if value is None:
-        raise _invalid(f"{name}: missing; expected an int")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(f"{name}: expected an int, got {json.dumps(value)[:40]}")
-    return value
-
-
-def _token_ids(seq: Any, field: str, limits: Limits) -> npt.NDArray[np.int32]:
-    """One JSON list of token ids -> ``[L]`` int32, every problem named ``field[j]``."""
-    if not isinstance(seq, list):
-        raise _invalid(f"{field}: expected a list of token ids, got {json.dumps(seq)[:40]}")
-    arr = np.asarray(seq) if seq else np.zeros(0, np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        for j, v in enumerate(seq):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise _invalid(f"{field}[{j}]: expected a token id (int), got {json.dumps(v)[:40]}")
-    check_token_ids(arr, limits, field)
-    return arr.astype(np.int32)
-
-
-def _check_temperature(data: dict[str, Any], served: float) -> None:
-    """The request's ``temperature`` (if given) must be the served teacher temperature."""
-    if "temperature" not in data or data["temperature"] is None:
-        return
-    t = data["temperature"]
-    if isinstance(t, bool) or not isinstance(t, int | float):
-        raise _invalid(f"temperature: expected a number, got {json.dumps(t)[:40]}")
-    refusal = temperature_mismatch(t, served)
-    if refusal is not None:
-        raise _invalid(refusal)
 
 
 def _score_request(
@@ -194,58 +114,47 @@ class _Parsed:
         return _score_request(self.sequences, spans, self.top_k)
 
 
-def _sequences(value: Any, field: str, limits: Limits) -> list[npt.NDArray[np.int32]]:
-    if value is None:
-        raise _invalid(f"{field}: missing; expected a list of token id lists")
-    if not isinstance(value, list) or not value:
-        raise _invalid(f"{field}: expected a non-empty list of token id lists")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        value = [value]  # vLLM's single token-id prompt
-    check_total_tokens(sum(len(v) if isinstance(v, list) else 0 for v in value), limits, field)
-    return [_token_ids(v, f"{field}[{i}]", limits) for i, v in enumerate(value)]
-
-
 def parse_completions(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
     """A ``/v1/completions`` body (the subset TRL 1.11+ sends) -> every prompt position."""
-    _refuse_unknown(data, _COMPLETIONS_FIELDS, "/v1/completions")
+    refuse_unknown(data, _COMPLETIONS_FIELDS, "/v1/completions")
     model = data.get("model")
     if model is not None and model != info.model_name:
-        raise _invalid(
+        raise invalid(
             f"model: {model!r} is not served here; this teacher serves {info.model_name!r}"
         )
     if isinstance(data.get("prompt"), str):
-        raise _invalid(
+        raise invalid(
             "prompt: text prompts are not supported; send token ids (the teacher does not tokenize)"
         )
     if "prompt_logprobs" not in data or data["prompt_logprobs"] is None:
-        raise _invalid("prompt_logprobs: missing; this teacher answers prompt log-probs only")
-    top_k = _int_field(data, "prompt_logprobs")
+        raise invalid("prompt_logprobs: missing; this teacher answers prompt log-probs only")
+    top_k = int_field(data, "prompt_logprobs")
     check_top_k(top_k, limits, "prompt_logprobs")
-    max_tokens = _int_field(data, "max_tokens", 1)
+    max_tokens = int_field(data, "max_tokens", 1)
     if max_tokens not in (0, 1):
-        raise _invalid(f"max_tokens: {max_tokens}; this teacher generates nothing (0 or 1)")
-    if _int_field(data, "n", 1) != 1:
-        raise _invalid(f"n: {data['n']}; only n = 1 is served")
+        raise invalid(f"max_tokens: {max_tokens}; this teacher generates nothing (0 or 1)")
+    if int_field(data, "n", 1) != 1:
+        raise invalid(f"n: {data['n']}; only n = 1 is served")
     for flag in ("stream", "echo"):
         if data.get(flag):
-            raise _invalid(f"{flag}: not supported (prompt log-probs come in one answer)")
+            raise invalid(f"{flag}: not supported (prompt log-probs come in one answer)")
     if data.get("logprobs"):
-        raise _invalid("logprobs: generation log-probs are not served; use prompt_logprobs")
-    _check_temperature(data, info.teacher_temperature)
-    seqs = _sequences(data.get("prompt"), "prompt", limits)
+        raise invalid("logprobs: generation log-probs are not served; use prompt_logprobs")
+    check_temperature(data, info.teacher_temperature)
+    seqs = token_id_lists(data.get("prompt"), "prompt", limits)
     return _Parsed(seqs, [0] * len(seqs), top_k)
 
 
 def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
     """A TRL 1.10 ``/get_sequence_logprobs/`` body -> the completion positions."""
-    _refuse_unknown(data, _SEQUENCE_FIELDS, "/get_sequence_logprobs/")
-    top_k = _int_field(data, "top_logprobs", TRL_DEFAULT_TOP_LOGPROBS)
+    refuse_unknown(data, _SEQUENCE_FIELDS, "/get_sequence_logprobs/")
+    top_k = int_field(data, "top_logprobs", TRL_DEFAULT_TOP_LOGPROBS)
     check_top_k(top_k, limits, "top_logprobs")
     fmt = data.get("response_format", "json")
     if fmt not in _RESPONSE_FORMATS:
-        raise _invalid(f"response_format: {json.dumps(fmt)[:40]} is not one of json, binary")
-    _check_temperature(data, info.teacher_temperature)
-    seqs = _sequences(data.get("sequences"), "sequences", limits)
+        raise invalid(f"response_format: {json.dumps(fmt)[:40]} is not one of json, binary")
+    check_temperature(data, info.teacher_temperature)
+    seqs = token_id_lists(data.get("sequences"), "sequences", limits)
     lengths = check_prompt_lengths(data.get("prompt_lengths"), [len(s) for s in seqs])
     return _Parsed(seqs, lengths, top_k, fmt)
 
@@ -389,7 +298,7 @@ class TRLEndpoints:
             info = self._info()
             if info is None:
                 raise TeacherUnavailableError("teacher: loading")
-            parsed.append(parse(_json_object(body), info, self._pipeline.limits))
+            parsed.append(parse(json_object(body), info, self._pipeline.limits))
             return parsed[0].score_request()
 
         def finish(_: ParsedRequest, scored: list[SequenceArrays], _seconds: float) -> bytes:
@@ -404,7 +313,7 @@ class TRLEndpoints:
         """vLLM's ``GET /v1/models``: the served model (TRL's client reads its id)."""
         info = self._info()
         if info is None:
-            return HTTPAnswer.refused(grpc.StatusCode.UNAVAILABLE, "teacher: loading")
+            return HTTPAnswer.refused(Status.UNAVAILABLE, "teacher: loading")
         card = {
             "id": info.model_name,
             "object": "model",

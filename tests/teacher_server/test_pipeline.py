@@ -3,8 +3,9 @@
 A real ``TeacherServer`` on loopback (gRPC and HTTP, in this process) whose backend raises,
 for the sequence whose first token is ``i``, error kind ``i``: gRPC ``Score``,
 ``ScoreStream`` and TRL's HTTP route report every kind with the status the one error
-table gives it (:func:`topk_protocol.status.status_of`), and a kind added to that table
-alone reaches all three. Also: bounded gathering, and large requests validated in a
+table gives it (:func:`topk_protocol.codes.code_of`, in gRPC's codes
+:func:`topk_protocol.status.status_of`), and a kind added to that table alone reaches all
+three. Also: bounded gathering, and large requests validated in a
 worker thread.
 """
 
@@ -26,7 +27,8 @@ import pytest
 from teacher_server import pipeline
 from teacher_server.admission import AdmissionQueue
 from teacher_server.backends.base import Backend, BackendInfo
-from teacher_server.http_api.trl import SEQUENCE_LOGPROBS_METHOD, http_status
+from teacher_server.http_api.answers import http_status
+from teacher_server.http_api.trl import SEQUENCE_LOGPROBS_METHOD
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import (
@@ -39,7 +41,8 @@ from teacher_server.pipeline import (
 from teacher_server.validation import Limits, ParsedSequence, parse_request
 from tests.teacher_server.loopback import LoopbackTeacher
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb
-from topk_protocol import status as status_table
+from topk_protocol import codes as status_table
+from topk_protocol.codes import Status
 from topk_protocol.errors import (
     DataLossError,
     DeadlineExceededError,
@@ -157,7 +160,7 @@ def _check_all_three(teacher: LoopbackTeacher, first: int) -> grpc.StatusCode:
     assert _score(teacher, first) == (code, message, reason)
     assert _stream(teacher, first) == (code, message, reason)
     status, body = _http(teacher, first)
-    assert (status, body) == (http_status(code), {"error": message, "code": code.name})
+    assert (status, body) == (http_status(Status[code.name]), {"error": message, "code": code.name})
     return code
 
 
@@ -173,8 +176,8 @@ def test_a_kind_added_to_the_error_table_once_reaches_all_three(
 ) -> None:
     first = next(i for i, e in enumerate(ERRORS) if isinstance(e(), QuotaExceededError))
     assert _check_all_three(teacher, first) is grpc.StatusCode.INTERNAL  # not in the table
-    # One row added to the table (status_of reads it), nothing else:
-    table = {**status_table._CODE_OF, QuotaExceededError: grpc.StatusCode.PERMISSION_DENIED}
+    # One row added to the transport-free table (code_of reads it), nothing else:
+    table = {**status_table._CODE_OF, QuotaExceededError: Status.PERMISSION_DENIED}
     monkeypatch.setattr(status_table, "_CODE_OF", table)
     assert _check_all_three(teacher, first) is grpc.StatusCode.PERMISSION_DENIED
     assert _http(teacher, first)[0] == 403
@@ -287,6 +290,6 @@ def test_an_encoding_the_backend_lacks_is_refused_and_the_pipeline_keeps_serving
         return refused, served
 
     refused, served = asyncio.run(run(build_request([[511, 1]], 4, encoding="packed")))
-    assert isinstance(refused, Refused) and refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(refused, Refused) and refused.code == Status.INVALID_ARGUMENT
     assert refused.message == "encoding: 'packed' is not served by this teacher; it serves default"
     assert served == Answered("answer")
