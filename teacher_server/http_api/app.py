@@ -11,6 +11,10 @@ TRL's teacher client makes: ``GET /health`` (200 once ready) and ``GET /v1/model
 (open: TRL's client reads them before it can send a token), ``POST /v1/completions``
 (TRL 1.11+) and ``POST /get_sequence_logprobs/`` (TRL 1.10), which need the bearer token
 when one is configured (docs/trl.md).
+
+With ``sglang`` (:class:`~teacher_server.http_api.sglang.serving.SGLangEndpoints`),
+SGLang's ``POST /generate`` as distillation frameworks call their teacher (slime, miles;
+docs/frameworks.md), bearer token required when one is configured.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from teacher_server.grpc_api.auth import token_matches
 from teacher_server.http_api.answers import HTTPAnswer
+from teacher_server.http_api.sglang.router import add_sglang_routes
+from teacher_server.http_api.sglang.serving import SGLangEndpoints
 from teacher_server.http_api.thread import probe_answer
 from teacher_server.http_api.trl import TRLEndpoints
 from teacher_server.lifecycle import Lifecycle, Phase
@@ -41,6 +47,7 @@ def build_http_app(
     metrics: TeacherMetrics,
     token: str | None = None,
     trl: TRLEndpoints | None = None,
+    sglang: SGLangEndpoints | None = None,
 ) -> FastAPI:
     """The HTTP app; ``lifecycle`` and ``info()`` are read on every request.
 
@@ -61,8 +68,11 @@ def build_http_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def authorized(request: Request) -> bool:
+        return not token or token_matches(request.headers.get("authorization"), token)
+
     def unauthorized(request: Request) -> Response | None:
-        if token and not token_matches(request.headers.get("authorization"), token):
+        if not authorized(request):
             return JSONResponse(
                 {"error": "authorization: missing or wrong bearer token"}, status_code=401
             )
@@ -82,6 +92,8 @@ def build_http_app(
 
     if trl is not None:
         _add_trl_routes(app, trl, lifecycle, unauthorized)
+    if sglang is not None:
+        add_sglang_routes(app, sglang, authorized)
     return app
 
 

@@ -50,12 +50,13 @@ from teacher_server.http_api.bodies import (
     refuse_unknown,
     token_id_lists,
 )
-from teacher_server.pipeline import Refused, RequestPipeline
-from teacher_server.validation import Limits, ParsedRequest
+from teacher_server.http_api.scoring import score_body
+from teacher_server.pipeline import RequestPipeline
+from teacher_server.validation import Limits
 from topk_protocol import SequenceArrays, encode_token_ids, pb
 from topk_protocol.checks import check_top_k
 from topk_protocol.codes import Status
-from topk_protocol.errors import TeacherError, TeacherUnavailableError
+from topk_protocol.errors import TeacherError
 from topk_protocol.trl_layout import (
     JSON_NEG_INF,
     TRLRows,
@@ -292,22 +293,15 @@ class TRLEndpoints:
         parse: Callable[[dict[str, Any], pb.TeacherInfo, Limits], _Parsed],
         render: Callable[[_Parsed, list[SequenceArrays]], bytes],
     ) -> HTTPAnswer:
-        parsed: list[_Parsed] = []  # the body, once read (in a worker thread)
-
-        def read() -> pb.ScoreRequest:
-            info = self._info()
-            if info is None:
-                raise TeacherUnavailableError("teacher: loading")
-            parsed.append(parse(json_object(body), info, self._pipeline.limits))
-            return parsed[0].score_request()
-
-        def finish(_: ParsedRequest, scored: list[SequenceArrays], _seconds: float) -> bytes:
-            return render(parsed[0], scored)
-
-        outcome = await self._pipeline.run(method, read, finish, finish_in_thread=True)
-        if isinstance(outcome, Refused):
-            return HTTPAnswer.refused(outcome.code, outcome.message)
-        return HTTPAnswer(200, outcome.answer)
+        return await score_body(
+            self._pipeline,
+            self._info,
+            method,
+            body,
+            lambda raw, info, limits: parse(json_object(raw), info, limits),
+            lambda parsed, scored, _seconds: render(parsed, scored),
+            lambda refused: HTTPAnswer.refused(refused.code, refused.message),
+        )
 
     def models(self) -> HTTPAnswer:
         """vLLM's ``GET /v1/models``: the served model (TRL's client reads its id)."""
