@@ -192,8 +192,9 @@ def test_batches_default_start_and_text(
     by_text = _post(vllm_teacher, {**by_text_body, "text": text})
     by_ids = _post(vllm_teacher, _slime_body(ids))
     assert by_text.status_code == 200, by_text.text
-    assert by_text.json()["meta_info"]["input_token_logprobs"] == (
-        by_ids.json()["meta_info"]["input_token_logprobs"]
+    assert (
+        by_text.json()["meta_info"]["input_token_logprobs"]
+        == (by_ids.json()["meta_info"]["input_token_logprobs"])
     )
     batch = _post(vllm_teacher, {**by_text_body, "text": [text, text]}).json()
     assert [a["meta_info"]["input_token_logprobs"] for a in batch] == [
