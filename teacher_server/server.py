@@ -31,6 +31,7 @@ from teacher_server.http_api.limits import BodyLimitMiddleware, HttpLimits
 from teacher_server.http_api.sglang.serving import SGLangEndpoints
 from teacher_server.http_api.thread import HttpThread, ProbeFront
 from teacher_server.http_api.trl import TRLEndpoints
+from teacher_server.http_api.vllm.serving import VLLMEndpoints
 from teacher_server.lifecycle import (
     ENGINE_SHUTDOWN_S,
     SHUTDOWN_MARGIN_S,
@@ -176,6 +177,7 @@ class TeacherServer:
             token=cfg.token,
             trl=trl,
             sglang=SGLangEndpoints(self._pipeline, self.info),
+            vllm=VLLMEndpoints(self._pipeline, self.info),
         )
         limits = cfg.http_limits or HttpLimits()
         # The probes are answered on the HTTP thread; the rest runs on this loop.

@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Protocol, TypeVar
 
+from fastapi import Request
+
+from teacher_server.fair_share import client_identity
 from teacher_server.http_api.answers import HTTPAnswer
 from teacher_server.pipeline import Refused, RequestPipeline
 from teacher_server.validation import Limits, ParsedRequest
 from topk_protocol import SequenceArrays, pb
 from topk_protocol.errors import TeacherUnavailableError
 
-__all__ = ["RouteRequest", "score_body"]
+__all__ = ["RouteRequest", "http_client", "score_body"]
 
 
 class RouteRequest(Protocol):
@@ -63,3 +66,10 @@ async def score_body(
     if isinstance(outcome, Refused):
         return refuse(outcome)
     return HTTPAnswer(200, outcome.answer)
+
+
+def http_client(request: Request) -> str:
+    """The caller's identity for admission turns: its bearer token and host, as gRPC's
+    (:func:`~teacher_server.fair_share.client_identity`)."""
+    peer = f"http:{request.client.host}:{request.client.port}" if request.client else None
+    return client_identity(request.headers.get("authorization"), peer)

@@ -3,36 +3,28 @@
 TRL's ``VLLMClient.get_sequence_logprobs`` (docs/trl.md) posts, depending on its version:
 
 - TRL 1.11 and later: vLLM's ``POST /v1/completions`` with token-id prompts,
-  ``max_tokens=1``, ``temperature`` and ``prompt_logprobs=K``; it reads each choice's
-  ``prompt_logprobs`` (vLLM's layout: entry ``p`` maps token id -> ``{logprob, rank}``
-  for the distribution of ``x[p]``, entry 0 ``None``, the prompt token included with its
-  rank) and slices the completion part itself.
+  ``max_tokens=1``, ``temperature`` and ``prompt_logprobs=K``; served by vLLM's route
+  (:mod:`teacher_server.http_api.vllm`), which other frameworks call too.
 - TRL 1.10: its own ``POST /get_sequence_logprobs/`` with ``sequences``,
   ``prompt_lengths``, ``top_logprobs``, ``temperature`` and ``response_format`` (``json``:
-  nested lists; ``binary``: base64 float32/int32 arrays padded with ``-inf`` / 0).
+  nested lists; ``binary``: base64 float32/int32 arrays padded with ``-inf`` / 0),
+  served here; and vLLM's ``GET /v1/models``, which TRL's client reads first.
 
 Each request becomes one ``ScoreRequest`` (float32, the rows :func:`trl_span` says) that
-goes through the request pipeline like a gRPC ``Score`` (:mod:`teacher_server.pipeline`):
-lifecycle, validation, admission, backend (vLLM, transformers or replay), metrics. The
-answer is rendered in TRL's layout (:mod:`topk_protocol.trl_layout`) in a worker thread.
-A request ``temperature`` other than the served one is refused (a top-k answer cannot
-be re-tempered), and so is anything this teacher would otherwise have to ignore
-(generation options, text prompts).
-Refusals are the protocol's typed errors with the field named; the pipeline maps them to
-a transport-free status, and :func:`teacher_server.http_api.answers.http_status` that
-status to HTTP, once.
-
-Differences from vLLM's server, all documented in docs/trl.md: no token is generated
-(``text`` is empty); an entry's ``decoded_token`` is not sent (the teacher serves ids);
-the rank of a prompt token outside the top K is reported as ``K + 1`` (the teacher knows
-only that it is below the top K).
+goes through the request pipeline like a gRPC ``Score`` (:mod:`teacher_server.pipeline`,
+:func:`teacher_server.http_api.scoring.score_body`): lifecycle, validation, admission,
+backend (vLLM, transformers or replay), metrics. The answer is rendered in TRL's layout
+(:mod:`topk_protocol.trl_layout`) in a worker thread. A request ``temperature`` other
+than the served one is refused (a top-k answer cannot be re-tempered), and so is any
+field the route does not read. Refusals are the protocol's typed errors with the field
+named; the pipeline maps them to a transport-free status, and
+:func:`teacher_server.http_api.answers.http_status` that status to HTTP, once.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,20 +58,15 @@ from topk_protocol.trl_layout import (
 )
 
 __all__ = [
-    "COMPLETIONS_METHOD",
     "SEQUENCE_LOGPROBS_METHOD",
     "TRLEndpoints",
 ]
 
-#: Metric labels (``method``) of the two routes.
-COMPLETIONS_METHOD = "HTTP /v1/completions"
+#: Metric label (``method``) of TRL 1.10's route (TRL 1.11+'s ``/v1/completions`` is
+#: vLLM's: :mod:`teacher_server.http_api.vllm`).
 SEQUENCE_LOGPROBS_METHOD = "HTTP /get_sequence_logprobs"
 
-# Fields each route reads; any other field is refused by name rather than ignored.
-_COMPLETIONS_FIELDS = frozenset(
-    {"model", "prompt", "max_tokens", "temperature", "prompt_logprobs", "n", "stream", "echo"}
-    | {"logprobs", "user"}
-)
+# Fields the route reads; any other field is refused by name rather than ignored.
 _SEQUENCE_FIELDS = frozenset(
     {"sequences", "prompt_lengths", "top_logprobs", "temperature", "response_format"}
 )
@@ -113,37 +100,6 @@ class _Parsed:
             trl_span(len(s), p) for s, p in zip(self.sequences, self.prompt_lengths, strict=True)
         ]
         return _score_request(self.sequences, spans, self.top_k)
-
-
-def parse_completions(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
-    """A ``/v1/completions`` body (the subset TRL 1.11+ sends) -> every prompt position."""
-    refuse_unknown(data, _COMPLETIONS_FIELDS, "/v1/completions")
-    model = data.get("model")
-    if model is not None and model != info.model_name:
-        raise invalid(
-            f"model: {model!r} is not served here; this teacher serves {info.model_name!r}"
-        )
-    if isinstance(data.get("prompt"), str):
-        raise invalid(
-            "prompt: text prompts are not supported; send token ids (the teacher does not tokenize)"
-        )
-    if "prompt_logprobs" not in data or data["prompt_logprobs"] is None:
-        raise invalid("prompt_logprobs: missing; this teacher answers prompt log-probs only")
-    top_k = int_field(data, "prompt_logprobs")
-    check_top_k(top_k, limits, "prompt_logprobs")
-    max_tokens = int_field(data, "max_tokens", 1)
-    if max_tokens not in (0, 1):
-        raise invalid(f"max_tokens: {max_tokens}; this teacher generates nothing (0 or 1)")
-    if int_field(data, "n", 1) != 1:
-        raise invalid(f"n: {data['n']}; only n = 1 is served")
-    for flag in ("stream", "echo"):
-        if data.get(flag):
-            raise invalid(f"{flag}: not supported (prompt log-probs come in one answer)")
-    if data.get("logprobs"):
-        raise invalid("logprobs: generation log-probs are not served; use prompt_logprobs")
-    check_temperature(data, info.teacher_temperature)
-    seqs = token_id_lists(data.get("prompt"), "prompt", limits)
-    return _Parsed(seqs, [0] * len(seqs), top_k)
 
 
 def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
@@ -195,38 +151,6 @@ def _entries(rows: TRLRows) -> list[tuple[list[int], list[float]]]:
             row_lps = [*row_lps, lp]
         out.append((row_ids, row_lps))
     return out
-
-
-def render_completions(parsed: _Parsed, scored: list[SequenceArrays], model: str) -> bytes:
-    """vLLM's ``/v1/completions`` answer: one choice per prompt, ``prompt_logprobs`` with
-    entry 0 ``null`` and entry ``p`` ``{"<id>": {"logprob": v, "rank": r}, ...}``."""
-    choices = []
-    for index, rows in enumerate(rows_of(parsed, scored)):
-        entries = ["null"] if rows.has_first else []
-        for row_ids, row_lps in _entries(rows):
-            entries.append(
-                "{"
-                + ",".join(
-                    f'"{t}":{{"logprob":{v!r},"rank":{r}}}'
-                    for r, (t, v) in enumerate(zip(row_ids, row_lps, strict=True), 1)
-                )
-                + "}"
-            )
-        choices.append(
-            f'{{"index":{index},"text":"","logprobs":null,"finish_reason":"length",'
-            f'"stop_reason":null,"prompt_logprobs":[{",".join(entries)}]}}'
-        )
-    n = sum(len(s) for s in parsed.sequences)
-    head = json.dumps(
-        {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-        }
-    )[:-1]
-    usage = json.dumps({"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0})
-    return f'{head},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
 
 
 def render_sequence_logprobs(parsed: _Parsed, scored: list[SequenceArrays]) -> bytes:
@@ -315,15 +239,6 @@ class TRLEndpoints:
             "max_model_len": info.max_sequence_length or None,
         }
         return HTTPAnswer(200, json.dumps({"object": "list", "data": [card]}).encode())
-
-    async def completions(self, body: bytes) -> HTTPAnswer:
-        """``POST /v1/completions`` (TRL 1.11+)."""
-
-        def render(parsed: _Parsed, scored: list[SequenceArrays]) -> bytes:
-            info = self._info()
-            return render_completions(parsed, scored, info.model_name if info else "")
-
-        return await self._answer(body, COMPLETIONS_METHOD, parse_completions, render)
 
     async def sequence_logprobs(self, body: bytes) -> HTTPAnswer:
         """``POST /get_sequence_logprobs/`` (TRL 1.10)."""

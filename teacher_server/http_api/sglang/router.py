@@ -7,17 +7,10 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request, Response
 
-from teacher_server.fair_share import client_identity
+from teacher_server.http_api.scoring import http_client
 from teacher_server.http_api.sglang.serving import SGLangEndpoints, sglang_error
 
-__all__ = ["add_sglang_routes", "http_client"]
-
-
-def http_client(request: Request) -> str:
-    """The caller's identity for admission turns: its bearer token and host, as gRPC's
-    (:func:`~teacher_server.fair_share.client_identity`)."""
-    peer = f"http:{request.client.host}:{request.client.port}" if request.client else None
-    return client_identity(request.headers.get("authorization"), peer)
+__all__ = ["add_sglang_routes"]
 
 
 def add_sglang_routes(
