@@ -49,7 +49,8 @@ __all__ = [
 #: The fields of ``/generate`` this teacher reads; any other is refused by name.
 GENERATE_FIELDS = frozenset(
     {"rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len"}
-    | {"top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream"}
+    | {"top_logprobs_num", "token_ids_logprob", "token_ids_logprob_positions"}
+    | {"return_text_in_logprobs", "stream"}
     | {"image_data"}
 )
 #: ``sampling_params`` keys that change only generated tokens: accepted and ignored (no
@@ -80,8 +81,9 @@ class GenerateItem:
 
     ``token_ids`` ``[L]``; ``logprob_start`` SGLang's ``logprob_start_len`` resolved into
     ``[0, L]`` (``L``: no input log-probs, SGLang's ``-1``); ``top_logprobs_num`` N (0:
-    none); ``candidate_ids`` ``[C]`` (``token_ids_logprob``) or None; ``rid`` the answer's
-    ``meta_info.id``."""
+    none); ``candidate_ids`` ``[C]`` (``token_ids_logprob``: the same ids at every
+    position) or ``[E, C]`` (``token_ids_logprob_positions``: one list per entry, ``E =
+    L - start``, padded with -1), or None; ``rid`` the answer's ``meta_info.id``."""
 
     token_ids: npt.NDArray[np.int32]
     return_logprob: bool
@@ -96,6 +98,17 @@ class GenerateItem:
         if not self.return_logprob:
             return 0, 0
         return input_rows(len(self.token_ids), self.logprob_start)
+
+    def candidate_rows(self) -> npt.NDArray[np.int32] | None:
+        """The candidate ids of our rows ``[S, C]`` (entries 1 .. E - 1; None: none, or
+        no rows, or every list empty)."""
+        start, end = self.rows
+        if self.candidate_ids is None or end == start:
+            return None
+        if self.candidate_ids.ndim == 1:
+            return np.broadcast_to(self.candidate_ids, (end - start, self.candidate_ids.size))
+        rows = self.candidate_ids[1:]
+        return rows if rows.shape[1] else None
 
     @property
     def num_entries(self) -> int:
@@ -128,10 +141,10 @@ class GenerateRequest:
             seq = req.sequences.add(
                 token_ids=encode_token_ids(item.token_ids), position_start=start, position_end=end
             )
-            if item.candidate_ids is not None and end > start:
-                tiled = np.broadcast_to(item.candidate_ids, (end - start, item.candidate_ids.size))
-                seq.candidate_ids = np.ascontiguousarray(tiled, dtype="<i4").tobytes()
-                seq.num_candidates = item.candidate_ids.size
+            rows = item.candidate_rows()
+            if rows is not None:
+                seq.candidate_ids = np.ascontiguousarray(rows, dtype="<i4").tobytes()
+                seq.num_candidates = rows.shape[1]
         return req
 
 
@@ -234,6 +247,36 @@ def _candidates(value: Any, field: str, limits: Limits) -> npt.NDArray[np.int32]
     return token_ids(value, field, limits)
 
 
+def _position_candidates(
+    value: Any, field: str, entries: int, limits: Limits
+) -> npt.NDArray[np.int32] | None:
+    """``token_ids_logprob_positions``: one id list per entry of ``input_token_logprobs``
+    (``entries`` of them, aligned with ``logprob_start_len``) -> ``[E, C]`` padded -1."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, list) for v in value):
+        raise invalid(f"{field}: expected one list of token ids per input position")
+    if len(value) != entries:
+        raise invalid(
+            f"{field}: {len(value)} lists for the {entries} input positions from "
+            "logprob_start_len (one per entry of input_token_logprobs)"
+        )
+    width = max((len(v) for v in value), default=0)
+    if width > limits.max_candidates:
+        why = " (this teacher scores no candidates)" if limits.max_candidates == 0 else ""
+        raise invalid(
+            f"{field}: {width} ids at one position exceeds max_candidates "
+            f"{limits.max_candidates}{why}"
+        )
+    out = np.full((entries, width), -1, np.int32)
+    for q, ids in enumerate(value):
+        if ids:
+            if not _is_ids(ids):
+                raise invalid(f"{field}[{q}]: expected a list of token ids, got {shown(ids)}")
+            out[q, : len(ids)] = token_ids(ids, f"{field}[{q}]", limits)
+    return out
+
+
 def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> GenerateRequest:
     """A ``/generate`` body (parsed JSON) -> :class:`GenerateRequest` (``tokenizer``:
     the teacher's, for ``text``; None: token ids only)."""
@@ -254,6 +297,9 @@ def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> Gene
     starts = _per_item(data, "logprob_start_len", n, batched, -1)
     tops = _per_item(data, "top_logprobs_num", n, batched, 0)
     cands = _per_item(data, "token_ids_logprob", n, batched, None)
+    positions = _per_item(data, "token_ids_logprob_positions", n, batched, None)
+    if data.get("token_ids_logprob") is not None and data.get("token_ids_logprob_positions"):
+        raise invalid("token_ids_logprob_positions: give it or token_ids_logprob, not both")
     rids = _rids(data.get("rid"), n, batched)
     items = []
     for i, seq in enumerate(seqs):
@@ -267,6 +313,11 @@ def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> Gene
                 f"logprob_start_len{at}: {start} is outside [-1, {length}] (the input's "
                 f"{length} tokens; -1: no input log-probs)"
             )
+        resolved = length if start == -1 else start
+        candidates = _candidates(cands[i], f"token_ids_logprob{at}", limits)
+        if positions[i] is not None:
+            field = f"token_ids_logprob_positions{at}"
+            candidates = _position_candidates(positions[i], field, length - resolved, limits)
         top = _int(tops[i], f"top_logprobs_num{at}")
         if top:
             check_top_k(top, limits, f"top_logprobs_num{at}")
@@ -274,9 +325,9 @@ def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> Gene
             GenerateItem(
                 token_ids=seq,
                 return_logprob=_bool(returns[i], f"return_logprob{at}"),
-                logprob_start=length if start == -1 else start,
+                logprob_start=resolved,
                 top_logprobs_num=top,
-                candidate_ids=_candidates(cands[i], f"token_ids_logprob{at}", limits),
+                candidate_ids=candidates,
                 rid=rids[i],
             )
         )

@@ -66,6 +66,23 @@ def _rows(first: str, rows: list[str]) -> str:
     return "[" + ",".join([first, *rows]) + "]"
 
 
+def _candidate_rows(item: GenerateItem, scored: SequenceArrays, n: int) -> list[str]:
+    """``input_token_ids_logprobs`` entries 1 .. n - 1: each position's ids (the shared
+    ``token_ids_logprob``, or that position's own list, its -1 padding dropped)."""
+    ids = item.candidate_rows()
+    if ids is None:
+        return ["[]"] * (n - 1)
+    if scored.candidate_logprobs is None:
+        raise TeacherError("teacher: the backend gave no candidate log-probs")
+    clps: list[list[float]] = _floats(scored.candidate_logprobs)  # type: ignore[assignment]
+    id_rows: list[list[int]] = ids.tolist()
+    out = []
+    for lps, row in zip(clps, id_rows, strict=True):
+        width = row.index(-1) if -1 in row else len(row)
+        out.append(_pairs(lps[:width], row[:width]))
+    return out
+
+
 def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> str:
     """The log-prob fields of one item's ``meta_info`` (leading comma included)."""
     if not item.return_logprob:
@@ -93,14 +110,7 @@ def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> str:
         rows = [_pairs(r, i) for r, i in zip(lps, ids, strict=True)]
         fields += [f'"input_top_logprobs":{_rows("null", rows)}', '"output_top_logprobs":[]']
     if item.candidate_ids is not None:
-        cand: list[int] = item.candidate_ids.tolist()
-        if scored.candidate_logprobs is None:
-            if n > 1:
-                raise TeacherError("teacher: the backend gave no candidate log-probs")
-            rows = []
-        else:
-            clps: list[list[float]] = _floats(scored.candidate_logprobs)  # type: ignore[assignment]
-            rows = [_pairs(r, cand) for r in clps]
+        rows = _candidate_rows(item, scored, n)
         fields += [
             f'"input_token_ids_logprobs":{_rows("null", rows)}',
             '"output_token_ids_logprobs":[]',

@@ -151,6 +151,46 @@ def test_top_logprobs_and_token_ids_logprob_with_a_start(
             np.testing.assert_allclose(lps, dense[start + j, cands], rtol=TOL, atol=TOL)
 
 
+def test_per_position_token_ids_logprob(
+    vllm_teacher: ServerProcess, reference_backend: Any
+) -> None:
+    """miles' per-position scoring (``_score_payload`` and ``_per_position_ids`` in
+    ``miles/rollout/on_policy_distillation.py``, radixark/miles): ``temperature`` 0,
+    ``logprob_start_len`` 0, ``token_ids_logprob_positions`` one id list per input
+    position (empty over the prompt); read as miles does (``_trim_input_field``:
+    ``values[1:][-response_length:]``, each entry a ``{id: logprob}`` map)."""
+    tokens = _seqs()[2]
+    prompt_len, response_length = 25, len(tokens) - 25
+    rng = np.random.default_rng(7)
+    per_pos: list[list[int]] = [[] for _ in range(prompt_len)]
+    per_pos += [rng.choice(VOCAB, int(rng.integers(1, 6)), replace=False).tolist()
+                for _ in range(response_length)]  # fmt: skip
+    body = {
+        "input_ids": tokens,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "token_ids_logprob_positions": per_pos,
+    }
+    r = _post(vllm_teacher, body)
+    assert r.status_code == 200, r.text
+    values = r.json()["meta_info"]["input_token_ids_logprobs"]
+    assert values[0] is None and len(values) == len(tokens)
+    maps = [{int(e[1]): float(e[0]) for e in entries} for entries in values[1:][-response_length:]]
+    dense = _dense(reference_backend, tokens)
+    for j, got in enumerate(maps):
+        q = prompt_len + j  # entry q: the distribution of x[q], dense row q - 1
+        assert list(got) == per_pos[q]
+        np.testing.assert_allclose(list(got.values()), dense[q - 1, per_pos[q]], rtol=TOL, atol=TOL)
+    assert all(entries == [] for entries in values[1:prompt_len])
+    short = {**body, "token_ids_logprob_positions": per_pos[:-1]}
+    r = _post(vllm_teacher, short)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        f"token_ids_logprob_positions: {len(tokens) - 1} lists for the {len(tokens)} input"
+    )
+
+
 def test_batches_default_start_and_text(
     vllm_teacher: ServerProcess, reference_backend: Any, tiny_model_dir: Path
 ) -> None:
