@@ -2,11 +2,11 @@
 
 A real ``TeacherServer`` on loopback (gRPC and HTTP, in this process) whose backend raises,
 for the sequence whose first token is ``i``, error kind ``i``: gRPC ``Score``,
-``ScoreStream`` and TRL's HTTP route report every kind with the status the one error
-table gives it (:func:`topk_protocol.codes.code_of`, in gRPC's codes
-:func:`topk_protocol.status.status_of`), and a kind added to that table alone reaches all
-three. Also: bounded gathering, and large requests validated in a
-worker thread.
+``ScoreStream``, TRL's HTTP route and the SGLang and vLLM routes report every kind with
+the status the one error table gives it (:func:`topk_protocol.codes.code_of`, in gRPC's
+codes :func:`topk_protocol.status.status_of`), each in its own error shape, and a kind
+added to that table alone reaches them all. Also: bounded gathering, and large requests
+validated in a worker thread.
 """
 
 from __future__ import annotations
@@ -146,6 +146,40 @@ def _http(teacher: LoopbackTeacher, first: int) -> tuple[int, dict[str, str]]:
         return e.code, json.loads(e.read())
 
 
+def _completions(f: int) -> dict[str, Any]:
+    return {"prompt": [[f, 1, 2]], "prompt_logprobs": 4}
+
+
+def _generate(f: int) -> dict[str, Any]:
+    return {"input_ids": [f, 1, 2], "return_logprob": True, "logprob_start_len": 0}
+
+
+def _token_generate(f: int) -> dict[str, Any]:
+    return {"token_ids": [f, 1, 2], "sampling_params": {"prompt_logprobs": 4}}
+
+
+def _nested(body: Any) -> str:
+    return str(body["error"]["message"])
+
+
+#: The other HTTP routes: path, body for a sequence starting with ``first``, where the
+#: route's error shape holds the message.
+ROUTES: list[tuple[str, Callable[[int], dict[str, Any]], Callable[[Any], str]]] = [
+    ("/v1/completions", _completions, lambda body: str(body["error"])),
+    ("/generate", _generate, _nested),
+    ("/inference/v1/generate", _token_generate, _nested),
+]
+
+
+def _route(teacher: LoopbackTeacher, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(f"{teacher.http}{path}", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def _expected(first: int) -> tuple[grpc.StatusCode, str, str]:
     """The status, message and reason the one error table gives error kind ``first``."""
     error = ERRORS[first]()
@@ -161,6 +195,9 @@ def _check_all_three(teacher: LoopbackTeacher, first: int) -> grpc.StatusCode:
     assert _stream(teacher, first) == (code, message, reason)
     status, body = _http(teacher, first)
     assert (status, body) == (http_status(Status[code.name]), {"error": message, "code": code.name})
+    for path, make, message_of in ROUTES:
+        status, body = _route(teacher, path, make(first))
+        assert (status, message_of(body)) == (http_status(Status[code.name]), message), path
     return code
 
 
