@@ -14,10 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from teacher_server.fair_share import ADMISSION_ORDERS, FAIR
-from teacher_server.grpc_api.backpressure import (
-    DEFAULT_STREAM_MAX_UNSENT_MB,
-    DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
-)
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S
 from topk_protocol import DEFAULT_MAX_MESSAGE_MB
@@ -25,9 +21,24 @@ from topk_protocol import DEFAULT_MAX_MESSAGE_MB
 if TYPE_CHECKING:  # the HTTP stack is imported by the server, not by every user of this
     from teacher_server.http_api.limits import HttpLimits
 
-__all__ = ["MIB", "ServerConfig"]
+__all__ = [
+    "DEFAULT_STREAM_MAX_UNSENT_MB",
+    "DEFAULT_STREAM_MAX_UNSENT_REQUESTS",
+    "MIB",
+    "ServerConfig",
+]
 
 MIB = 1024 * 1024
+
+#: ``--stream-max-unsent-mb``: answers one stream may hold unread
+#: (:mod:`teacher_server.grpc_api.backpressure`). 8 MiB is 8 answer messages of the
+#: default ``--chunk-kb`` (1 MiB), or a prefetch depth of 4 of requests of 2 MiB (about
+#: 5,000 positions at K = 64, float32) each; a request whose answer alone is larger is
+#: still served, alone.
+DEFAULT_STREAM_MAX_UNSENT_MB = 8
+#: ``--stream-max-unsent-requests``: requests of one stream read but not fully answered;
+#: 16 is four times the client's default prefetch depth.
+DEFAULT_STREAM_MAX_UNSENT_REQUESTS = 16
 
 
 @dataclass(frozen=True)

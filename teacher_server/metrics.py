@@ -60,7 +60,7 @@ class TeacherMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "topk_teacher_requests",
-            "Score requests answered, by method and gRPC status code.",
+            "Score requests answered, by method and status code (gRPC's code names).",
             ["method", "code"],
             registry=self.registry,
         )

@@ -5,9 +5,11 @@ of TRL's teacher client (:mod:`teacher_server.http_api.trl`) hand each request t
 :meth:`RequestPipeline.run` with a function that builds their answer from the scored
 arrays; it returns an :class:`Outcome`, which the front end only maps to its transport
 (a gRPC status, an ``Error`` message of the stream, an HTTP status). Every failure is
-mapped here, once: a typed error of :mod:`topk_protocol.errors` to its status
-(:func:`topk_protocol.status.status_of`), anything else to INTERNAL (logged); a
-cancelled request is counted and the cancellation goes on.
+mapped here, once: a typed error of :mod:`topk_protocol.errors` to its transport-free
+:class:`~topk_protocol.codes.Status` (:func:`topk_protocol.codes.code_of`), anything
+else to INTERNAL (logged); a cancelled request is counted and the cancellation goes on.
+This module imports no transport (no grpc, no front end: an import contract in
+``pyproject.toml``).
 
 The event loop stays free for the probes (``/healthz``, ``/readyz``, gRPC health), which
 share it: validating a request of 10,000 sequences, or building its answer, is a Python
@@ -30,19 +32,22 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
-import grpc
-
 from teacher_server.admission import AdmissionQueue, AdmissionRefused
 from teacher_server.backends.base import Backend
-from teacher_server.grpc_api.handlers import Undecodable
 from teacher_server.leak_injection import injected_leak_mib, leak_per_request
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
-from teacher_server.validation import Limits, ParsedRequest, ParsedSequence, parse_request
+from teacher_server.validation import (
+    Limits,
+    ParsedRequest,
+    ParsedSequence,
+    Undecodable,
+    parse_request,
+)
 from topk_protocol import SequenceArrays, pb
 from topk_protocol.checks import check_encoding
+from topk_protocol.codes import Status, code_of
 from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
-from topk_protocol.status import status_of
 
 __all__ = [
     "MAX_SEQUENCES_IN_FLIGHT",
@@ -69,9 +74,10 @@ MAX_SEQUENCES_IN_FLIGHT = 512
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: What a front end hands the pipeline: a decoded ``ScoreRequest``, gRPC bytes that did
-#: not decode, or a function that reads another front end's body into a ``ScoreRequest``
-#: (run in a worker thread once the teacher is ready; it raises typed errors).
+#: What a front end hands the pipeline: a decoded ``ScoreRequest``, bytes that did not
+#: decode (:class:`~teacher_server.validation.Undecodable`), or a function that reads
+#: another front end's body into a ``ScoreRequest`` (run in a worker thread once the
+#: teacher is ready; it raises typed errors).
 Incoming: TypeAlias = pb.ScoreRequest | Undecodable | Callable[[], pb.ScoreRequest]
 
 #: A front end's answer from ``(request, scored sequences, teacher seconds so far)``;
@@ -85,22 +91,23 @@ class Answered(Generic[T]):
     """A request answered: the front end's answer."""
 
     answer: T
-    code: grpc.StatusCode = grpc.StatusCode.OK
+    code: Status = Status.OK
 
 
 @dataclass(frozen=True)
 class Refused:
     """A request that failed: the status ``code``, the ``message`` naming the field and
-    the limit, and the error's ``reason`` (empty for most kinds: ``topk_protocol.status``)."""
+    the limit, and the error's ``reason`` (empty for most kinds: ``topk_protocol.codes``).
+    Each front end maps ``code`` to its transport."""
 
-    code: grpc.StatusCode
+    code: Status
     message: str
     reason: str = ""
 
     @classmethod
     def of(cls, error: TeacherError) -> Refused:
-        """The outcome of a typed error (its status: :func:`~topk_protocol.status.status_of`)."""
-        code, reason = status_of(error)
+        """The outcome of a typed error (its status: :func:`~topk_protocol.codes.code_of`)."""
+        code, reason = code_of(error)
         return cls(code, error.message, reason)
 
 
@@ -184,7 +191,7 @@ class RequestPipeline:
         except TeacherError as e:
             outcome = Refused.of(e)
         except asyncio.CancelledError:
-            self._count(method, grpc.StatusCode.CANCELLED, t0)
+            self._count(method, Status.CANCELLED, t0)
             raise
         except Exception as e:
             log.exception("%s failed", method)
@@ -254,8 +261,8 @@ class RequestPipeline:
 
         return await gather_bounded(one, parsed.sequences)
 
-    def _count(self, method: str, code: grpc.StatusCode, t0: float) -> None:
-        self._metrics.requests.labels(method, code.name).inc()
+    def _count(self, method: str, code: Status, t0: float) -> None:
+        self._metrics.requests.labels(method, code.value).inc()
         self._metrics.latency.labels(method).observe(time.perf_counter() - t0)
 
 

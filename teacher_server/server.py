@@ -28,8 +28,10 @@ from teacher_server.grpc_api.handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.grpc_api.servicer import TeacherServicer, teacher_info_message
 from teacher_server.http_api.app import build_http_app
 from teacher_server.http_api.limits import BodyLimitMiddleware, HttpLimits
+from teacher_server.http_api.sglang.serving import SGLangEndpoints
 from teacher_server.http_api.thread import HttpThread, ProbeFront
 from teacher_server.http_api.trl import TRLEndpoints
+from teacher_server.http_api.vllm.serving import VLLMEndpoints
 from teacher_server.lifecycle import (
     ENGINE_SHUTDOWN_S,
     SHUTDOWN_MARGIN_S,
@@ -174,6 +176,8 @@ class TeacherServer:
             metrics=self._metrics,
             token=cfg.token,
             trl=trl,
+            sglang=SGLangEndpoints(self._pipeline, self.info),
+            vllm=VLLMEndpoints(self._pipeline, self.info),
         )
         limits = cfg.http_limits or HttpLimits()
         # The probes are answered on the HTTP thread; the rest runs on this loop.

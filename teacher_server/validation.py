@@ -30,7 +30,17 @@ from topk_protocol.checks import (
 from topk_protocol.errors import InvalidRequestError
 from topk_protocol.packing import Packing
 
-__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "parse_request"]
+__all__ = ["Limits", "ParsedRequest", "ParsedSequence", "Undecodable", "parse_request"]
+
+
+class Undecodable:
+    """A request whose bytes are not a valid message of the method's request type (the
+    gRPC front end's deserializers return one instead of raising:
+    :mod:`teacher_server.grpc_api.handlers`); the request pipeline refuses it with
+    INVALID_ARGUMENT."""
+
+    def __init__(self, type_name: str, size: int, error: Exception) -> None:
+        self.message = f"request: {size} bytes are not a valid {type_name} ({error})"
 
 
 @dataclass(frozen=True)

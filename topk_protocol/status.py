@@ -4,7 +4,8 @@ The server raises typed errors; its request pipeline answers with :func:`status_
 code, and the error's ``reason`` where the code alone does not say what happened:
 NOT_FOUND is :class:`NotRecordedError` only with reason ``not_recorded``). The client
 turns a status back into the typed error with :func:`error_from_code` /
-:func:`error_from_rpc`. Both directions read the one table below.
+:func:`error_from_rpc`. Both directions read the one table,
+:data:`topk_protocol.codes.STATUS` (transport-free: status names), in gRPC's codes.
 """
 
 from __future__ import annotations
@@ -13,53 +14,40 @@ from collections.abc import Sequence
 
 import grpc
 
-from topk_protocol.errors import (
-    DataLossError,
-    DeadlineExceededError,
-    InvalidRequestError,
-    NotRecordedError,
-    ResourceExhaustedError,
-    TeacherError,
-    TeacherUnavailableError,
-    UnauthenticatedError,
-)
+from topk_protocol.codes import STATUS, Status, code_of
+from topk_protocol.errors import InvalidRequestError, TeacherError, UnauthenticatedError
 
-__all__ = ["REASON_KEY", "error_from_code", "error_from_rpc", "status_of"]
+__all__ = ["REASON_KEY", "error_from_code", "error_from_rpc", "grpc_code", "status_of"]
 
 #: Trailing-metadata key of an error's ``reason`` on a failed unary call (a ScoreStream
 #: ``Error`` message carries it in its ``reason`` field).
 REASON_KEY = "topk-error-reason"
 
-#: Error class -> the status it goes out with. The first entry of a code is the class a
-#: status comes back as; the other codes below map back to the same classes.
-_STATUS: tuple[tuple[type[TeacherError], grpc.StatusCode], ...] = (
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (TeacherUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (NotRecordedError, grpc.StatusCode.NOT_FOUND),
-    (DataLossError, grpc.StatusCode.DATA_LOSS),
-)
-_CODE_OF: dict[type[TeacherError], grpc.StatusCode] = dict(_STATUS)
+
+def grpc_code(status: Status) -> grpc.StatusCode:
+    """gRPC's status code of the same name."""
+    return grpc.StatusCode[status.name]
+
+
+#: Error class -> the status it goes out with (the transport-free table,
+#: :data:`topk_protocol.codes.STATUS`, in gRPC's codes).
+_CODE_OF: dict[type[TeacherError], grpc.StatusCode] = {cls: grpc_code(s) for cls, s in STATUS}
 #: Codes that come back as a typed error whatever the reason (NOT_FOUND needs one).
 _BY_CODE: dict[grpc.StatusCode, type[TeacherError]] = {
-    code: cls for cls, code in _STATUS if not cls.reason
+    code: cls for cls, code in _CODE_OF.items() if not cls.reason
 } | {
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequestError,
     grpc.StatusCode.PERMISSION_DENIED: UnauthenticatedError,
 }
-_BY_REASON: dict[str, type[TeacherError]] = {cls.reason: cls for cls, _ in _STATUS if cls.reason}
+_BY_REASON: dict[str, type[TeacherError]] = {cls.reason: cls for cls, _ in STATUS if cls.reason}
 _CODE_BY_VALUE: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def status_of(error: TeacherError) -> tuple[grpc.StatusCode, str]:
     """``(code, reason)`` a typed error goes out with; an error of no listed kind (a
     recording that cannot be read, ...) is INTERNAL."""
-    for cls in type(error).__mro__:
-        if cls in _CODE_OF:
-            return _CODE_OF[cls], error.reason
-    return grpc.StatusCode.INTERNAL, error.reason
+    status, reason = code_of(error)
+    return grpc_code(status), reason
 
 
 def error_from_code(code: grpc.StatusCode | int, message: str, reason: str = "") -> TeacherError:

@@ -169,6 +169,13 @@ class Backend(abc.ABC):
         before any sequence is scored. Default: accept."""
 
     @property
+    def tokenizer(self) -> Any | None:
+        """The engine's tokenizer once started (Hugging Face's interface: ``encode``,
+        ``decode``), for the HTTP routes that take text prompts; None (the default):
+        this backend takes token ids only."""
+        return None
+
+    @property
     def supported_encodings(self) -> tuple[str, ...]:
         """The payload encodings this backend answers (``GetInfo``): every one, by
         default (the packed encoding is the answer path's, not the engine's)."""

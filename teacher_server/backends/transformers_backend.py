@@ -78,6 +78,7 @@ class TransformersBackend(Backend):
         self._served_name = served_model_name or Path(self._path).name
         self._max_model_len = max_model_len
         self._model: Any = None
+        self._tokenizer: Any = None
         self._lock = threading.Lock()
 
     Flags = TransformersFlags
@@ -106,6 +107,7 @@ class TransformersBackend(Backend):
         self._model = AutoModelForCausalLM.from_pretrained(self._path, dtype=dtype)
         self._model.to(self._device).eval()
         tok = AutoTokenizer.from_pretrained(self._path)
+        self._tokenizer = tok
         cfg = self._model.config
         limit = self._max_model_len or int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.info = BackendInfo(
@@ -133,6 +135,11 @@ class TransformersBackend(Backend):
         if choice.warn:
             log.warning("%s", choice.reason)
         return choice
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The model's tokenizer (None before start)."""
+        return self._tokenizer
 
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
         cancelled = threading.Event()

@@ -20,20 +20,14 @@ from __future__ import annotations
 
 import asyncio
 
+# The defaults are the server settings' (written once, in teacher_server.config).
+from teacher_server.config import DEFAULT_STREAM_MAX_UNSENT_MB, DEFAULT_STREAM_MAX_UNSENT_REQUESTS
+
 __all__ = [
     "DEFAULT_STREAM_MAX_UNSENT_MB",
     "DEFAULT_STREAM_MAX_UNSENT_REQUESTS",
     "StreamBudget",
 ]
-
-#: ``--stream-max-unsent-mb``: answers one stream may hold unread. 8 MiB is 8 answer
-#: messages of the default ``--chunk-kb`` (1 MiB), or a prefetch depth of 4 of requests
-#: of 2 MiB (about 5,000 positions at K = 64, float32) each; a request whose answer alone
-#: is larger is still served, alone.
-DEFAULT_STREAM_MAX_UNSENT_MB = 8
-#: ``--stream-max-unsent-requests``: requests of one stream read but not fully answered;
-#: 16 is four times the client's default prefetch depth.
-DEFAULT_STREAM_MAX_UNSENT_REQUESTS = 16
 
 
 class StreamBudget:

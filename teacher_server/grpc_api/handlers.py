@@ -14,18 +14,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from teacher_server.validation import Undecodable
 from topk_protocol import pb
 
 __all__ = ["SERVICE_NAME", "Undecodable", "teacher_rpc_handler"]
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Teacher"].full_name  # topk_distill.v1.Teacher
-
-
-class Undecodable:
-    """A request whose bytes are not a valid message of the method's request type."""
-
-    def __init__(self, type_name: str, size: int, error: Exception) -> None:
-        self.message = f"request: {size} bytes are not a valid {type_name} ({error})"
 
 
 def _tolerant(message_cls: type[Message]) -> Callable[[bytes], Any]:

@@ -2,7 +2,8 @@
 
 ``Score`` and every request of a ``ScoreStream`` run through
 :meth:`~teacher_server.pipeline.RequestPipeline.run` (validation, admission, backend,
-metrics); this module only maps its :class:`~teacher_server.pipeline.Outcome` to gRPC:
+metrics); this module only maps its :class:`~teacher_server.pipeline.Outcome` to gRPC
+(its transport-free status to ``grpc.StatusCode``: :func:`topk_protocol.status.grpc_code`):
 ``context.abort`` with the status code (unary; the error's reason in the trailing
 metadata), or an ``Error`` in the response for that request (stream, which goes on).
 """
@@ -23,9 +24,8 @@ from teacher_server.grpc_api.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,
 )
-from teacher_server.grpc_api.handlers import Undecodable
 from teacher_server.pipeline import Answered, Refused, RequestPipeline
-from teacher_server.validation import Limits, ParsedRequest
+from teacher_server.validation import Limits, ParsedRequest, Undecodable
 from topk_protocol import (
     DTYPE_NAMES,
     ENCODING_NAMES,
@@ -36,7 +36,7 @@ from topk_protocol import (
     pb_grpc,
 )
 from topk_protocol.errors import ResourceExhaustedError
-from topk_protocol.status import REASON_KEY
+from topk_protocol.status import REASON_KEY, grpc_code
 
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
@@ -117,7 +117,7 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         if isinstance(outcome, Answered):
             return outcome.answer
         trailers = ((REASON_KEY, outcome.reason),) if outcome.reason else ()
-        await context.abort(outcome.code, outcome.message, trailing_metadata=trailers)
+        await context.abort(grpc_code(outcome.code), outcome.message, trailing_metadata=trailers)
         raise AssertionError("unreachable: context.abort raises")
 
     async def _stream_one(
@@ -150,7 +150,9 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         )
         if isinstance(outcome, Refused):
             error = pb.Error(
-                code=outcome.code.value[0], message=outcome.message, reason=outcome.reason
+                code=grpc_code(outcome.code).value[0],
+                message=outcome.message,
+                reason=outcome.reason,
             )
             answer = pb.ScoreResponse(request_id=request.request_id, final=True, error=error)
             await out.put((Outgoing(answer.SerializeToString(), True), held))

@@ -8,9 +8,17 @@ configured).
 
 With ``trl`` (:class:`~teacher_server.http_api.trl.TRLEndpoints`), the calls Hugging Face
 TRL's teacher client makes: ``GET /health`` (200 once ready) and ``GET /v1/models``
-(open: TRL's client reads them before it can send a token), ``POST /v1/completions``
-(TRL 1.11+) and ``POST /get_sequence_logprobs/`` (TRL 1.10), which need the bearer token
-when one is configured (docs/trl.md).
+(open: TRL's client reads them before it can send a token) and
+``POST /get_sequence_logprobs/`` (TRL 1.10), which needs the bearer token when one is
+configured (docs/trl.md).
+
+With ``vllm`` (:class:`~teacher_server.http_api.vllm.serving.VLLMEndpoints`), vLLM's
+``POST /v1/completions`` (TRL 1.11+, rllm, ms-swift) and ``POST /inference/v1/generate``
+(Prime-RL), bearer token required when one is configured.
+
+With ``sglang`` (:class:`~teacher_server.http_api.sglang.serving.SGLangEndpoints`),
+SGLang's ``POST /generate`` as distillation frameworks call their teacher (slime, miles;
+docs/frameworks.md), bearer token required when one is configured.
 """
 
 from __future__ import annotations
@@ -24,8 +32,13 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from teacher_server.grpc_api.auth import token_matches
+from teacher_server.http_api.answers import HTTPAnswer
+from teacher_server.http_api.sglang.router import add_sglang_routes
+from teacher_server.http_api.sglang.serving import SGLangEndpoints
 from teacher_server.http_api.thread import probe_answer
-from teacher_server.http_api.trl import HTTPAnswer, TRLEndpoints
+from teacher_server.http_api.trl import TRLEndpoints
+from teacher_server.http_api.vllm.router import add_vllm_routes
+from teacher_server.http_api.vllm.serving import VLLMEndpoints
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 from topk_protocol import pb
@@ -40,6 +53,8 @@ def build_http_app(
     metrics: TeacherMetrics,
     token: str | None = None,
     trl: TRLEndpoints | None = None,
+    sglang: SGLangEndpoints | None = None,
+    vllm: VLLMEndpoints | None = None,
 ) -> FastAPI:
     """The HTTP app; ``lifecycle`` and ``info()`` are read on every request.
 
@@ -60,8 +75,11 @@ def build_http_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def authorized(request: Request) -> bool:
+        return not token or token_matches(request.headers.get("authorization"), token)
+
     def unauthorized(request: Request) -> Response | None:
-        if token and not token_matches(request.headers.get("authorization"), token):
+        if not authorized(request):
             return JSONResponse(
                 {"error": "authorization: missing or wrong bearer token"}, status_code=401
             )
@@ -81,6 +99,10 @@ def build_http_app(
 
     if trl is not None:
         _add_trl_routes(app, trl, lifecycle, unauthorized)
+    if sglang is not None:
+        add_sglang_routes(app, sglang, authorized)
+    if vllm is not None:
+        add_vllm_routes(app, vllm, authorized)
     return app
 
 
@@ -105,12 +127,6 @@ def _add_trl_routes(
     @app.get("/v1/models")
     async def v1_models() -> Response:
         return _json(trl.models())
-
-    @app.post("/v1/completions")
-    async def v1_completions(request: Request) -> Response:
-        if (denied := unauthorized(request)) is not None:
-            return denied
-        return _json(await trl.completions(await request.body()))
 
     @app.post("/get_sequence_logprobs/")
     async def get_sequence_logprobs(request: Request) -> Response:

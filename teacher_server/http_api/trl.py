@@ -3,49 +3,52 @@
 TRL's ``VLLMClient.get_sequence_logprobs`` (docs/trl.md) posts, depending on its version:
 
 - TRL 1.11 and later: vLLM's ``POST /v1/completions`` with token-id prompts,
-  ``max_tokens=1``, ``temperature`` and ``prompt_logprobs=K``; it reads each choice's
-  ``prompt_logprobs`` (vLLM's layout: entry ``p`` maps token id -> ``{logprob, rank}``
-  for the distribution of ``x[p]``, entry 0 ``None``, the prompt token included with its
-  rank) and slices the completion part itself.
+  ``max_tokens=1``, ``temperature`` and ``prompt_logprobs=K``; served by vLLM's route
+  (:mod:`teacher_server.http_api.vllm`), which other frameworks call too.
 - TRL 1.10: its own ``POST /get_sequence_logprobs/`` with ``sequences``,
   ``prompt_lengths``, ``top_logprobs``, ``temperature`` and ``response_format`` (``json``:
-  nested lists; ``binary``: base64 float32/int32 arrays padded with ``-inf`` / 0).
+  nested lists; ``binary``: base64 float32/int32 arrays padded with ``-inf`` / 0),
+  served here; and vLLM's ``GET /v1/models``, which TRL's client reads first.
 
 Each request becomes one ``ScoreRequest`` (float32, the rows :func:`trl_span` says) that
-goes through the request pipeline like a gRPC ``Score`` (:mod:`teacher_server.pipeline`):
-lifecycle, validation, admission, backend (vLLM, transformers or replay), metrics. The
-answer is rendered in TRL's layout (:mod:`topk_protocol.trl_layout`) in a worker thread.
-A request ``temperature`` other than the served one is refused (a top-k answer cannot
-be re-tempered), and so is anything this teacher would otherwise have to ignore
-(generation options, text prompts).
-Refusals are the protocol's typed errors with the field named; the pipeline maps them to
-a gRPC status, and :func:`http_status` that status to HTTP, once.
-
-Differences from vLLM's server, all documented in docs/trl.md: no token is generated
-(``text`` is empty); an entry's ``decoded_token`` is not sent (the teacher serves ids);
-the rank of a prompt token outside the top K is reported as ``K + 1`` (the teacher knows
-only that it is below the top K).
+goes through the request pipeline like a gRPC ``Score`` (:mod:`teacher_server.pipeline`,
+:func:`teacher_server.http_api.scoring.score_body`): lifecycle, validation, admission,
+backend (vLLM, transformers or replay), metrics. The answer is rendered in TRL's layout
+(:mod:`topk_protocol.trl_layout`) in a worker thread. A request ``temperature`` other
+than the served one is refused (a top-k answer cannot be re-tempered), and so is any
+field the route does not read. Refusals are the protocol's typed errors with the field
+named; the pipeline maps them to a transport-free status, and
+:func:`teacher_server.http_api.answers.http_status` that status to HTTP, once.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.pipeline import Refused, RequestPipeline
-from teacher_server.validation import Limits, ParsedRequest
-from topk_protocol import SequenceArrays, encode_token_ids, pb, temperature_mismatch
-from topk_protocol.checks import check_token_ids, check_top_k, check_total_tokens
-from topk_protocol.errors import InvalidRequestError, TeacherError, TeacherUnavailableError
+from teacher_server.http_api.answers import HTTPAnswer
+from teacher_server.http_api.bodies import (
+    check_temperature,
+    int_field,
+    invalid,
+    json_object,
+    refuse_unknown,
+    token_id_lists,
+)
+from teacher_server.http_api.scoring import score_body
+from teacher_server.pipeline import RequestPipeline
+from teacher_server.validation import Limits
+from topk_protocol import SequenceArrays, encode_token_ids, pb
+from topk_protocol.checks import check_top_k
+from topk_protocol.codes import Status
+from topk_protocol.errors import TeacherError
 from topk_protocol.trl_layout import (
     JSON_NEG_INF,
     TRLRows,
@@ -55,116 +58,21 @@ from topk_protocol.trl_layout import (
 )
 
 __all__ = [
-    "COMPLETIONS_METHOD",
     "SEQUENCE_LOGPROBS_METHOD",
-    "HTTPAnswer",
     "TRLEndpoints",
-    "http_status",
 ]
 
-#: Metric labels (``method``) of the two routes.
-COMPLETIONS_METHOD = "HTTP /v1/completions"
+#: Metric label (``method``) of TRL 1.10's route (TRL 1.11+'s ``/v1/completions`` is
+#: vLLM's: :mod:`teacher_server.http_api.vllm`).
 SEQUENCE_LOGPROBS_METHOD = "HTTP /get_sequence_logprobs"
 
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 413,
-    grpc.StatusCode.UNAVAILABLE: 503,  # TRL's client retries 500, 502, 503
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-
-# Fields each route reads; any other field is refused by name rather than ignored.
-_COMPLETIONS_FIELDS = frozenset(
-    {"model", "prompt", "max_tokens", "temperature", "prompt_logprobs", "n", "stream", "echo"}
-    | {"logprobs", "user"}
-)
+# Fields the route reads; any other field is refused by name rather than ignored.
 _SEQUENCE_FIELDS = frozenset(
     {"sequences", "prompt_lengths", "top_logprobs", "temperature", "response_format"}
 )
 _RESPONSE_FORMATS = ("json", "binary")
 #: TRL 1.10's default ``top_logprobs`` when a request leaves it out.
 TRL_DEFAULT_TOP_LOGPROBS = 100
-
-
-def http_status(code: grpc.StatusCode) -> int:
-    """The HTTP status of a refusal with gRPC status ``code`` (500 for the others)."""
-    return _HTTP_STATUS.get(code, 500)
-
-
-def _invalid(message: str) -> InvalidRequestError:
-    return InvalidRequestError(message)
-
-
-@dataclass(frozen=True)
-class HTTPAnswer:
-    """A route's answer: status and JSON body bytes."""
-
-    status: int
-    body: bytes
-
-    @staticmethod
-    def refused(code: grpc.StatusCode, message: str) -> HTTPAnswer:
-        """A refusal with gRPC status ``code``: its HTTP status (:func:`http_status`)."""
-        body = {"error": message, "code": code.name}
-        return HTTPAnswer(http_status(code), json.dumps(body).encode())
-
-
-# -- request parsing (named-field errors) -----------------------------------------------
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _invalid(f"body: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise _invalid(f"body: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _refuse_unknown(data: dict[str, Any], known: frozenset[str], route: str) -> None:
-    extra = sorted(set(data) - known)
-    if extra:
-        raise _invalid(
-            f"{extra[0]}: not supported by this teacher's {route} (it serves prompt "
-            f"log-probs only; fields read: {', '.join(sorted(known))})"
-        )
-
-
-def _int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:
-    value = data.get(name, default)
-    if value is None:
-        raise _invalid(f"{name}: missing; expected an int")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(f"{name}: expected an int, got {json.dumps(value)[:40]}")
-    return value
-
-
-def _token_ids(seq: Any, field: str, limits: Limits) -> npt.NDArray[np.int32]:
-    """One JSON list of token ids -> ``[L]`` int32, every problem named ``field[j]``."""
-    if not isinstance(seq, list):
-        raise _invalid(f"{field}: expected a list of token ids, got {json.dumps(seq)[:40]}")
-    arr = np.asarray(seq) if seq else np.zeros(0, np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        for j, v in enumerate(seq):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise _invalid(f"{field}[{j}]: expected a token id (int), got {json.dumps(v)[:40]}")
-    check_token_ids(arr, limits, field)
-    return arr.astype(np.int32)
-
-
-def _check_temperature(data: dict[str, Any], served: float) -> None:
-    """The request's ``temperature`` (if given) must be the served teacher temperature."""
-    if "temperature" not in data or data["temperature"] is None:
-        return
-    t = data["temperature"]
-    if isinstance(t, bool) or not isinstance(t, int | float):
-        raise _invalid(f"temperature: expected a number, got {json.dumps(t)[:40]}")
-    refusal = temperature_mismatch(t, served)
-    if refusal is not None:
-        raise _invalid(refusal)
 
 
 def _score_request(
@@ -194,58 +102,16 @@ class _Parsed:
         return _score_request(self.sequences, spans, self.top_k)
 
 
-def _sequences(value: Any, field: str, limits: Limits) -> list[npt.NDArray[np.int32]]:
-    if value is None:
-        raise _invalid(f"{field}: missing; expected a list of token id lists")
-    if not isinstance(value, list) or not value:
-        raise _invalid(f"{field}: expected a non-empty list of token id lists")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        value = [value]  # vLLM's single token-id prompt
-    check_total_tokens(sum(len(v) if isinstance(v, list) else 0 for v in value), limits, field)
-    return [_token_ids(v, f"{field}[{i}]", limits) for i, v in enumerate(value)]
-
-
-def parse_completions(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
-    """A ``/v1/completions`` body (the subset TRL 1.11+ sends) -> every prompt position."""
-    _refuse_unknown(data, _COMPLETIONS_FIELDS, "/v1/completions")
-    model = data.get("model")
-    if model is not None and model != info.model_name:
-        raise _invalid(
-            f"model: {model!r} is not served here; this teacher serves {info.model_name!r}"
-        )
-    if isinstance(data.get("prompt"), str):
-        raise _invalid(
-            "prompt: text prompts are not supported; send token ids (the teacher does not tokenize)"
-        )
-    if "prompt_logprobs" not in data or data["prompt_logprobs"] is None:
-        raise _invalid("prompt_logprobs: missing; this teacher answers prompt log-probs only")
-    top_k = _int_field(data, "prompt_logprobs")
-    check_top_k(top_k, limits, "prompt_logprobs")
-    max_tokens = _int_field(data, "max_tokens", 1)
-    if max_tokens not in (0, 1):
-        raise _invalid(f"max_tokens: {max_tokens}; this teacher generates nothing (0 or 1)")
-    if _int_field(data, "n", 1) != 1:
-        raise _invalid(f"n: {data['n']}; only n = 1 is served")
-    for flag in ("stream", "echo"):
-        if data.get(flag):
-            raise _invalid(f"{flag}: not supported (prompt log-probs come in one answer)")
-    if data.get("logprobs"):
-        raise _invalid("logprobs: generation log-probs are not served; use prompt_logprobs")
-    _check_temperature(data, info.teacher_temperature)
-    seqs = _sequences(data.get("prompt"), "prompt", limits)
-    return _Parsed(seqs, [0] * len(seqs), top_k)
-
-
 def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
     """A TRL 1.10 ``/get_sequence_logprobs/`` body -> the completion positions."""
-    _refuse_unknown(data, _SEQUENCE_FIELDS, "/get_sequence_logprobs/")
-    top_k = _int_field(data, "top_logprobs", TRL_DEFAULT_TOP_LOGPROBS)
+    refuse_unknown(data, _SEQUENCE_FIELDS, "/get_sequence_logprobs/")
+    top_k = int_field(data, "top_logprobs", TRL_DEFAULT_TOP_LOGPROBS)
     check_top_k(top_k, limits, "top_logprobs")
     fmt = data.get("response_format", "json")
     if fmt not in _RESPONSE_FORMATS:
-        raise _invalid(f"response_format: {json.dumps(fmt)[:40]} is not one of json, binary")
-    _check_temperature(data, info.teacher_temperature)
-    seqs = _sequences(data.get("sequences"), "sequences", limits)
+        raise invalid(f"response_format: {json.dumps(fmt)[:40]} is not one of json, binary")
+    check_temperature(data, info.teacher_temperature)
+    seqs = token_id_lists(data.get("sequences"), "sequences", limits)
     lengths = check_prompt_lengths(data.get("prompt_lengths"), [len(s) for s in seqs])
     return _Parsed(seqs, lengths, top_k, fmt)
 
@@ -285,38 +151,6 @@ def _entries(rows: TRLRows) -> list[tuple[list[int], list[float]]]:
             row_lps = [*row_lps, lp]
         out.append((row_ids, row_lps))
     return out
-
-
-def render_completions(parsed: _Parsed, scored: list[SequenceArrays], model: str) -> bytes:
-    """vLLM's ``/v1/completions`` answer: one choice per prompt, ``prompt_logprobs`` with
-    entry 0 ``null`` and entry ``p`` ``{"<id>": {"logprob": v, "rank": r}, ...}``."""
-    choices = []
-    for index, rows in enumerate(rows_of(parsed, scored)):
-        entries = ["null"] if rows.has_first else []
-        for row_ids, row_lps in _entries(rows):
-            entries.append(
-                "{"
-                + ",".join(
-                    f'"{t}":{{"logprob":{v!r},"rank":{r}}}'
-                    for r, (t, v) in enumerate(zip(row_ids, row_lps, strict=True), 1)
-                )
-                + "}"
-            )
-        choices.append(
-            f'{{"index":{index},"text":"","logprobs":null,"finish_reason":"length",'
-            f'"stop_reason":null,"prompt_logprobs":[{",".join(entries)}]}}'
-        )
-    n = sum(len(s) for s in parsed.sequences)
-    head = json.dumps(
-        {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-        }
-    )[:-1]
-    usage = json.dumps({"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0})
-    return f'{head},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
 
 
 def render_sequence_logprobs(parsed: _Parsed, scored: list[SequenceArrays]) -> bytes:
@@ -383,28 +217,21 @@ class TRLEndpoints:
         parse: Callable[[dict[str, Any], pb.TeacherInfo, Limits], _Parsed],
         render: Callable[[_Parsed, list[SequenceArrays]], bytes],
     ) -> HTTPAnswer:
-        parsed: list[_Parsed] = []  # the body, once read (in a worker thread)
-
-        def read() -> pb.ScoreRequest:
-            info = self._info()
-            if info is None:
-                raise TeacherUnavailableError("teacher: loading")
-            parsed.append(parse(_json_object(body), info, self._pipeline.limits))
-            return parsed[0].score_request()
-
-        def finish(_: ParsedRequest, scored: list[SequenceArrays], _seconds: float) -> bytes:
-            return render(parsed[0], scored)
-
-        outcome = await self._pipeline.run(method, read, finish, finish_in_thread=True)
-        if isinstance(outcome, Refused):
-            return HTTPAnswer.refused(outcome.code, outcome.message)
-        return HTTPAnswer(200, outcome.answer)
+        return await score_body(
+            self._pipeline,
+            self._info,
+            method,
+            body,
+            lambda raw, info, limits: parse(json_object(raw), info, limits),
+            lambda parsed, scored, _seconds: render(parsed, scored),
+            lambda refused: HTTPAnswer.refused(refused.code, refused.message),
+        )
 
     def models(self) -> HTTPAnswer:
         """vLLM's ``GET /v1/models``: the served model (TRL's client reads its id)."""
         info = self._info()
         if info is None:
-            return HTTPAnswer.refused(grpc.StatusCode.UNAVAILABLE, "teacher: loading")
+            return HTTPAnswer.refused(Status.UNAVAILABLE, "teacher: loading")
         card = {
             "id": info.model_name,
             "object": "model",
@@ -412,15 +239,6 @@ class TRLEndpoints:
             "max_model_len": info.max_sequence_length or None,
         }
         return HTTPAnswer(200, json.dumps({"object": "list", "data": [card]}).encode())
-
-    async def completions(self, body: bytes) -> HTTPAnswer:
-        """``POST /v1/completions`` (TRL 1.11+)."""
-
-        def render(parsed: _Parsed, scored: list[SequenceArrays]) -> bytes:
-            info = self._info()
-            return render_completions(parsed, scored, info.model_name if info else "")
-
-        return await self._answer(body, COMPLETIONS_METHOD, parse_completions, render)
 
     async def sequence_logprobs(self, body: bytes) -> HTTPAnswer:
         """``POST /get_sequence_logprobs/`` (TRL 1.10)."""

@@ -2,10 +2,11 @@
 
 A real ``TeacherServer`` on loopback (gRPC and HTTP, in this process) whose backend raises,
 for the sequence whose first token is ``i``, error kind ``i``: gRPC ``Score``,
-``ScoreStream`` and TRL's HTTP route report every kind with the status the one error
-table gives it (:func:`topk_protocol.status.status_of`), and a kind added to that table
-alone reaches all three. Also: bounded gathering, and large requests validated in a
-worker thread.
+``ScoreStream``, TRL's HTTP route and the SGLang and vLLM routes report every kind with
+the status the one error table gives it (:func:`topk_protocol.codes.code_of`, in gRPC's
+codes :func:`topk_protocol.status.status_of`), each in its own error shape, and a kind
+added to that table alone reaches them all. Also: bounded gathering, and large requests
+validated in a worker thread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import pytest
 from teacher_server import pipeline
 from teacher_server.admission import AdmissionQueue
 from teacher_server.backends.base import Backend, BackendInfo
-from teacher_server.http_api.trl import SEQUENCE_LOGPROBS_METHOD, http_status
+from teacher_server.http_api.answers import http_status
+from teacher_server.http_api.trl import SEQUENCE_LOGPROBS_METHOD
 from teacher_server.lifecycle import Lifecycle, Phase
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import (
@@ -39,7 +41,8 @@ from teacher_server.pipeline import (
 from teacher_server.validation import Limits, ParsedSequence, parse_request
 from tests.teacher_server.loopback import LoopbackTeacher
 from topk_protocol import RequestOptions, SequenceArrays, build_request, pb
-from topk_protocol import status as status_table
+from topk_protocol import codes as status_table
+from topk_protocol.codes import Status
 from topk_protocol.errors import (
     DataLossError,
     DeadlineExceededError,
@@ -143,6 +146,40 @@ def _http(teacher: LoopbackTeacher, first: int) -> tuple[int, dict[str, str]]:
         return e.code, json.loads(e.read())
 
 
+def _completions(f: int) -> dict[str, Any]:
+    return {"prompt": [[f, 1, 2]], "prompt_logprobs": 4}
+
+
+def _generate(f: int) -> dict[str, Any]:
+    return {"input_ids": [f, 1, 2], "return_logprob": True, "logprob_start_len": 0}
+
+
+def _token_generate(f: int) -> dict[str, Any]:
+    return {"token_ids": [f, 1, 2], "sampling_params": {"prompt_logprobs": 4}}
+
+
+def _nested(body: Any) -> str:
+    return str(body["error"]["message"])
+
+
+#: The other HTTP routes: path, body for a sequence starting with ``first``, where the
+#: route's error shape holds the message.
+ROUTES: list[tuple[str, Callable[[int], dict[str, Any]], Callable[[Any], str]]] = [
+    ("/v1/completions", _completions, lambda body: str(body["error"])),
+    ("/generate", _generate, _nested),
+    ("/inference/v1/generate", _token_generate, _nested),
+]
+
+
+def _route(teacher: LoopbackTeacher, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(f"{teacher.http}{path}", data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def _expected(first: int) -> tuple[grpc.StatusCode, str, str]:
     """The status, message and reason the one error table gives error kind ``first``."""
     error = ERRORS[first]()
@@ -157,7 +194,10 @@ def _check_all_three(teacher: LoopbackTeacher, first: int) -> grpc.StatusCode:
     assert _score(teacher, first) == (code, message, reason)
     assert _stream(teacher, first) == (code, message, reason)
     status, body = _http(teacher, first)
-    assert (status, body) == (http_status(code), {"error": message, "code": code.name})
+    assert (status, body) == (http_status(Status[code.name]), {"error": message, "code": code.name})
+    for path, make, message_of in ROUTES:
+        status, body = _route(teacher, path, make(first))
+        assert (status, message_of(body)) == (http_status(Status[code.name]), message), path
     return code
 
 
@@ -173,8 +213,8 @@ def test_a_kind_added_to_the_error_table_once_reaches_all_three(
 ) -> None:
     first = next(i for i, e in enumerate(ERRORS) if isinstance(e(), QuotaExceededError))
     assert _check_all_three(teacher, first) is grpc.StatusCode.INTERNAL  # not in the table
-    # One row added to the table (status_of reads it), nothing else:
-    table = {**status_table._CODE_OF, QuotaExceededError: grpc.StatusCode.PERMISSION_DENIED}
+    # One row added to the transport-free table (code_of reads it), nothing else:
+    table = {**status_table._CODE_OF, QuotaExceededError: Status.PERMISSION_DENIED}
     monkeypatch.setattr(status_table, "_CODE_OF", table)
     assert _check_all_three(teacher, first) is grpc.StatusCode.PERMISSION_DENIED
     assert _http(teacher, first)[0] == 403
@@ -287,6 +327,6 @@ def test_an_encoding_the_backend_lacks_is_refused_and_the_pipeline_keeps_serving
         return refused, served
 
     refused, served = asyncio.run(run(build_request([[511, 1]], 4, encoding="packed")))
-    assert isinstance(refused, Refused) and refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(refused, Refused) and refused.code == Status.INVALID_ARGUMENT
     assert refused.message == "encoding: 'packed' is not served by this teacher; it serves default"
     assert served == Answered("answer")

