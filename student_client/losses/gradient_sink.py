@@ -97,7 +97,7 @@ class GradientSink:
             )
         block_rows = min(settings.chunk_rows, hidden.shape[0])
         self.column_batch = column_batch_entries(
-            block_rows * weight.shape[0] * weight.element_size(), weight.shape[1]
+            block_rows * weight.shape[0] * weight.element_size(), weight.shape[1], weight.device
         )
 
     def keep_teacher_columns(self, part: slice, grad_logits: Tensor) -> None:
