@@ -52,11 +52,15 @@ def json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def refuse_unknown(data: dict[str, Any], known: frozenset[str], route: str) -> None:
+def refuse_unknown(
+    data: dict[str, Any], known: frozenset[str], route: str, prefix: str = ""
+) -> None:
+    """An unknown key of `data` (a body, or the object at field path `prefix`) refused by
+    name, with the keys `route` reads."""
     extra = sorted(set(data) - known)
     if extra:
         raise invalid(
-            f"{extra[0]}: not supported by this teacher's {route} (it serves prompt "
+            f"{prefix}{extra[0]}: not supported by this teacher's {route} (it serves prompt "
             f"log-probs only; fields read: {', '.join(sorted(known))})"
         )
 

@@ -181,13 +181,7 @@ def _int(value: Any, field: str) -> int:
 def _check_sampling(params: Any, field: str) -> None:
     if not isinstance(params, dict):
         raise invalid(f"{field}: expected an object, got {shown(params)}")
-    extra = sorted(set(params) - _SAMPLING_FIELDS)
-    if extra:
-        raise invalid(
-            f"{field}.{extra[0]}: not supported by this teacher's /generate (it answers "
-            f"input log-probs and generates nothing; keys read: "
-            f"{', '.join(sorted(_SAMPLING_FIELDS))})"
-        )
+    refuse_unknown(params, _SAMPLING_FIELDS, "/generate", prefix=f"{field}.")
     max_new = _int(params.get("max_new_tokens", 0), f"{field}.max_new_tokens")
     if max_new not in (0, 1):
         raise invalid(f"{field}.max_new_tokens: {max_new}; this teacher generates nothing (0 or 1)")

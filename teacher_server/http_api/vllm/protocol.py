@@ -212,13 +212,7 @@ def parse_token_generate(
     params = data.get("sampling_params")
     if not isinstance(params, dict):
         raise invalid(f"sampling_params: expected an object, got {shown(params)}")
-    extra = sorted(set(params) - _GENERATE_SAMPLING)
-    if extra:
-        raise invalid(
-            f"sampling_params.{extra[0]}: not supported by this teacher's "
-            f"/inference/v1/generate (it serves prompt log-probs only; keys read: "
-            f"{', '.join(sorted(_GENERATE_SAMPLING))})"
-        )
+    refuse_unknown(params, _GENERATE_SAMPLING, "/inference/v1/generate", prefix="sampling_params.")
     _check_generation(params, "sampling_params.")
     if params.get("logprobs") is not None:
         raise invalid(
