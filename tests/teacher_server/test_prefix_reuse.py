@@ -9,7 +9,8 @@ same requests go to a reuse server in two orders (vLLM #42019: prompt log-probs 
 prefix caching depended on the order), as one request of G sequences or as G concurrent
 requests, over prompt and completion lengths at block boundaries and one token either
 side, sub-ranges, top-k, candidate, packed and sampled payloads (hypothesis,
-derandomized). Equal means: log-probs within ``FLOAT32_DRIFT`` and ids equal where the
+derandomized); a group sent as requests for every position shares its prompt's rows.
+Equal means: log-probs within ``FLOAT32_DRIFT`` and ids equal where the
 rank is unambiguous (``engine_drift``); draws identical.
 """
 
@@ -228,30 +229,59 @@ def test_reuse_equals_reuse_off_in_both_orders(
         for i, payload in zip(perm, got, strict=True):
             _assert_equal(payload, want[i], kind)
     cached = teacher.metric("topk_teacher_engine_cached_tokens_total") - before
-    # Never more than the blocks before the first position asked for.
-    assert cached <= 2 * g * (start // BLOCK) * BLOCK
+    # Each engine request reads at most the blocks before its own first position; per
+    # sequence and order there are at most two: the prefix's forward pass (PrefixOrder)
+    # and the scoring request, which starts at ``start`` or, once the first order has
+    # answered the same sequence, at its last row (the rest shared: SharedRows).
+    cap, cap_last = (start // BLOCK) * BLOCK, ((length - 1) // BLOCK) * BLOCK
+    assert cached <= g * 2 * cap + g * (cap + max(cap, cap_last))
 
 
-def test_a_group_reads_its_prompt_once_and_full_requests_read_nothing(reuse: Teacher) -> None:
-    """G = 4 completions of a 3-block prompt, sent at once: the prompt is computed once
-    (a forward pass of its own), the 4 requests read it; a request for every position
-    reads no cache at all. The counters on /metrics say so."""
+def _distinct_group(seed: int, prompt: int, completion: int, g: int) -> list[np.ndarray]:
+    """:func:`_group` whose completions differ from their first token on."""
+    seqs = _group(seed, prompt, completion, g)
+    for i, seq in enumerate(seqs):
+        seq[prompt] = i
+    return seqs
+
+
+def test_a_group_reads_its_prompt_once_from_any_first_position(
+    reuse: Teacher, plain: Teacher
+) -> None:
+    """G = 4 completions of a 3-block prompt, sent at once, as one request for every
+    position (slime's way) and as G requests from the prompt's end: the prompt is computed
+    once either way, and the counters on /metrics say so.
+
+    Every position: one sequence computes all its tokens; the others share its rows up to
+    the prompt's last one and read its blocks up to there (two blocks: the third holds the
+    prompt's last token, whose row the engine computes again). From the prompt's end: the
+    prompt is a forward pass of its own, read by the 4 requests (PrefixOrder)."""
     prompt, completion, g = 3 * BLOCK, 40, 4
+    length = prompt + completion
     names = [
         "topk_teacher_engine_cached_tokens_total",
         "topk_teacher_positions_computed_total",
         "topk_teacher_positions_answered_total",
     ]
     before = [reuse.metric(n) for n in names]
-    _score(reuse.stub, _group(9001, prompt, completion, g), [(0, prompt + completion)] * g, "topk")
-    assert reuse.metric(names[0]) == before[0]
-    seqs = _group(9002, prompt, completion, g)
-    _score(reuse.stub, seqs, [(prompt, prompt + completion)] * g, "topk", concurrent=True)
+    full = _distinct_group(9001, prompt, completion, g)
+    got = _score(reuse.stub, full, [(0, length)] * g, "topk")
+    for payload, want in zip(got, _score(plain.stub, full, [(0, length)] * g, "topk"), strict=True):
+        _assert_equal(payload, want, "topk")
+    read = ((prompt - 1) // BLOCK) * BLOCK
     cached, computed, answered = (reuse.metric(n) - b for n, b in zip(names, before, strict=True))
-    assert cached == g * prompt
-    # The full group; then the prompt once and each completion.
-    assert computed == g * (prompt + completion) + prompt + g * completion
-    assert answered == g * (prompt + completion) + g * completion
+    assert cached == (g - 1) * read
+    assert computed == length + (g - 1) * (length - read)
+    assert answered == g * length
+    seqs = _distinct_group(9002, prompt, completion, g)
+    _score(reuse.stub, seqs, [(prompt, length)] * g, "topk", concurrent=True)
+    cached2, computed2, answered2 = (
+        reuse.metric(n) - b for n, b in zip(names, before, strict=True)
+    )
+    assert cached2 - cached == g * prompt
+    # The prompt once, then each completion.
+    assert computed2 - computed == prompt + g * completion
+    assert answered2 - answered == g * completion
     assert 0 < reuse.metric("topk_teacher_cached_token_ratio") < 1
 
 

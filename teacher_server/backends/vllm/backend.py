@@ -13,7 +13,9 @@ fallback.
 Prefix reuse (:mod:`teacher_server.backends.vllm.prefix`): with vLLM's prefix cache on
 (the default), a request for positions from ``s`` reads the cached blocks of its first
 ``floor(s / block_size)`` blocks and computes the rest; its prompt log-prob rows before
-the first computed token are never read.
+the first computed token are never read. A request for every position shares the rows
+of a recent answer with the same prefix (:mod:`teacher_server.backends.vllm.shared_rows`:
+G completions of one prompt sent as G requests, slime's way).
 
 Inside the engine (:mod:`teacher_server.backends.vllm.worker`): a teacher temperature
 ``T != 1`` scales the logits inside the model on every worker, so both kinds of rows are
@@ -55,6 +57,7 @@ from teacher_server.backends.vllm.prefix import (
     cache_cap,
     scheduler_problem,
 )
+from teacher_server.backends.vllm.shared_rows import SharedRows
 from teacher_server.backends.vllm.worker import (
     CANDIDATES_METHOD,
     ENGINE_TOPK_CHOICES,
@@ -112,6 +115,7 @@ class VLLMBackend(Backend):
         logprobs_path: str = VLLMFlags.logprobs_path,
         temperature: float = VLLMFlags.teacher_temperature,
         engine_topk: str = VLLMFlags.engine_topk,
+        shared_rows_mib: int = VLLMFlags.shared_rows_mib,
     ) -> None:
         if logprobs_path not in vllm_arrays.LOGPROBS_PATHS:
             paths = ", ".join(vllm_arrays.LOGPROBS_PATHS)
@@ -145,6 +149,15 @@ class VLLMBackend(Backend):
         self._ids = itertools.count()
         #: Set at start-up when vLLM's prefix cache is on and the capping scheduler is ours.
         self._order: PrefixOrder | None = None
+        if (
+            isinstance(shared_rows_mib, bool)
+            or not isinstance(shared_rows_mib, int)
+            or (shared_rows_mib < 0)
+        ):
+            raise ValueError(f"shared_rows_mib: expected an int >= 0, got {shared_rows_mib!r}")
+        self._shared_rows_bytes = shared_rows_mib << 20
+        #: Set at start-up with prefix reuse, unless ``shared_rows_mib`` is 0.
+        self.shared_rows: SharedRows | None = None
         self._scheduler_problem: str | None = None
         self.compute: ComputeCounts = ComputeCounts()
 
@@ -173,6 +186,7 @@ class VLLMBackend(Backend):
             logprobs_path=flags.logprobs_path,
             engine_topk=flags.engine_topk,
             temperature=flags.teacher_temperature,
+            shared_rows_mib=flags.shared_rows_mib,
         )
 
     async def start(self) -> None:
@@ -227,6 +241,8 @@ class VLLMBackend(Backend):
         )
         log.info("vLLM engine computes in %s (%s)", self.info.dtype, self._dtype_reason)
         self._order = self._prefix_order()
+        if self._order is not None and self._shared_rows_bytes > 0:
+            self.shared_rows = SharedRows(self._order.block_size, self._shared_rows_bytes)
 
     def _prefix_order(self) -> PrefixOrder | None:
         """Prefix reuse: on where vLLM's prefix cache is on and this project's capping
@@ -352,6 +368,22 @@ class VLLMBackend(Backend):
             await asyncio.to_thread(engine.shutdown, timeout=ENGINE_SHUTDOWN_S)
 
     async def score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
+        shared = self.shared_rows
+        if shared is None or options.sampled or sequence.candidate_ids is not None:
+            return await self._score(sequence, options)
+        computed = 0
+
+        async def compute(part: ParsedSequence) -> SequenceArrays:
+            nonlocal computed
+            computed = part.end - part.start
+            return await self._score(part, options)
+
+        rows = await shared.score(sequence, options.top_k, compute)
+        self.compute.add(0, 0, sequence.end - sequence.start - computed)
+        return rows
+
+    async def _score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
+        """One sequence through the engine (prefix reuse before its first position)."""
         token_ids, start, end = sequence.token_ids, sequence.start, sequence.end
         top_k = options.top_k
         arrays = self.logprobs_path == "arrays"

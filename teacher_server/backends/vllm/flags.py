@@ -16,6 +16,7 @@ from typing import Any
 
 from teacher_server.backends.base import ModelFlags
 from teacher_server.backends.vllm.arrays import LOGPROBS_PATHS
+from teacher_server.backends.vllm.shared_rows import DEFAULT_SHARED_ROWS_BYTES
 from teacher_server.backends.vllm.worker import ENGINE_TOPK_CHOICES
 
 __all__ = ["SERVER_SET", "VLLMFlags", "engine_kwargs", "engine_parser"]
@@ -42,6 +43,10 @@ class VLLMFlags(ModelFlags):
     """top-K inside a CPU vLLM engine: kernel (this project's, bit-identical log-probs,
     several times faster on small vocabularies), vllm (vLLM's torch.topk), auto (both
     timed at start-up at the served vocabulary and K, the faster kept; vLLM's on GPUs)"""
+    shared_rows_mib: int = DEFAULT_SHARED_ROWS_BYTES >> 20
+    """MiB of recent answers' rows kept to answer later requests for the same prompt
+    (G completions sent as G requests from position 0; docs/vllm.md, prefix reuse); 0:
+    off. Needs vLLM's prefix cache"""
 
 
 def engine_parser() -> tuple[argparse.ArgumentParser, type] | None:
