@@ -13,9 +13,11 @@ position from ``logprob_start_len``, the first ``[null, token_id, null]``),
 ``input_top_logprobs`` / ``input_token_ids_logprobs`` (``null`` first, then a list of
 ``[logprob, token_id, null]`` per position) and their empty ``output_*`` twins.
 
-The answer is written as bytes from the arrays' lists (no dict per entry); a ``-inf``
-log-prob is written as :data:`~topk_protocol.trl_layout.JSON_NEG_INF` (JSON has no
-infinity). Refusals are SGLang's error shape, ``{"error": {"message": ...}}``, with the
+The log-prob fields are written from the arrays by
+:mod:`teacher_server.http_api.json_arrays` (no Python object per entry; each log-prob
+the shortest decimal that reads back as the same float32); a ``-inf`` log-prob (or a
+NaN, which no asked row holds) is written as :data:`~topk_protocol.trl_layout.JSON_NEG_INF`
+(JSON has no infinity). Refusals are SGLang's error shape, ``{"error": {"message": ...}}``, with the
 HTTP status of :func:`teacher_server.http_api.answers.http_status`.
 """
 
@@ -30,6 +32,14 @@ import numpy.typing as npt
 
 from teacher_server.http_api.answers import HTTPAnswer, http_status
 from teacher_server.http_api.bodies import json_object
+from teacher_server.http_api.json_arrays import (
+    Cells,
+    concat,
+    joined,
+    json_floats,
+    json_ints,
+    json_lists,
+)
 from teacher_server.http_api.scoring import score_body
 from teacher_server.http_api.sglang.protocol import GenerateItem, GenerateRequest, parse_generate
 from teacher_server.pipeline import Refused, RequestPipeline
@@ -49,73 +59,75 @@ def sglang_error(status: int, message: str) -> HTTPAnswer:
     return HTTPAnswer(status, json.dumps({"error": {"message": message}}).encode())
 
 
-def _floats(values: npt.NDArray[np.float32]) -> list[float]:
-    """Python floats, ``-inf`` (and a NaN, which no asked row holds) as JSON_NEG_INF."""
-    if not np.isfinite(values).all():
-        values = np.where(np.isfinite(values), values, np.float32(JSON_NEG_INF))
-    out: list[float] = values.tolist()
-    return out
+def _entries(lps: npt.NDArray[np.float32], ids: npt.NDArray[np.int32]) -> Cells:
+    """``[lp, id, null]`` per entry of ``lps`` / ``ids`` (same shape, read row-major)."""
+    return concat(
+        b"[",
+        json_floats(lps.reshape(-1), nonfinite=JSON_NEG_INF),
+        b",",
+        json_ints(ids.reshape(-1)),
+        b",null]",
+    )
 
 
-def _pairs(lps: list[float], ids: list[int]) -> str:
-    """``[[lp, id, null], ...]`` for one position."""
-    return "[" + ",".join(f"[{v!r},{t},null]" for v, t in zip(lps, ids, strict=True)) + "]"
+def _after_null(rows: bytes) -> bytes:
+    """``[null, rows...]``: an input field's entries, position 0 ``null``."""
+    return b"[null," + rows + b"]" if rows else b"[null]"
 
 
-def _rows(first: str, rows: list[str]) -> str:
-    return "[" + ",".join([first, *rows]) + "]"
+def _position_lists(
+    lps: npt.NDArray[np.float32], ids: npt.NDArray[np.int32], keep: npt.NDArray[np.bool_]
+) -> bytes:
+    """``[null, [[lp, id, null], ...] per row]`` of ``[S, W]`` log-probs and ids (the
+    entries where ``keep``)."""
+    if lps.shape[0] == 0:
+        return b"[null]"
+    return _after_null(joined(json_lists(_entries(lps, ids), keep)))
 
 
-def _candidate_rows(item: GenerateItem, scored: SequenceArrays, n: int) -> list[str]:
-    """``input_token_ids_logprobs`` entries 1 .. n - 1: each position's ids (the shared
+def _candidate_lists(item: GenerateItem, scored: SequenceArrays, n: int) -> bytes:
+    """``input_token_ids_logprobs``: ``null``, then each position's ids (the shared
     ``token_ids_logprob``, or that position's own list, its -1 padding dropped)."""
     ids = item.candidate_rows()
     if ids is None:
-        return ["[]"] * (n - 1)
+        return _after_null((b"[]," * (n - 1))[:-1])
     if scored.candidate_logprobs is None:
         raise TeacherError("teacher: the backend gave no candidate log-probs")
-    clps: list[list[float]] = _floats(scored.candidate_logprobs)  # type: ignore[assignment]
-    id_rows: list[list[int]] = ids.tolist()
-    out = []
-    for lps, row in zip(clps, id_rows, strict=True):
-        width = row.index(-1) if -1 in row else len(row)
-        out.append(_pairs(lps[:width], row[:width]))
-    return out
+    # A position's list ends at its first -1 (the padding).
+    keep = np.logical_and.accumulate(ids != -1, axis=1)
+    return _position_lists(scored.candidate_logprobs, ids, keep)
 
 
-def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> str:
+def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> bytes:
     """The log-prob fields of one item's ``meta_info`` (leading comma included)."""
     if not item.return_logprob:
-        return ""
+        return b""
     n = item.num_entries
     if n == 0:
-        fields = ['"input_token_logprobs":[]', '"output_token_logprobs":[]']
+        fields = [b'"input_token_logprobs":[]', b'"output_token_logprobs":[]']
         if item.top_logprobs_num:
-            fields += ['"input_top_logprobs":[]', '"output_top_logprobs":[]']
+            fields += [b'"input_top_logprobs":[]', b'"output_top_logprobs":[]']
         if item.candidate_ids is not None:
-            fields += ['"input_token_ids_logprobs":[]', '"output_token_ids_logprobs":[]']
-        return "," + ",".join(fields)
-    start = item.logprob_start
-    tokens: list[int] = item.token_ids[start:].tolist()
+            fields += [b'"input_token_ids_logprobs":[]', b'"output_token_ids_logprobs":[]']
+        return b"," + b",".join(fields)
+    tokens = item.token_ids[item.logprob_start :]
     if scored.sampled_logprobs is None:
         raise TeacherError("teacher: the backend gave no actual-token log-probs")
-    actual = _floats(scored.sampled_logprobs)
-    entries = [f"[null,{tokens[0]},null]"]
-    entries += [f"[{v!r},{t},null]" for v, t in zip(actual, tokens[1:], strict=True)]
-    fields = [f'"input_token_logprobs":[{",".join(entries)}]', '"output_token_logprobs":[]']
+    first = b"[null,%d,null]" % int(tokens[0])
+    actual = joined(_entries(scored.sampled_logprobs, tokens[1:]))
+    entries = first + b"," + actual if actual else first
+    fields = [b'"input_token_logprobs":[' + entries + b"]", b'"output_token_logprobs":[]']
     if item.top_logprobs_num:
         top = item.top_logprobs_num
-        lps: list[list[float]] = _floats(scored.logprobs[:, :top])  # type: ignore[assignment]
-        ids: list[list[int]] = scored.ids[:, :top].tolist()
-        rows = [_pairs(r, i) for r, i in zip(lps, ids, strict=True)]
-        fields += [f'"input_top_logprobs":{_rows("null", rows)}', '"output_top_logprobs":[]']
+        lps, ids = scored.logprobs[:, :top], scored.ids[:, :top]
+        rows = _position_lists(lps, ids, np.ones(lps.shape, dtype=np.bool_))
+        fields += [b'"input_top_logprobs":' + rows, b'"output_top_logprobs":[]']
     if item.candidate_ids is not None:
-        rows = _candidate_rows(item, scored, n)
         fields += [
-            f'"input_token_ids_logprobs":{_rows("null", rows)}',
-            '"output_token_ids_logprobs":[]',
+            b'"input_token_ids_logprobs":' + _candidate_lists(item, scored, n),
+            b'"output_token_ids_logprobs":[]',
         ]
-    return "," + ",".join(fields)
+    return b"," + b",".join(fields)
 
 
 def render_generate(
@@ -128,11 +140,12 @@ def render_generate(
         meta = (
             f'{{"id":{json.dumps(item.rid)},"finish_reason":{{"type":"length","length":0}},'
             f'"prompt_tokens":{len(item.token_ids)},"completion_tokens":0,'
-            f'"e2e_latency":{seconds!r}{_meta_logprobs(item, arrays)}}}'
+            f'"e2e_latency":{seconds!r}'
+        ).encode()
+        answers.append(
+            b'{"text":"","output_ids":[],"meta_info":' + meta + _meta_logprobs(item, arrays) + b"}}"
         )
-        answers.append(f'{{"text":"","output_ids":[],"meta_info":{meta}}}')
-    body = f"[{','.join(answers)}]" if request.batched else answers[0]
-    return body.encode()
+    return b"[" + b",".join(answers) + b"]" if request.batched else answers[0]
 
 
 class SGLangEndpoints:

@@ -17,7 +17,11 @@ backend, metrics, as gRPC ``Score``) and rendered here in a worker thread:
 - ``/inference/v1/generate``: vLLM's ``GenerateTokensResponse`` with one choice of no
   ``token_ids`` and the prompt's ``prompt_logprobs``.
 
-A ``-inf`` log-prob is written -9999.0, as vLLM does. The rank of a prompt token outside
+``prompt_logprobs`` is written from the arrays by
+:mod:`teacher_server.http_api.json_arrays` (no Python object per entry; each log-prob
+the shortest decimal that reads back as the same float32, a ``decoded_token`` from a
+table of the answer's distinct ids). A ``-inf`` log-prob is written -9999.0, as vLLM
+does. The rank of a prompt token outside
 the top K the engine was asked for is K + 1 (the teacher knows only that it is below).
 Refusals: ``/v1/completions`` keeps the shape TRL's client has read since the route
 came (``{"error": message, "code": "<status>"}``); ``/inference/v1/generate`` answers
@@ -38,6 +42,14 @@ import numpy.typing as npt
 
 from teacher_server.http_api.answers import HTTPAnswer, http_status
 from teacher_server.http_api.bodies import invalid, json_object
+from teacher_server.http_api.json_arrays import (
+    Cells,
+    concat,
+    joined,
+    json_floats,
+    json_ints,
+    json_lists,
+)
 from teacher_server.http_api.scoring import score_body
 from teacher_server.http_api.text import TokenTexts
 from teacher_server.http_api.vllm.protocol import (
@@ -67,21 +79,16 @@ COMPLETIONS_METHOD = "HTTP /v1/completions"
 TOKEN_GENERATE_METHOD = "HTTP /inference/v1/generate"
 
 
-def _floats(values: npt.NDArray[np.float32]) -> list[float]:
-    if not np.isfinite(values).all():
-        values = np.where(np.isfinite(values), values, np.float32(JSON_NEG_INF))
-    out: list[float] = values.tolist()
-    return out
-
-
 @dataclass(frozen=True)
 class PromptEntries:
-    """One prompt's vLLM entries 1 .. L-1, in vLLM's order: per entry the ids, their
-    log-probs and ranks (the prompt token first)."""
+    """One prompt's vLLM entries 1 .. L-1, in vLLM's order, as ``[S, 1 + k]`` arrays:
+    column 0 the prompt token, then the top ``k`` by rank; ``keep`` false where a top
+    id is the prompt token (written once, first)."""
 
-    ids: list[list[int]]
-    lps: list[list[float]]
-    ranks: list[list[int]]
+    ids: npt.NDArray[np.int32]
+    lps: npt.NDArray[np.float32]
+    ranks: npt.NDArray[np.int32]
+    keep: npt.NDArray[np.bool_]
 
 
 def prompt_entries(tokens: npt.NDArray[np.int32], scored: SequenceArrays, k: int) -> PromptEntries:
@@ -90,53 +97,64 @@ def prompt_entries(tokens: npt.NDArray[np.int32], scored: SequenceArrays, k: int
     ``x[p]`` first, then the top ``k`` (``k <= K``) without it."""
     if scored.sampled_logprobs is None:
         raise TeacherError("teacher: the backend gave no actual-token log-probs")
-    engine_k = scored.ids.shape[1] if scored.ids.ndim == 2 else k
-    row_ids: list[list[int]] = scored.ids.tolist()
-    row_lps: list[list[float]] = _floats(scored.logprobs)  # type: ignore[assignment]
-    actual_ids: list[int] = tokens[1:].tolist()
-    actual_lps = _floats(scored.sampled_logprobs)
-    ids, lps, ranks = [], [], []
-    for top, vals, tok, lp in zip(row_ids, row_lps, actual_ids, actual_lps, strict=True):
-        rank = top.index(tok) + 1 if tok in top else engine_k + 1
-        e_ids, e_lps, e_ranks = [tok], [lp], [rank]
-        for r, (t, v) in enumerate(zip(top[:k], vals[:k], strict=True), 1):
-            if t != tok:
-                e_ids.append(t)
-                e_lps.append(v)
-                e_ranks.append(r)
-        ids.append(e_ids)
-        lps.append(e_lps)
-        ranks.append(e_ranks)
-    return PromptEntries(ids, lps, ranks)
+    actual = np.asarray(tokens[1:], dtype=np.int32)[:, None]
+    hit = scored.ids == actual
+    first = hit.argmax(axis=1) if scored.top_k else np.zeros(len(actual), dtype=np.intp)
+    rank = np.where(hit.any(axis=1), first + 1, scored.top_k + 1)
+    top_ids = scored.ids[:, :k]
+    rows, width = top_ids.shape
+    top_ranks = np.broadcast_to(np.arange(1, width + 1, dtype=np.int32), (rows, width))
+    return PromptEntries(
+        ids=np.concatenate([actual, top_ids], axis=1),
+        lps=np.concatenate([scored.sampled_logprobs[:, None], scored.logprobs[:, :k]], axis=1),
+        ranks=np.concatenate([rank[:, None].astype(np.int32), top_ranks], axis=1),
+        keep=np.concatenate([np.ones((rows, 1), dtype=np.bool_), top_ids != actual], axis=1),
+    )
 
 
-def _prompt_logprobs_json(entries: PromptEntries, texts: TokenTexts | None) -> str:
+def _prompt_logprobs_json(entries: PromptEntries, texts: TokenTexts | None) -> bytes:
     """``[null, {...}, ...]`` (vLLM's ``prompt_logprobs`` of one prompt)."""
-    out = ["null"]
-    for ids, lps, ranks in zip(entries.ids, entries.lps, entries.ranks, strict=True):
-        if texts is None:
-            parts = [
-                f'"{t}":{{"logprob":{v!r},"rank":{r}}}'
-                for t, v, r in zip(ids, lps, ranks, strict=True)
-            ]
-        else:
-            parts = [
-                f'"{t}":{{"logprob":{v!r},"rank":{r},"decoded_token":{texts.json(t)}}}'
-                for t, v, r in zip(ids, lps, ranks, strict=True)
-            ]
-        out.append("{" + ",".join(parts) + "}")
-    return "[" + ",".join(out) + "]"
+    if entries.ids.shape[0] == 0:
+        return b"[null]"
+    pieces: list[Cells | bytes] = [
+        b'"',
+        json_ints(entries.ids.reshape(-1)),
+        b'":{"logprob":',
+        json_floats(entries.lps.reshape(-1), nonfinite=JSON_NEG_INF),
+        b',"rank":',
+        json_ints(entries.ranks.reshape(-1)),
+    ]
+    if texts is not None:
+        pieces += [b',"decoded_token":', texts.json_cells(entries.ids)]
+    rows = json_lists(concat(*pieces, b"}"), entries.keep, brackets=(b"{", b"}"))
+    return b"[null," + joined(rows) + b"]"
+
+
+def _finite(values: npt.NDArray[np.float32]) -> list[Any]:
+    """Python floats (nested lists of them for ``[S, W]``), a non-finite one as
+    JSON_NEG_INF."""
+    out: list[Any] = np.where(np.isfinite(values), values, np.float32(JSON_NEG_INF)).tolist()
+    return out
 
 
 def _echo_logprobs(
     tokens: npt.NDArray[np.int32], entries: PromptEntries, n: int, texts: TokenTexts
 ) -> dict[str, Any]:
-    """vLLM's completion ``logprobs`` of an echoed prompt with ``logprobs=n``."""
+    """vLLM's completion ``logprobs`` of an echoed prompt with ``logprobs=n``: per
+    position the prompt token and the top ``n`` (the first ``n + 1`` entries)."""
     token_texts = [texts.text(t) for t in tokens.tolist()]
-    token_logprobs: list[float | None] = [None, *(lps[0] for lps in entries.lps)]
+    token_logprobs: list[float | None] = [None, *_finite(entries.lps[:, 0])]
     top: list[dict[str, float] | None] = [None]
-    for ids, lps in zip(entries.ids, entries.lps, strict=True):
-        top.append({texts.text(t): v for t, v in zip(ids[: n + 1], lps[: n + 1], strict=True)})
+    # The first n + 1 kept entries lie in the first n + 2 columns (one at most is not kept).
+    cols = slice(0, n + 2)
+    for ids, lps, keep in zip(
+        entries.ids[:, cols].tolist(),
+        _finite(entries.lps[:, cols]),
+        entries.keep[:, cols].tolist(),
+        strict=True,
+    ):
+        kept = [(t, v) for t, v, k in zip(ids, lps, keep, strict=True) if k][: n + 1]
+        top.append({texts.text(t): v for t, v in kept})
     offsets, at = [], 0
     for text in token_texts:
         offsets.append(at)
@@ -172,7 +190,7 @@ def render_completions(
         zip(request.sequences, request.texts, scored, strict=True)
     ):
         entries = prompt_entries(tokens, arrays, k)
-        prompt_lp = "null"
+        prompt_lp = b"null"
         if request.prompt_k is not None:
             prompt_lp = _prompt_logprobs_json(entries, table)
         logprobs: Any = None
@@ -185,11 +203,12 @@ def render_completions(
                 logprobs = _echo_logprobs(tokens, entries, request.logprobs, texts)
         elif request.logprobs is not None:
             logprobs = _NO_LOGPROBS
-        choices.append(
+        choice = (
             f'{{"index":{index},"text":{json.dumps(out_text, ensure_ascii=False)},'
             f'"logprobs":{json.dumps(logprobs, ensure_ascii=False)},"finish_reason":"length",'
-            f'"stop_reason":null,"prompt_logprobs":{prompt_lp}}}'
+            f'"stop_reason":null,"prompt_logprobs":'
         )
+        choices.append(choice.encode() + prompt_lp + b"}")
     n = sum(len(s) for s in request.sequences)
     head = json.dumps(
         {
@@ -200,7 +219,7 @@ def render_completions(
         }
     )[:-1]
     usage = json.dumps({"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0})
-    return f'{head},"choices":[{",".join(choices)}],"usage":{usage}}}'.encode()
+    return f'{head},"choices":['.encode() + b",".join(choices) + f'],"usage":{usage}}}'.encode()
 
 
 def render_token_generate(
@@ -231,7 +250,7 @@ def render_token_generate(
             "kv_transfer_params": None,
         }
     )[:-1]
-    return f'{head},"prompt_logprobs":{prompt_lp}}}'.encode()
+    return f'{head},"prompt_logprobs":'.encode() + prompt_lp + b"}"
 
 
 def vllm_error(status: int, message: str) -> HTTPAnswer:
