@@ -247,6 +247,8 @@ def test_refusals_name_the_field_and_the_server_keeps_serving(
         (c, {**ok, "prompt_logprobs": 300}, r"^prompt_logprobs: 300 is outside \[1, 256\]"),
         (c, {**ok, "prompt": [[1, 512]]}, r"^prompt\[0\]\[1\]: 512 is outside the vocabulary"),
         (c, {**ok, "prompt": ""}, r'^prompt: "" encodes to no token'),
+        (c, {**ok, "prompt": ["ok", "ab\ud800"]},
+         r"^prompt\[1\]: the teacher's tokenizer cannot encode it"),
         (c, {"prompt": [[1, 2]], "echo": True}, r"^prompt_logprobs: missing"),
         (c, {**ok, "best_of": 2}, r"^best_of: not supported"),
         (g, {**gen, "sampling_params": {"max_tokens": 5, "prompt_logprobs": 1}},
