@@ -31,13 +31,15 @@ read from a cache or shared between requests unless the measurement is about tha
    teacher's computed positions (``/metrics``).
 3. **Probes under load**: ``--clients`` (64) client threads, each posting
    ``--probe-requests`` slime-style ``/generate`` requests of ``--seq-len`` tokens one
-   after the other, while a separate process asks ``/healthz``, ``/readyz`` and gRPC
+   after the other (slime's body, then again with ``top_logprobs_num`` 64:
+   ``--probe-top``), while a separate process asks ``/healthz``, ``/readyz`` and gRPC
    health every 50 ms (:class:`devtools.probes.ProbeWatcher`). Reported: the slowest probe
    and the requests answered (the target: every probe within 1 s).
 
     python -m benchmarks.bench_http_routes [--model DIR] [--batch 8] [--seq-len 2048]
         [--k 8 64] [--reps 3] [--group 8] [--prompt 1536] [--completion 512]
-        [--group-rounds 5] [--clients 64] [--probe-requests 2] [--only ...]
+        [--group-rounds 5] [--clients 64] [--probe-requests 2] [--probe-top 0 64]
+        [--only throughput|group|probes]
 """
 
 from __future__ import annotations
@@ -268,7 +270,7 @@ def probes_under_load(server: TeacherProcess, a: argparse.Namespace) -> tuple[fl
     def client(i: int) -> None:
         for j in range(a.probe_requests):
             (seq,) = sequences((7, i, j), 1, a.seq_len)
-            status, raw = post(url, slime_body(seq))
+            status, raw = post(url, slime_body(seq, a.probe_top))
             if status == 200 and len(json.loads(raw)["meta_info"]["input_token_logprobs"]):
                 answered[0] += 1
             else:
@@ -313,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-rounds", type=int, default=5)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--probe-requests", type=int, default=2)
+    ap.add_argument(
+        "--probe-top", type=int, nargs="+", default=[0, 64],
+        help="top_logprobs_num of the loading requests, one load per value (0: slime's body)",
+    )  # fmt: skip
     ap.add_argument("--only", choices=["throughput", "group", "probes"], help="one part only")
     return ap
 
@@ -370,10 +376,15 @@ def main() -> None:
             print(f"paired ratio distinct / group: median {statistics.median(ratios):.2f}x "
                   f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})", flush=True)  # fmt: skip
         if a.only in (None, "probes"):
-            worst, detail = probes_under_load(server, a)
             print()
             print(f"probes under {a.clients} clients posting {a.seq_len}-token /generate:")
-            print(f"slowest probe {worst * 1e3:.0f} ms; {detail}", flush=True)
+            print("| top_logprobs_num | slowest probe, ms | detail |")
+            print("|---:|---:|---|")
+            for top in a.probe_top:
+                worst, detail = probes_under_load(
+                    server, argparse.Namespace(**{**vars(a), "probe_top": top})
+                )
+                print(f"| {top} | {worst * 1e3:.0f} | {detail} |", flush=True)
     finally:
         server.stop()
     if a.only not in (None, "throughput"):
