@@ -373,8 +373,8 @@ def estimated_peak_bytes(
     variant: str, n_rows: int, vocab: int, hidden_size: int, itemsize: int = 2
 ) -> float:
     """A generous estimate of one variant's peak RSS (inputs included), to skip what cannot
-    fit: the measured extra memory of each path (docs/losses.md, bf16: `itemsize` 2) plus a
-    margin."""
+    fit: the extra memory of each path (docs/lm_head_loss.md, "Which path"; bf16: `itemsize`
+    2) plus a margin."""
     logits = float(itemsize) * n_rows * vocab
     weight = float(itemsize) * vocab * hidden_size
     extra = {

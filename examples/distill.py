@@ -82,7 +82,7 @@ class DistillConfig:
     loss_mode: LossMode = "tail"
     divergence: str = "forward"
     beta: float | None = None
-    # The fused lm_head loss by default, as the rule of docs/losses.md ("Which path") says:
+    # The fused lm_head loss by default, as the rule of docs/lm_head_loss.md ("Which path") says:
     # it never needs more memory than the logits path, and with N = 16 x 256 positions per
     # step and a byte vocabulary the logits (2NV, about 2 MiB) fit one 64 MiB block: the
     # rule's one-block case (no extra pass over [V, H], less elementwise work).

@@ -13,7 +13,7 @@ is one request whatever its size (its bytes are bounded per stream by the stream
 budget, :mod:`teacher_server.grpc_api.backpressure`).
 
 :data:`ARRIVAL` order (``--admission-order arrival``) keeps every request in one line
-in arrival order: the old first-come-first-served behaviour, kept to compare against.
+in arrival order, first come first served, to compare against.
 
 Pure Python, no asyncio: the admission queue (:mod:`teacher_server.admission`) keeps
 its waiters here.

@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 #: reach their clients once no request is working any more.
 _FLUSH_S = 2.0
 
+#: The servers of this process whose start-up objects are frozen (``gc.freeze`` is per
+#: process: the last of them to stop unfreezes; ids).
+_FROZEN_BY: set[int] = set()
+
 
 class TeacherServer:
     """One teacher process. ``await start()`` opens both ports at once and loads the engine
@@ -205,7 +209,7 @@ class TeacherServer:
     async def _load(self) -> None:
         try:
             await self._backend.start()
-            _freeze_startup_objects()
+            _freeze_startup_objects(self)
             info = self._backend.info
             max_len = info.max_sequence_length
             self._limits = dataclasses.replace(
@@ -225,7 +229,7 @@ class TeacherServer:
             if self._config.warmup:
                 await self._backend.warmup()
             await announce_fingerprint(self._backend, self._config.expect_fingerprint)
-            _freeze_startup_objects()
+            _freeze_startup_objects(self)
             self._info = teacher_info_message(self._backend, self._limits)
             if self._config.memory_trim_idle_s > 0:
                 self._trim_task = asyncio.create_task(
@@ -292,17 +296,33 @@ class TeacherServer:
             await asyncio.wait_for(self._backend.close(), ENGINE_SHUTDOWN_S + 1)
         except TimeoutError:
             log.warning("the engine did not close within %.1f s", ENGINE_SHUTDOWN_S + 1)
+        _unfreeze_startup_objects(self)
         log.info("stopped")
 
 
-def _freeze_startup_objects() -> None:
+def _freeze_startup_objects(server: TeacherServer) -> None:
     """Move every object alive now (the engine's, torch's, the modules') out of the cyclic
     garbage collector's reach (``gc.freeze``): they live as long as the process, and a
     full collection scanning them all held the event loop, probes included, for up to
     1.5 s under load. vLLM's engine process does the same. No ``gc.collect()`` first: that
     would be one such pause, on the loop; ``gc.freeze`` itself only moves lists."""
     gc.freeze()
+    _FROZEN_BY.add(id(server))
     log.info("gc: %d start-up objects frozen", gc.get_freeze_count())
+
+
+def _unfreeze_startup_objects(server: TeacherServer) -> None:
+    """Put the frozen objects back under the collector (``gc.unfreeze``) once the last
+    server of this process that froze them has stopped, as vLLM's engine core does at its
+    shutdown. Frozen objects outlive even the interpreter's final collection: an extension
+    whose objects sit in a frozen reference cycle then reports them leaked at exit (Triton's
+    nanobind module, imported through ``torch._dynamo``, prints hundreds of lines after a
+    process that ran a server in-process, e.g. the test suite)."""
+    if id(server) not in _FROZEN_BY:
+        return
+    _FROZEN_BY.discard(id(server))
+    if not _FROZEN_BY:
+        gc.unfreeze()
 
 
 def _tls_files(cfg: ServerConfig) -> tuple[Path, Path] | None:

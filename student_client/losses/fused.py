@@ -6,7 +6,7 @@ block (the weight's dtype), then runs the *same* per-chunk code as `topk_kl_loss
 (`chunked.reduce_chunk`, `terms_from_reductions`, `logit_gradient_`) on fp32 sub-blocks of
 it, and multiplies the chunk's logit gradient into `grad_hidden` and `grad_weight` at once.
 
-When the gradient is computed (docs/losses.md, "Fused lm_head", has the measurements):
+When the gradient is computed (docs/lm_head_loss.md; the measurements: docs/benchmarks.md):
 
 - in forward (default for reduction "mean" / "sum"): three matmuls per chunk, like the
   logits path (logits, `G @ W`, `G.T @ h`). The upstream gradient of a reduced loss is one

@@ -1,5 +1,5 @@
 """`GradientSink`: the fused loss's gradients of `hidden`, `weight` and `bias`, accumulated
-chunk by chunk (docs/losses.md, "Weight-gradient accumulation")."""
+chunk by chunk (docs/lm_head_loss.md, "Weight-gradient accumulation")."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class GradientSink:
     """Accumulates `grad_hidden`, `grad_weight`, `grad_bias` chunk by chunk.
 
     `grad_weight` `[V_local, H]` is a sum over the row chunks; how it is accumulated
-    (`settings.accumulation`, docs/losses.md "Weight-gradient accumulation"):
+    (`settings.accumulation`, docs/lm_head_loss.md "Weight-gradient accumulation"):
 
     - "weight": in the weight's dtype, `grad_weight.addmm_(G.T, h)` per chunk: the matmul
       sums the chunk in fp32 and adds the running sum before its one rounding, so the

@@ -63,7 +63,7 @@ class LossOptions:
             summed over the row chunks: "weight" (in the weight's dtype, rounded once per
             chunk, no memory beyond the gradient), "compensated" (a second buffer of the
             gradient's size keeps the rounding error), "float32" (an fp32 accumulator: 2x
-            the gradient, 3x while rounding). docs/losses.md, "Weight-gradient accumulation".
+            the gradient, 3x while rounding). docs/lm_head_loss.md, "Weight-gradient accumulation".
     """
 
     divergence: str | Divergence = "forward"

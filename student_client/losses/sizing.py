@@ -2,7 +2,7 @@
 
 The rule (`rows_within`): a chunk has as many rows as fit a byte budget, at least one.
 `topk_kl_loss` applies it to its fp32 work block; `lm_head_topk_kl_loss` to its logits block
-(whose budget grows with the logits the path never forms, docs/losses.md "Chunk sizes")
+(whose budget grows with the logits the path never forms, docs/lm_head_loss.md "Chunk sizes")
 and to the fp32 sub-block its loss math runs on.
 """
 

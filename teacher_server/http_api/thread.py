@@ -1,10 +1,10 @@
 """The HTTP port on its own thread and event loop, with the probes answered there.
 
-uvicorn used to run inside the serving loop (the one that runs gRPC, admission and the
-engine's output handling), so anything that held that loop (a burst of 100,000 tiny
-requests, a long garbage-collector pass) held ``/healthz`` and ``/readyz`` too, and an
-orchestrator's 1 s probe timeout could restart a healthy teacher. Here uvicorn runs in a
-thread of its own with its own loop (:class:`HttpThread`) and :class:`ProbeFront`
+Why a thread of its own: anything that holds the serving loop (the one that runs gRPC,
+admission and the engine's output handling; a burst of 100,000 tiny requests, a long
+garbage-collector pass) would hold probes answered there too, and an orchestrator's 1 s
+probe timeout would restart a healthy teacher. So uvicorn runs in a thread of its own
+with its own loop (:class:`HttpThread`) and :class:`ProbeFront`
 answers the probes in that loop from the :class:`~teacher_server.lifecycle.Lifecycle`
 alone: the serving loop's load cannot delay them, only the GIL can, and Python hands the
 GIL over every 5 ms (``sys.getswitchinterval``). Every other route (``/metrics``,

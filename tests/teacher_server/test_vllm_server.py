@@ -305,8 +305,9 @@ def test_expired_deadline_aborts_engine_work(vllm_teacher, stub) -> None:  # typ
 def test_session_server_uses_the_array_path_and_picks_the_top_k_by_speed(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
     log = vllm_teacher.log()
     assert "log-prob path: arrays" in log
-    assert "array log-prob path not used" not in log
-    assert "CPU top-k kernel not used" not in log
+    assert "fell back" not in log
+    for hook in ("capped_scheduler", "engine_topk_kernel", "array_logprobs", "candidate_columns"):
+        assert f"vLLM hook {hook} installed" in log, hook
     # auto installs the kernel (its self-check passed) and keeps the faster of the two,
     # saying which and the timings it picked by (which one wins is the CPU's business).
     picked = [ln for ln in log.splitlines() if "engine top-k: " in ln]
@@ -323,7 +324,7 @@ def fallback_teacher(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess
     """A second vLLM server that believes vLLM is another version (a simulated mismatch),
     so it falls back to vLLM's flat_logprobs path and to vLLM's own top-k in the engine:
     vLLM's way end to end. The one extra engine of this suite."""
-    from teacher_server.backends.vllm.arrays import SIMULATE_VERSION_ENV
+    from teacher_server.backends.vllm.hooks import SIMULATE_VERSION_ENV
 
     server = start_server(
         ["--backend", "vllm", "--model", str(tiny_model_dir), *TINY_SERVE_ARGS],
@@ -344,15 +345,15 @@ def fallback_stub(fallback_teacher: ServerProcess) -> Iterator[pb_grpc.TeacherSt
 @pytest.mark.parametrize(
     ("warning", "in_use"),
     [
-        ("array log-prob path not used", "log-prob path: flat"),
-        ("CPU top-k kernel not used", "engine top-k: vllm"),
-        ("prefix reuse off", "every position is computed"),
+        ("vLLM hook array_logprobs fell back", "log-prob path: flat"),
+        ("vLLM hook engine_topk_kernel fell back", "engine top-k: vllm"),
+        ("vLLM hook capped_scheduler fell back", "every position is computed"),
     ],
 )
 def test_fallback_warns_once_and_uses_vllms_way(
     fallback_teacher: ServerProcess, warning: str, in_use: str
 ) -> None:
-    """Each hook falls back on its own, with one warning that says why."""
+    """Each hook falls back on its own, with one warning that names it and says why."""
     log = fallback_teacher.log()
     warnings = [ln for ln in log.splitlines() if warning in ln]
     assert len(warnings) == 1, warnings

@@ -106,7 +106,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "topk-distill-payloads"
-FORMAT_VERSION = 2  # 1 was the single-file ``.tkrec`` container
+FORMAT_VERSION = 2  # version 1, a single-file ``.tkrec`` container, is not read
 METADATA_FILE = "metadata.json"
 SHARD_SUFFIX = ".arrow"
 DEFAULT_FLUSH_INTERVAL_S = 2.0

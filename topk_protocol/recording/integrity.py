@@ -1,9 +1,9 @@
 """Integrity of recordings: a checksum per row, and what a shard's schema must say.
 
-Every row of a recording (format version 2, written since checksums were added) carries
-a CRC-32 of everything that row serves (:func:`row_checksum`), and every shard's Arrow
-schema metadata repeats the format fields of ``metadata.json`` (K, dtype, vocabulary
-size, tokenizer fingerprint, temperature: :func:`shard_format`). The reader
+Every row of a recording (format version 2) carries a CRC-32 of everything that row
+serves (:func:`row_checksum`), and every shard's Arrow schema metadata repeats the format
+fields of ``metadata.json`` (K, dtype, vocabulary size, tokenizer fingerprint,
+temperature: :func:`shard_format`). The reader
 (:mod:`topk_protocol.recording`) checks both, so a flipped byte or a ``metadata.json``
 that lies is reported (:class:`~topk_protocol.errors.RecordingDamagedError`) instead of
 being served as data.
@@ -61,8 +61,9 @@ def row_checksum(
     it has (one bit each, in order), then the bytes of its ``required`` arrays (``ids``
     ``[S, K]``, ``logprobs`` ``[S, K]``) and of the ``optional`` ones present
     (``sampled_logprobs`` ``[S]``), in the storage dtype and byte order the shard holds
-    (little-endian). With one optional array the flag is the byte ``has_sampled``, so
-    rows checksummed before the arrays were listed generically keep their checksums.
+    (little-endian). The flags are one byte, bit ``i`` for ``optional[i]``: a row whose
+    only optional array is the first, ``sampled_logprobs``, hashes the byte 1 whatever
+    optional arrays the format lists after it.
 
     Rows of a shard are C-contiguous views: their bytes are hashed in place, without a
     copy (other arrays are made contiguous first).

@@ -8,7 +8,9 @@
   the CPU top-k);
 - :mod:`~teacher_server.backends.vllm.candidates` and
   :mod:`~teacher_server.backends.vllm.sampling`: candidate and sampled log-probs in the worker;
-- :mod:`~teacher_server.backends.vllm.prefix`: prefix reuse (the capped scheduler).
+- :mod:`~teacher_server.backends.vllm.prefix`: prefix reuse (the capped scheduler);
+- :mod:`~teacher_server.backends.vllm.hooks`: the list of every patch into vLLM's (and
+  torch's) internals, the versions each was checked against, and its fallback.
 
 Nothing here is imported until the vLLM backend is chosen, so a server started with
 another backend never imports vLLM.

@@ -1,6 +1,7 @@
 """The array log-prob path: vLLM's top-k log-prob arrays straight to the payload.
 
-Written for vLLM 0.32 (checked on 0.32.0; see :data:`WRITTEN_FOR`).
+One of the vLLM hooks (:data:`~teacher_server.backends.vllm.hooks.ARRAY_LOGPROBS`: the
+versions it was checked against, its fallback).
 
 vLLM's engine core sends the front-end process, per request, the prompt log-probs as a
 ``LogprobsTensors`` (``[rows, K+1]`` int32 token ids and float32 log-probs, column 0 the
@@ -22,20 +23,21 @@ without the mark (and every other engine) are untouched.
 :func:`hook_problem` checks, at start-up, that the installed vLLM is a version this was
 written for and that the hook point still behaves as expected (a synthetic engine output
 goes through vLLM's stock processor and through ours, and must give the same entries);
-the backend falls back to the ``flat_logprobs`` path with one warning otherwise.
+the backend falls back to the ``flat_logprobs`` path with one warning otherwise
+(:func:`~teacher_server.backends.vllm.hooks.report`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from teacher_server.backends.vllm import hooks
 from teacher_server.backends.vllm.candidates import candidate_columns
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays
@@ -43,8 +45,6 @@ from topk_protocol import RequestOptions, SequenceArrays
 __all__ = [
     "LOGPROBS_PATHS",
     "MARKER",
-    "SIMULATE_VERSION_ENV",
-    "WRITTEN_FOR",
     "LogprobArrays",
     "attach",
     "hook_problem",
@@ -54,12 +54,7 @@ __all__ = [
     "sampling_overrides",
     "select_path",
     "topk_payload",
-    "version_problem",
 ]
-
-#: vLLM versions (major.minor) the hooks (this one and ``vllm_worker``'s engine top-k) were
-#: written for; under ``auto`` any other version falls back.
-WRITTEN_FOR = ("0.32",)
 
 #: ``--logprobs-path`` choices: ``auto`` (arrays where the hook checks out, else flat),
 #: ``arrays`` (required: fail at start-up if the hook does not check out; any version),
@@ -68,9 +63,6 @@ LOGPROBS_PATHS = ("auto", "arrays", "flat")
 
 #: Key in ``SamplingParams.extra_args`` that marks a request for the array path.
 MARKER = "topk_distill_arrays"
-
-#: Testing aid: pretend the installed vLLM has this version (simulates a mismatch).
-SIMULATE_VERSION_ENV = "TOPK_DISTILL_SIMULATE_VLLM_VERSION"
 
 log = logging.getLogger(__name__)
 
@@ -317,15 +309,6 @@ def attach(output_processor: Any) -> None:
     op._topk_distill_arrays = True
 
 
-def _vllm_version() -> str:
-    simulated = os.environ.get(SIMULATE_VERSION_ENV)
-    if simulated:
-        return simulated
-    import vllm
-
-    return str(vllm.__version__)
-
-
 def _self_check() -> str | None:
     """Feed one synthetic engine output (two prompt chunks, a generated-token row wider
     than K + 1) to vLLM's stock ``flat_logprobs`` processor and to ours; the entries must
@@ -392,22 +375,14 @@ def _entries(arrays: LogprobArrays, k: int) -> list[tuple[list[int], list[float]
     ]
 
 
-def version_problem() -> str | None:
-    """Why the installed vLLM is not one this project's hooks were written for, or None."""
-    version = _vllm_version()
-    if ".".join(version.split(".")[:2]) not in WRITTEN_FOR:
-        return f"vLLM {version} is not a version it was written for ({', '.join(WRITTEN_FOR)})"
-    return None
-
-
 def hook_problem(engine: Any = None, *, check_version: bool = True) -> str | None:
     """Why the array path cannot be used with the installed vLLM (and ``engine``, if given),
     or None when it can. ``check_version=False`` skips only the version check."""
     try:
-        version = _vllm_version()
+        version = hooks.installed_version()
     except ImportError as exc:
         return f"vLLM cannot be imported ({exc})"
-    if check_version and (problem := version_problem()) is not None:
+    if check_version and (problem := hooks.version_problem(hooks.ARRAY_LOGPROBS)) is not None:
         return problem
     if engine is not None:
         op = getattr(engine, "output_processor", None)
@@ -424,8 +399,9 @@ def hook_problem(engine: Any = None, *, check_version: bool = True) -> str | Non
 
 def select_path(requested: str, engine: Any) -> str:
     """Resolve ``requested`` (one of :data:`LOGPROBS_PATHS`) to ``"arrays"`` or ``"flat"``
-    for ``engine`` and :func:`attach` the hook when arrays are used. ``auto`` logs one
-    warning when it falls back; ``arrays`` raises when the hook does not check out."""
+    for ``engine`` and :func:`attach` the hook when arrays are used. ``auto`` reports the
+    hook installed or fallen back (:func:`~teacher_server.backends.vllm.hooks.report`);
+    ``arrays`` raises when the hook does not check out."""
     if requested not in LOGPROBS_PATHS:
         raise ValueError(f"logprobs_path: {requested!r} is not one of {', '.join(LOGPROBS_PATHS)}")
     if requested == "flat":
@@ -436,13 +412,11 @@ def select_path(requested: str, engine: Any) -> str:
             raise RuntimeError(
                 f"logprobs_path arrays: the array log-prob path cannot be used: {problem}"
             )
-        log.warning(
-            "array log-prob path not used: %s; falling back to vLLM's flat_logprobs path "
-            "(slower: a Python object per log-prob entry)",
-            problem,
-        )
+        hooks.report(hooks.ARRAY_LOGPROBS, problem)
         return "flat"
-    if requested == "arrays" and (untested := version_problem()) is not None:
+    untested = hooks.version_problem(hooks.ARRAY_LOGPROBS)
+    if requested == "arrays" and untested is not None:
         log.warning("array log-prob path forced on an untested vLLM: %s", untested)
     attach(engine.output_processor)
+    hooks.report(hooks.ARRAY_LOGPROBS, None)
     return "arrays"

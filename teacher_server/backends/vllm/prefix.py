@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from teacher_server.backends.vllm.hooks import CAPPED_SCHEDULER, version_problem
+
 __all__ = [
     "CAP_KEY",
     "SCHEDULER_QUALNAME",
@@ -113,10 +115,9 @@ SCHEDULER_QUALNAME = f"{__name__}.{CappedScheduler.__qualname__}"
 
 def scheduler_problem() -> str | None:
     """Why :class:`CappedScheduler` cannot be used with the installed vLLM (a version it
-    was not written for, or a scheduler without the method it overrides), or None."""
-    from teacher_server.backends.vllm.arrays import version_problem
-
-    if (problem := version_problem()) is not None:
+    was not written for, or a scheduler without the method it overrides), or None
+    (:data:`~teacher_server.backends.vllm.hooks.CAPPED_SCHEDULER`)."""
+    if (problem := version_problem(CAPPED_SCHEDULER)) is not None:
         return problem
     try:
         from vllm.v1.core.sched.scheduler import Scheduler

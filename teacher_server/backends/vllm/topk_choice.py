@@ -14,12 +14,12 @@ timings are logged at start-up. On a GPU engine ``auto`` is vLLM's.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from teacher_server.backends.vllm.hooks import ENGINE_TOPK_KERNEL, report
 from teacher_server.backends.vllm.worker import (
     ENGINE_TOPK_METHOD,
     KERNEL,
@@ -28,8 +28,6 @@ from teacher_server.backends.vllm.worker import (
 )
 
 __all__ = ["TopkChoice", "choose_by_speed", "route_engine_topk", "start_up_choice"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,9 @@ async def start_up_choice(
     """Route ``engine``'s workers for ``--engine-topk requested`` (``auto``, ``kernel`` or
     ``vllm``) and return what is in use. ``own_extension``: this project's worker class
     is installed; ``k``: the largest K served; ``version_problem``: why the installed
-    vLLM is not the one the kernel's wrapper was written for (None: it is)."""
+    vLLM is not the one the kernel's wrapper was written for (None: it is). The kernel's
+    hook is reported installed or fallen back
+    (:func:`~teacher_server.backends.vllm.hooks.report`)."""
     from vllm.platforms import current_platform
 
     auto, on_cpu = requested == "auto", current_platform.is_cpu()
@@ -83,7 +83,7 @@ async def start_up_choice(
     if not own_extension:
         return TopkChoice(VLLM_TOPK, "vLLM's (worker_extension_cls is set by the caller)")
     if auto and version_problem:
-        log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", version_problem)
+        report(ENGINE_TOPK_KERNEL, version_problem)
         return TopkChoice(VLLM_TOPK, f"vLLM's: {version_problem}")
     answers = await route_engine_topk(engine, True)
     if not all(a == KERNEL for a in answers):
@@ -91,8 +91,9 @@ async def start_up_choice(
         why = "; ".join(sorted({a for a in answers if a != KERNEL}))
         if requested == KERNEL:
             raise RuntimeError(f"engine_topk kernel: the CPU top-k kernel cannot be used: {why}")
-        log.warning("CPU top-k kernel not used (%s); vLLM's torch.topk instead", why)
+        report(ENGINE_TOPK_KERNEL, why)
         return TopkChoice(VLLM_TOPK, f"vLLM's: {why}")
+    report(ENGINE_TOPK_KERNEL, None)
     if requested == KERNEL:
         return TopkChoice(KERNEL, "--engine-topk kernel")
     timings = await engine.collective_rpc(TIME_TOPK_METHOD, args=(k,))

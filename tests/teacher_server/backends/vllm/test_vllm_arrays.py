@@ -21,6 +21,7 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 from teacher_server.backends.base import topk_from_logprobs
 from teacher_server.backends.vllm import arrays as va
+from teacher_server.backends.vllm import hooks
 from teacher_server.backends.vllm.backend import VLLMBackend
 from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
 from teacher_server.validation import ParsedSequence
@@ -173,14 +174,16 @@ def test_hook_check_and_path_selection(
     ``auto`` fall back with one warning; ``arrays`` on an engine without the hook point
     fails at start-up with the reason; ``flat`` never touches the hook."""
     assert va.hook_problem() is None
-    monkeypatch.setenv(va.SIMULATE_VERSION_ENV, "0.99.1")
+    monkeypatch.setenv(hooks.SIMULATE_VERSION_ENV, "0.99.1")
     problem = va.hook_problem()
     assert problem is not None and "vLLM 0.99.1 is not a version it was written for" in problem
     assert va.hook_problem(check_version=False) is None
-    with caplog.at_level(logging.WARNING, logger=va.__name__):
+    with caplog.at_level(logging.WARNING, logger=hooks.__name__):
         assert va.select_path("auto", object()) == "flat"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "falling back to vLLM's flat_logprobs" in warnings[0].message
+    assert len(warnings) == 1, warnings
+    assert "vLLM hook array_logprobs fell back: vLLM 0.99.1 is not" in warnings[0].message
+    assert "in use instead: vLLM's flat_logprobs path" in warnings[0].message
     with pytest.raises(RuntimeError, match="no output_processor"):
         va.select_path("arrays", object())
     assert va.select_path("flat", object()) == "flat"

@@ -271,6 +271,9 @@ def test_refusals_name_the_field_and_the_server_keeps_serving(
          r'^text: "" encodes to no token'),
         ({**{k: v for k, v in ok.items() if k != "input_ids"}, "text": 5}, 400,
          r"^text: expected a string, got 5"),
+        # A lone surrogate (valid JSON escape, no Unicode text): the tokenizer refuses it.
+        ({**{k: v for k, v in ok.items() if k != "input_ids"}, "text": "ab\ud800"}, 400,
+         r"^text: the teacher's tokenizer cannot encode it"),
         ({**ok, "input_ids": [[1, 2]], "logprob_start_len": [0, 0]}, 400,
          r"^logprob_start_len: 2 values for 1 sequences"),
     ]  # fmt: skip

@@ -114,6 +114,41 @@ def test_rllm_compute_logprobs_echo_call(
         assert len(choice["prompt_logprobs"]) == len(seq)
 
 
+def test_openai_client_echo_with_prompt_logprobs(
+    vllm_teacher: ServerProcess, reference_backend: Any, tiny_model_dir: Path
+) -> None:
+    """The ``openai`` Python client, as ms-swift and rllm use it:
+    ``completions.create(model, prompt, max_tokens=1, echo=True,
+    extra_body={"prompt_logprobs": K})`` with token ids and with the same text; every
+    prompt entry (vLLM's extra field on the choice) against the dense reference."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    client = OpenAI(base_url=f"{vllm_teacher.http}/v1", api_key="unused", max_retries=0)
+    model = _model(vllm_teacher)
+    seq = _seqs()[2]
+    text = tokenizer.decode(seq)
+    ids = tokenizer.encode(text)
+    for prompt, tokens in ((seq, seq), (text, ids)):
+        out = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=1,
+            echo=True,
+            temperature=1.0,
+            extra_body={"prompt_logprobs": K},
+        )
+        choice = out.choices[0]
+        assert out.usage is not None and out.usage.prompt_tokens == len(tokens)
+        entries = (choice.model_extra or {})["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(tokens)
+        dense = _dense(reference_backend, tokens)
+        for p, entry in enumerate(entries[1:], 1):
+            _check_entry(entry, dense[p - 1], tokens[p], K)
+        assert choice.text == text
+
+
 def test_text_prompts_prompt_logprobs_and_batches(
     vllm_teacher: ServerProcess, reference_backend: Any, tiny_model_dir: Path
 ) -> None:
@@ -212,6 +247,8 @@ def test_refusals_name_the_field_and_the_server_keeps_serving(
         (c, {**ok, "prompt_logprobs": 300}, r"^prompt_logprobs: 300 is outside \[1, 256\]"),
         (c, {**ok, "prompt": [[1, 512]]}, r"^prompt\[0\]\[1\]: 512 is outside the vocabulary"),
         (c, {**ok, "prompt": ""}, r'^prompt: "" encodes to no token'),
+        (c, {**ok, "prompt": ["ok", "ab\ud800"]},
+         r"^prompt\[1\]: the teacher's tokenizer cannot encode it"),
         (c, {"prompt": [[1, 2]], "echo": True}, r"^prompt_logprobs: missing"),
         (c, {**ok, "best_of": 2}, r"^best_of: not supported"),
         (g, {**gen, "sampling_params": {"max_tokens": 5, "prompt_logprobs": 1}},
