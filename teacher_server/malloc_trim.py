@@ -78,10 +78,12 @@ async def trim_when_idle(
     idle_since: Callable[[], float | None],
     engine_trim: Callable[[], Awaitable[int]],
     on_trim: Callable[[str, int], None],
+    drop_caches: Callable[[], None] | None = None,
 ) -> None:
-    """Once per idle spell, when it has lasted ``idle_s``: trim this process (in a worker
-    thread: the loop keeps serving) and await ``engine_trim`` (the backend's engine
-    processes); ``on_trim(process, bytes_given_back)`` after each, ``process`` being
+    """Once per idle spell, when it has lasted ``idle_s``: call ``drop_caches`` (the
+    backend's caches of answers, of no use across idle spells), trim this process (in a
+    worker thread: the loop keeps serving) and await ``engine_trim`` (the backend's
+    engine processes); ``on_trim(process, bytes_given_back)`` after each, ``process`` being
     ``"server"`` or ``"engine"``. ``idle_since()``: ``time.monotonic()`` when the server
     last became idle, ``None`` while it is busy. Runs until cancelled; a failed engine trim
     is logged (once per run of failures) and tried again at the next idle spell."""
@@ -93,6 +95,8 @@ async def trim_when_idle(
         if since is None or since == trimmed or time.monotonic() - since < idle_s:
             continue
         trimmed = since
+        if drop_caches is not None:
+            drop_caches()
         on_trim("server", await asyncio.to_thread(malloc_trim))
         try:
             on_trim("engine", await engine_trim())

@@ -44,6 +44,12 @@ class ComputeCollector(Collector):
             value=c.positions_answered,
         )
         yield GaugeMetricFamily(
+            "topk_teacher_shared_rows_bytes",
+            "Bytes of answers' rows kept now to answer later requests for the same prefix "
+            "(--shared-rows-mib; cleared when the server is idle).",
+            value=c.shared_row_bytes,
+        )
+        yield GaugeMetricFamily(
             "topk_teacher_cached_token_ratio",
             "Cached tokens / engine tokens since start-up (0 to 1; 0 before any request).",
             value=c.cached_tokens / c.tokens if c.tokens else 0.0,

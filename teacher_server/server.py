@@ -238,6 +238,7 @@ class TeacherServer:
                         lambda: self._admission.idle_since,
                         self._backend.trim_memory,
                         lambda process, n: self._metrics.memory_trimmed.labels(process).inc(n),
+                        self._backend.drop_caches,
                     )
                 )
             if await self.lifecycle.advance(Phase.READY):

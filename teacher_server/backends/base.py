@@ -70,6 +70,8 @@ class ComputeCounts:
     tokens: int = 0
     cached_tokens: int = 0
     positions_answered: int = 0
+    #: Bytes of answers' rows kept now to answer later requests for the same prefix.
+    shared_row_bytes: int = 0
 
     @property
     def positions_computed(self) -> int:
@@ -157,6 +159,11 @@ class Backend(abc.ABC):
         """False once the engine is lost for good (its process died): ``/readyz`` then
         answers 503. Called from the HTTP thread: must not block. Default: True."""
         return True
+
+    def drop_caches(self) -> None:  # noqa: B027 - optional hook
+        """Forget what the backend keeps of earlier answers to serve later requests
+        (called when the server has been idle, before memory is given back). Default:
+        nothing kept."""
 
     async def trim_memory(self) -> int:
         """``malloc_trim`` the engine's own processes (:mod:`teacher_server.malloc_trim`);

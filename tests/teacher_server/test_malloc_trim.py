@@ -51,8 +51,9 @@ def test_malloc_trim_gives_back_freed_heap_memory_that_glibc_keeps() -> None:
 
 
 def test_trim_when_idle_trims_once_per_idle_spell_and_survives_an_engine_failure() -> None:
-    """Busy: no trim. Idle for 0.2 s: one trim of each process. Still idle: no more. A
-    new idle spell: again (its engine trim fails: logged, the loop goes on), and again."""
+    """Busy: no trim. Idle for 0.2 s: the backend's caches dropped, then one trim of each
+    process. Still idle: no more. A new idle spell: again (its engine trim fails: logged,
+    the loop goes on), and again."""
     calls: list[tuple[str, int]] = []
     engine_answers: Iterator[int | Exception] = iter([7, RuntimeError("engine gone"), 9])
     state: dict[str, float | None] = {"since": None}
@@ -66,7 +67,11 @@ def test_trim_when_idle_trims_once_per_idle_spell_and_survives_an_engine_failure
     async def main() -> None:
         task = asyncio.create_task(
             trim_when_idle(
-                0.2, lambda: state["since"], engine_trim, lambda p, n: calls.append((p, n))
+                0.2,
+                lambda: state["since"],
+                engine_trim,
+                lambda p, n: calls.append((p, n)),
+                lambda: calls.append(("caches dropped", 0)),
             )
         )
         await asyncio.sleep(0.5)
@@ -83,6 +88,9 @@ def test_trim_when_idle_trims_once_per_idle_spell_and_survives_an_engine_failure
 
     asyncio.run(asyncio.wait_for(main(), 20))
     assert [n for p, n in calls if p == "engine"] == [7, 9]  # the failed one reports nothing
+    # Each spell: the backend's caches dropped first, then the server trimmed.
+    spells = [p for p, _ in calls if p != "engine"]
+    assert spells == ["caches dropped", "server"] * 3
     assert all(n >= 0 for _, n in calls)
 
 

@@ -350,6 +350,12 @@ class VLLMBackend(Backend):
         is built and after close (the lifecycle says loading or draining then)."""
         return self._engine is None or not self._engine.errored
 
+    def drop_caches(self) -> None:
+        """Forget the kept rows (:attr:`shared_rows`)."""
+        if self.shared_rows is not None:
+            self.shared_rows.clear()
+            self.compute.shared_row_bytes = 0
+
     async def trim_memory(self) -> int:
         """``malloc_trim`` every worker's process (the model, its buffers: where the
         engine's memory is) between engine steps; the bytes given back, summed.
@@ -378,6 +384,7 @@ class VLLMBackend(Backend):
 
         rows = await shared.score(sequence, options.top_k, compute)
         self.compute.add(0, 0, sequence.end - sequence.start - computed)
+        self.compute.shared_row_bytes = shared.kept_bytes
         return rows
 
     async def _score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:

@@ -41,8 +41,9 @@ from topk_protocol import SequenceArrays
 
 __all__ = ["DEFAULT_SHARED_ROWS_BYTES", "SharedRows", "concat_rows", "row_slice"]
 
-#: Bytes of kept rows by default: about 500 sequences of 1,024 rows at K = 64.
-DEFAULT_SHARED_ROWS_BYTES = 256 << 20
+#: Bytes of kept rows by default: about 64 sequences of 2,048 rows at K = 64, or 5,000
+#: at K = 1 (slime's call without top-k).
+DEFAULT_SHARED_ROWS_BYTES = 64 << 20
 
 
 def row_slice(rows: SequenceArrays, start: int, end: int) -> SequenceArrays:
@@ -126,11 +127,19 @@ class SharedRows:
                 return event
         return None
 
+    def clear(self) -> None:
+        """Forget every kept answer (the server does when idle, before giving memory
+        back: a group's requests come together, not across idle spells)."""
+        self._kept.clear()
+        self._by_key.clear()
+        self._bytes = 0
+
     def _lookup(
         self, sequence: ParsedSequence, keys: list[bytes], options: Hashable
-    ) -> tuple[_Kept, int] | None:
-        """The kept answer to share rows from and the position ``s'`` its rows end at
-        for ``sequence``, or None (nothing worth a block)."""
+    ) -> tuple[_Kept, int, bool] | None:
+        """The kept answer to share rows from, the position ``s'`` its rows end at for
+        ``sequence`` and whether ``sequence`` is a prefix of the kept one's (then its
+        answer adds nothing worth keeping), or None (nothing worth a block)."""
         for key in reversed(keys):
             kept = self._by_key.get(key)
             if kept is None or kept.options != options:
@@ -140,7 +149,7 @@ class SharedRows:
             shared = _common_prefix(sequence.token_ids, kept.token_ids)
             until = min(sequence.end, shared - 1, end)
             if rows.position_start <= sequence.start and until - sequence.start >= self.block_size:
-                return kept, until
+                return kept, until, shared == len(sequence.token_ids)
             return None
         return None
 
@@ -168,13 +177,15 @@ class SharedRows:
             if hit is None:
                 rows = await compute(sequence)
             else:
-                kept, until = hit
+                kept, until, within = hit
                 head = row_slice(kept.rows, sequence.start, until)
                 self._touch(kept)
                 self.rows_shared += until - sequence.start
                 if until == sequence.end:
                     return head  # nothing new to keep
                 rows = concat_rows(head, await compute(replace(sequence, start=until)))
+                if within:  # the kept answer holds this prefix already (a repeat)
+                    return rows
             self._keep(tokens, rows, options, keys)
             return rows
         finally:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.json_render_reference import as_float32
 from student_client.integrations.trl_client import TRLTeacherClient
 from tests.conftest import ServerProcess
 from topk_protocol.errors import InvalidRequestError, TeacherMismatchError
@@ -33,13 +34,15 @@ def test_drop_in_returns_what_trls_client_returns(clients: Any) -> None:
     seqs = [rng.integers(0, 512, n).tolist() for n in (1, 3, 40, 129, 7)]
     lengths = [0, 0, 12, 100, 7]
     for k in (1, 16):
-        want = trl.get_sequence_logprobs(seqs, lengths, top_logprobs=k)
-        assert ours.get_sequence_logprobs(seqs, lengths, top_logprobs=k) == want
+        # The same float32 values: TRL's client reads the JSON's shortest float32
+        # decimals, ours the arrays, widened.
+        want = as_float32(trl.get_sequence_logprobs(seqs, lengths, top_logprobs=k))
+        assert as_float32(ours.get_sequence_logprobs(seqs, lengths, top_logprobs=k)) == want
         # Chunks of 2 sequences, 3 requests in flight on one stream: the same answer.
         chunked = ours.get_sequence_logprobs(
             seqs, lengths, top_logprobs=k, chunk_size=2, max_concurrent_requests=3
         )
-        assert chunked == want
+        assert as_float32(chunked) == want
     assert [len(r) for r in want["logprobs"]] == [1, 3, 28, 29, 0]
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import requests
 
+from benchmarks.json_render_reference import as_float32
 from student_client.clients.blocking import TeacherClient
 from tests.conftest import ROOT, ServerProcess
 
@@ -86,7 +87,8 @@ def test_trl_client_reads_our_completions_route(
     trl_client: Any, grpc_rows: dict[str, list[Any]], prompt_lengths: list[int]
 ) -> None:
     """TRL 1.11+'s client (vLLM's ``/v1/completions``): full sequences and prompt-length
-    sub-ranges, equal to our gRPC payload shifted, values exactly (float32 both ways)."""
+    sub-ranges, equal to our gRPC payload shifted, values exactly as float32 (the JSON
+    holds each float32's shortest decimal, the gRPC payload the float32 itself)."""
     seqs = _sequences()
     got = trl_client.get_sequence_logprobs(seqs, prompt_lengths, top_logprobs=K)
     want = _expected(grpc_rows, seqs, prompt_lengths)
@@ -94,7 +96,7 @@ def test_trl_client_reads_our_completions_route(
         n - p for n, p in zip(LENGTHS, prompt_lengths, strict=True)
     ]
     for key in KEYS:
-        assert got[key] == want[key], key
+        assert as_float32(got[key]) == as_float32(want[key]), key
     # The actual token's log-prob is there also where it is outside the top K.
     outside = [
         act[0] != -INF and tok[0] not in ids
@@ -289,7 +291,7 @@ def test_trl_routes_on_replay_need_the_token(replay_with_token: ServerProcess) -
     got = client.get_sequence_logprobs([seq], [1], top_logprobs=8)
     with TeacherClient(server.target, token="s3cret") as grpc_client:
         p = grpc_client.score([seq], 8, dtype="float32", positions=[(0, len(seq) - 1)])
-    assert got["logprobs"][0] == p.logprobs[0].tolist()
+    assert as_float32(got["logprobs"][0]) == p.logprobs[0].tolist()
     assert got["logprob_token_ids"][0] == p.ids[0].tolist()
     with pytest.raises(Exception, match=r"404.*recording tiny_vllm_recording: not recorded"):
         client.get_sequence_logprobs([[1, 2, 3]], [0], top_logprobs=8)

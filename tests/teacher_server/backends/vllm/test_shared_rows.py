@@ -175,3 +175,18 @@ def test_bad_sizes_are_refused() -> None:
         SharedRows(0)
     with pytest.raises(ValueError, match="max_bytes"):
         SharedRows(BS, 0)
+
+
+def test_a_repeat_adds_no_copy_and_clear_forgets_everything() -> None:
+    (seq,) = _group(3 * BS, 5, 1)
+    rows, engine = SharedRows(BS, 1 << 20), Engine()
+    asyncio.run(_score_all(rows, engine, [_full(seq)]))
+    kept = rows.kept_bytes
+    for _ in range(3):  # the same sequence again: the last row computed, nothing kept
+        (got,) = asyncio.run(_score_all(rows, engine, [_full(seq)]))
+        _same(got, whole(_full(seq)))
+    assert rows.kept_bytes == kept > 0
+    rows.clear()
+    assert rows.kept_bytes == 0
+    asyncio.run(_score_all(rows, engine, [_full(seq)]))
+    assert engine.asked[-1] == (len(seq), 0, len(seq))  # computed whole again
