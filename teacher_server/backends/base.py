@@ -77,6 +77,10 @@ class ComputeCounts:
     def positions_computed(self) -> int:
         return self.tokens - self.cached_tokens
 
+    def set_shared_row_bytes(self, nbytes: int) -> None:
+        """The bytes of rows kept to share now (a gauge)."""
+        self.shared_row_bytes = nbytes
+
     def add(self, tokens: int, cached_tokens: int, positions_answered: int) -> None:
         self.tokens += tokens
         self.cached_tokens += cached_tokens

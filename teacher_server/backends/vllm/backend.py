@@ -354,7 +354,7 @@ class VLLMBackend(Backend):
         """Forget the kept rows (:attr:`shared_rows`)."""
         if self.shared_rows is not None:
             self.shared_rows.clear()
-            self.compute.shared_row_bytes = 0
+            self.compute.set_shared_row_bytes(0)
 
     async def trim_memory(self) -> int:
         """``malloc_trim`` every worker's process (the model, its buffers: where the
@@ -384,7 +384,7 @@ class VLLMBackend(Backend):
 
         rows = await shared.score(sequence, options.top_k, compute)
         self.compute.add(0, 0, sequence.end - sequence.start - computed)
-        self.compute.shared_row_bytes = shared.kept_bytes
+        self.compute.set_shared_row_bytes(shared.kept_bytes)
         return rows
 
     async def _score(self, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
