@@ -11,9 +11,13 @@ time on a shared machine: each server's front-end process (gRPC, validation, pac
 this project's code) and its vLLM engine processes are also reported in CPU
 milliseconds per request (``psutil``, user + system; means over the rounds).
 
+Then the student client's payload decode (:func:`benchmarks.bench_client.bench_decode`,
+the batch's answer to padded tensors) of each tree, in a fresh process per tree and
+round, the order alternating, paired the same way (``--decode-rounds``; 0 skips it).
+
     git worktree add --detach /tmp/base <old-commit>
     python -m benchmarks.bench_teacher_ab --baseline-src /tmp/base [--batch 8]
-        [--seq-len 2048] [--k 64] [--rounds 15]
+        [--seq-len 2048] [--k 64] [--rounds 15] [--decode-rounds 9]
 
 Both trees run on this environment's packages (the baseline's imports come from its
 tree: ``PYTHONPATH``, and the servers start in a neutral working directory).
@@ -22,7 +26,10 @@ tree: ``PYTHONPATH``, and the servers start in a neutral working directory).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +77,30 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return own, children
 
 
+def decode_rate(src: Path, batch: int, seq_len: int, k: int) -> float:
+    """Positions/s of tree ``src``'s client decode of one ``batch x seq_len`` answer at
+    ``k`` (median of 5), measured in a fresh interpreter running that tree's code."""
+    code = (
+        "from benchmarks.bench_client import bench_decode; "
+        f"print(bench_decode({batch}, {seq_len}, {k}, 5)[0][1])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=src, env=env, capture_output=True, text=True, check=True
+    )
+    return float(out.stdout.split()[-1])
+
+
+def paired(base: list[float], cand: list[float]) -> str:
+    """``cand / base`` per round: the median with its quartiles and range."""
+    ratios = sorted(c / b for b, c in zip(base, cand, strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return (
+        f"median {q[1]:.3f}x (quartiles {q[0]:.3f}x-{q[2]:.3f}x, "
+        f"range {ratios[0]:.3f}x-{ratios[-1]:.3f}x)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_args(ap)
@@ -77,6 +108,7 @@ def main() -> None:
     ap.add_argument("--candidate-src", type=Path, default=HERE, help="default: this tree")
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--decode-rounds", type=int, default=9, help="0: no decode pairing")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-teacher-ab-"))
     model = model_or_tiny(args.model, tmp)
@@ -109,8 +141,12 @@ def main() -> None:
     finally:
         for server in servers:
             server.stop()
-    ratios = sorted(b / c for b, c in zip(times["baseline"], times["candidate"], strict=True))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    decode: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.decode_rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            decode[names[i]].append(decode_rate(srcs[i], args.batch, args.seq_len, args.k))
+    # Throughput ratios: the inverse of the time ratios.
+    speed = {n: [1 / t for t in times[n]] for n in names}
     print(f"# {args.batch} x {args.seq_len} tokens, K = {args.k}, {args.rounds} rounds; logs {tmp}")
     print(f"# baseline:  {srcs[0]}\n# candidate: {srcs[1]}")
     print("| server | scored positions/s | front-end CPU, ms/request | engine CPU, ms/request |")
@@ -122,9 +158,16 @@ def main() -> None:
         speed = positions / statistics.median(times[n])
         print(f"| {n} | {speed:,.0f} | {front:.1f} | {engine:.1f} |")
     print(
-        f"candidate / baseline throughput, paired per round: median {q[1]:.3f}x "
-        f"(quartiles {q[0]:.3f}x-{q[2]:.3f}x, range {ratios[0]:.3f}x-{ratios[-1]:.3f}x)"
+        "candidate / baseline throughput, paired per round: "
+        + paired(speed["baseline"], speed["candidate"])
     )
+    if args.decode_rounds:
+        for n in names:
+            print(f"| {n} client decode | {statistics.median(decode[n]):,.0f} positions/s |")
+        print(
+            "candidate / baseline client decode, paired per round: "
+            + paired(decode["baseline"], decode["candidate"])
+        )
 
 
 if __name__ == "__main__":
