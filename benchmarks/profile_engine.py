@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.bench_teacher import add_workload_args, engine_backend, forward_only, workload
-from teacher_server.backends.vllm import arrays as vllm_arrays
+from teacher_server.backends.vllm import array_logprobs as vllm_arrays
 from teacher_server.backends.vllm.backend import VLLMBackend
 from teacher_server.backends.vllm.worker import TeacherWorkerExtension
 from teacher_server.validation import ParsedSequence

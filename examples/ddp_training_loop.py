@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rank, world = data_parallel_rank()
     try:
         if args.replay is not None:
-            from student_client.offline.replay import ReplayClient
+            from student_client.offline.replay_client import ReplayClient
 
             client: Any = ReplayClient(rank_recordings(args.replay)[rank])
         else:

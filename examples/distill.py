@@ -190,7 +190,7 @@ def loss_options(cfg: DistillConfig) -> LossOptions:
 
 def _open_client(args: argparse.Namespace, vocab_size: int) -> Any:
     if args.replay:
-        from student_client.offline.replay import ReplayClient
+        from student_client.offline.replay_client import ReplayClient
 
         return ReplayClient(
             args.replay, expect_vocab_size=vocab_size, expect_temperature=args.teacher_temperature

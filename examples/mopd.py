@@ -4,7 +4,8 @@ Two tiny byte-level teachers are pretrained on clearly different corpora
 (:mod:`examples.data`): the Python standard library's ``.py`` sources (``code``) and the
 documentation installed packages ship (``docs``: package descriptions, ``.txt`` /
 ``.rst`` / ``.md`` / ``.html``). Both are served (``teacher-server serve``, one process
-per teacher) and reached through one :class:`~student_client.clients.multi.MultiTeacherClient`.
+per teacher) and reached through one
+:class:`~student_client.clients.multi_teacher.MultiTeacherClient`.
 Every training batch holds half code windows and half docs windows, the same batches for
 every student:
 
@@ -243,7 +244,7 @@ def run_mopd(targets: dict[str, str], teacher_dirs: dict[str, Path], cfg: MopdCo
     every domain against that domain's teacher."""
     from transformers import AutoModelForCausalLM
 
-    from student_client.clients.multi import MultiTeacherClient
+    from student_client.clients.multi_teacher import MultiTeacherClient
 
     torch.set_num_threads(cfg.threads)
     corpora = _corpora(cfg.corpus_max_bytes)

@@ -5,7 +5,7 @@ The package is laid out by job (``docs/design.md``):
 - :mod:`student_client.data`: what a request and an answer are (``ScoreBatch``,
   ``TeacherPayload``, alignment to padded batches, decoding an answer);
 - :mod:`student_client.clients`: the teacher clients (blocking, asyncio, several
-  teachers) and the one interface they share (:mod:`student_client.clients.protocol`);
+  teachers) and the one interface they share (:mod:`student_client.clients.sources`);
 - :mod:`student_client.offline`: recordings on disk (replay clients, ``PayloadDataset``,
   ``teacher-record``);
 - :mod:`student_client.integrations`: Hugging Face ``Trainer``, TRL, data-parallel helpers;
@@ -22,8 +22,8 @@ import typing as _typing
 if _typing.TYPE_CHECKING:
     from student_client.clients.aio import AsyncTeacherClient
     from student_client.clients.blocking import TeacherClient
-    from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
-    from student_client.clients.protocol import AsyncTeacherSource, TeacherSource
+    from student_client.clients.multi_teacher import AsyncMultiTeacherClient, MultiTeacherClient
+    from student_client.clients.sources import AsyncTeacherSource, TeacherSource
     from student_client.data.batch import ScoreBatch
     from student_client.data.payload import TeacherPayload
     from student_client.losses import (
@@ -37,7 +37,7 @@ if _typing.TYPE_CHECKING:
     )
     from student_client.offline.dataset import PayloadDataset
     from student_client.offline.multi_replay import MultiReplayClient
-    from student_client.offline.replay import ReplayClient
+    from student_client.offline.replay_client import ReplayClient
     from topk_protocol import TeacherInfo
     from topk_protocol.errors import TeacherError
     from topk_protocol.requests import RequestOptions
@@ -46,21 +46,21 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it.
 _EXPORTS = {
-    "AsyncMultiTeacherClient": "student_client.clients.multi",
+    "AsyncMultiTeacherClient": "student_client.clients.multi_teacher",
     "AsyncTeacherClient": "student_client.clients.aio",
-    "AsyncTeacherSource": "student_client.clients.protocol",
+    "AsyncTeacherSource": "student_client.clients.sources",
     "LossOptions": "student_client.losses",
     "MultiReplayClient": "student_client.offline.multi_replay",
-    "MultiTeacherClient": "student_client.clients.multi",
+    "MultiTeacherClient": "student_client.clients.multi_teacher",
     "PayloadDataset": "student_client.offline.dataset",
-    "ReplayClient": "student_client.offline.replay",
+    "ReplayClient": "student_client.offline.replay_client",
     "RequestOptions": "topk_protocol.requests",
     "ScoreBatch": "student_client.data.batch",
     "TeacherClient": "student_client.clients.blocking",
     "TeacherError": "topk_protocol.errors",
     "TeacherInfo": "topk_protocol",
     "TeacherPayload": "student_client.data.payload",
-    "TeacherSource": "student_client.clients.protocol",
+    "TeacherSource": "student_client.clients.sources",
     "TeacherTargets": "student_client.losses",
     "TopKKLLoss": "student_client.losses",
     "causal_lm_hidden_and_head": "student_client.losses",

@@ -19,10 +19,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from teacher_server.admission import AdmissionQueue
+from teacher_server.answer_fingerprint import announce_fingerprint
 from teacher_server.backends.base import Backend
 from teacher_server.config import MIB, ServerConfig
 from teacher_server.fair_share import FAIR
-from teacher_server.fingerprint import announce_fingerprint
 from teacher_server.grpc_api.auth import BearerTokenInterceptor
 from teacher_server.grpc_api.handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.grpc_api.servicer import TeacherServicer, teacher_info_message

@@ -1,7 +1,7 @@
-"""``python -m topk_ray``: see :mod:`topk_ray.cli`."""
+"""``python -m topk_ray``: see :mod:`topk_ray.ray_cli`."""
 
 import sys
 
-from topk_ray.cli import main
+from topk_ray.ray_cli import main
 
 sys.exit(main())

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from topk_ray.errors import PoolError
-from topk_ray.registry import PoolResolver, create_registry, registry_name
+from topk_ray.pool_errors import PoolError
+from topk_ray.pool_registry import PoolResolver, create_registry, registry_name
 
 __all__ = ["PoolConfig", "PoolError", "TeacherPool", "connect"]
 
@@ -109,7 +109,7 @@ class PoolConfig:
     serve_args: Sequence[str]
     replicas: int = 1
     name: str | None = None
-    """the pool's name on the cluster, for :class:`~topk_ray.registry.PoolResolver` from
+    """the pool's name on the cluster, for :class:`~topk_ray.pool_registry.PoolResolver` from
     other jobs (None: a new unique one)"""
     num_cpus: float = 1
     """CPUs reserved per replica"""

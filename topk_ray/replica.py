@@ -106,7 +106,7 @@ class ReplicaProcess:
         before the pool's ``wait_ready`` hears it is ready)."""
         import ray
 
-        from topk_ray.registry import NAMESPACE
+        from topk_ray.pool_registry import NAMESPACE
 
         if self._registry is not None:
             registry = ray.get_actor(self._registry, namespace=NAMESPACE)

@@ -35,6 +35,7 @@ import torch
 from typing_extensions import Unpack
 
 from student_client.clients.agreement import ReplicaAgreement, ReplicaDisagreesError
+from student_client.clients.answer_recorder import AnswerRecorder
 from student_client.clients.channels import (
     backoff_s,
     channel_credentials,
@@ -44,7 +45,6 @@ from student_client.clients.channels import (
     parse_targets,
     positive,
 )
-from student_client.clients.recording import AnswerRecorder
 from student_client.clients.stream_loop import run_stream
 from student_client.clients.window import Answer, DecodedStream, Outgoing, as_async
 from student_client.data.alignment import align, build_aligned_request
@@ -168,7 +168,7 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
     @property
     def names(self) -> list[str]:
         """``[]``: one teacher (see
-        :class:`~student_client.clients.protocol.AsyncTeacherSource`)."""
+        :class:`~student_client.clients.sources.AsyncTeacherSource`)."""
         return []
 
     @property

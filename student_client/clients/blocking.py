@@ -66,7 +66,7 @@ class _AsyncCore(Protocol[AnswerT]):
 class BlockingFacade(Closeable, Generic[AnswerT]):
     """Runs an asyncio client core on an event loop of its own, in a background thread,
     and waits for each result (:class:`TeacherClient`,
-    :class:`~student_client.clients.multi.MultiTeacherClient`)."""
+    :class:`~student_client.clients.multi_teacher.MultiTeacherClient`)."""
 
     def __init__(self, core: _AsyncCore[AnswerT]) -> None:
         self._core = core
@@ -164,7 +164,7 @@ class TeacherClient(BlockingFacade[Answer]):
 
     @property
     def names(self) -> list[str]:
-        """``[]``: one teacher (see :class:`~student_client.clients.protocol.TeacherSource`)."""
+        """``[]``: one teacher (see :class:`~student_client.clients.sources.TeacherSource`)."""
         return []
 
     @property

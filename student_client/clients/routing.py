@@ -1,7 +1,8 @@
 """Routing a batch over named teachers: split by teacher, put the answers back in order.
 
 Pure functions (inputs in, tensors out), shared by the live multi-teacher client
-(:mod:`student_client.clients.multi`) and by :class:`~student_client.offline.replay.ReplayClient`
+(:mod:`student_client.clients.multi_teacher`) and by
+:class:`~student_client.offline.replay_client.ReplayClient`
 on a multi-teacher recording:
 
 - :func:`teacher_per_row` reads the ``teacher`` of a batch (a name per sequence, one name

@@ -202,7 +202,7 @@ async def decoded(
 class DecodedStream(Generic[AnswerT]):
     """``stream`` of an asyncio client core, written once: the core's ``stream_answers``
     decoded on the loop by its ``decode`` (:class:`~student_client.clients.aio.
-    AsyncTeacherClient`, :class:`~student_client.clients.multi.AsyncMultiTeacherClient`)."""
+    AsyncTeacherClient`, :class:`~student_client.clients.multi_teacher.AsyncMultiTeacherClient`)."""
 
     def stream(
         self,

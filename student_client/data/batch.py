@@ -44,7 +44,7 @@ class ScoreBatch:
     sequence (None: every position); ``attention_mask``: ``[B, T]`` (see
     :meth:`~student_client.clients.aio.AsyncTeacherClient.score`); ``teacher``: the teacher
     of each sequence (a name per sequence, or one name for all) for a multi-teacher client
-    (:mod:`student_client.clients.multi`; a single-teacher client ignores it);
+    (:mod:`student_client.clients.multi_teacher`; a single-teacher client ignores it);
     ``candidate_ids``: ids whose teacher log-probs to fetch at every scored position,
     ``[B, S, C]`` laid out like the payload the call returns (row ``j`` of sequence ``b``
     is position ``positions[b][0] + j``; with an attention mask, column ``t`` of the

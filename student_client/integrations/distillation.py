@@ -7,7 +7,8 @@ The Hugging Face ``Trainer`` (:mod:`student_client.integrations.hf_trainer`) cal
 ``compute_loss``; any other loop (or another trainer's ``compute_loss``) can too. It needs
 no transformers: the model is any causal LM whose ``model(**inputs).logits`` is
 ``[B, T, V]`` (or, with ``fused``, one :func:`~student_client.losses.causal_lm_hidden_and_head`
-accepts). Its configuration is :class:`~student_client.integrations.config.DistillationConfig`.
+accepts). Its configuration is
+:class:`~student_client.integrations.distillation_config.DistillationConfig`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from student_client.losses.lm_head import causal_lm_loss_and_head
 from student_client.losses.types import TopKKLStats
 
 if TYPE_CHECKING:
-    from student_client.integrations.config import DistillationConfig
+    from student_client.integrations.distillation_config import DistillationConfig
 
 __all__ = ["TEACHER_KEY", "batch_teacher", "distillation_loss", "per_teacher_metrics"]
 
@@ -72,7 +73,7 @@ def distillation_loss(
             ``labels`` when ``config.alpha > 0``) plus :data:`TEACHER_KEY`, the payload
             aligned to ``input_ids`` (row ``t`` is the teacher's distribution over the
             token after ``input_ids[:, t]``, as ``logits[:, t]``).
-        config: a :class:`~student_client.integrations.config.DistillationConfig`.
+        config: a :class:`~student_client.integrations.distillation_config.DistillationConfig`.
 
     Returns:
         ``(loss, metrics, outputs)``: the scalar loss (mean over the batch's counted

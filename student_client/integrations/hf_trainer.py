@@ -24,7 +24,7 @@
 - Several teachers (``teacher={name: target, ...}``, multi-teacher distillation): each
   row goes to the teacher its ``teacher_column`` names (TRL's ``teacher_id`` by default;
   a name, or an index into the teachers, per row), through one
-  :class:`~student_client.clients.multi.MultiTeacherClient`; the ``kd_*`` statistics are
+  :class:`~student_client.clients.multi_teacher.MultiTeacherClient`; the ``kd_*`` statistics are
   logged overall and per teacher (``kd_loss/<name>``, ...). The collator must pass the
   column through (:func:`teacher_column_collator` wraps one that would drop it).
 
@@ -48,18 +48,18 @@ except ImportError as e:  # pragma: no cover - depends on the install
     ) from e
 
 from student_client.clients.blocking import TeacherClient
-from student_client.clients.multi import MultiTeacherClient
-from student_client.clients.protocol import TeacherSource
+from student_client.clients.multi_teacher import MultiTeacherClient
 from student_client.clients.routing import teacher_per_row
+from student_client.clients.sources import TeacherSource
 from student_client.data.alignment import PaddedLayout, place_rows
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
-from student_client.integrations.config import DistillationConfig
 from student_client.integrations.distillation import (
     TEACHER_KEY,
     distillation_loss,
     per_teacher_metrics,
 )
+from student_client.integrations.distillation_config import DistillationConfig
 from student_client.integrations.distributed import mean_over_ranks, rank_client_options
 
 __all__ = [
@@ -235,7 +235,7 @@ class TopKDistillationTrainer(Trainer):
         if not (teacher is None or is_target or isinstance(teacher, Mapping | TeacherSource)):
             raise TypeError(
                 "teacher: expected a target string, {name: target}, a client (a "
-                f"student_client.clients.protocol.TeacherSource), or None; got "
+                f"student_client.clients.sources.TeacherSource), or None; got "
                 f"{type(teacher).__name__}"
             )
         super().__init__(*args, **kwargs)

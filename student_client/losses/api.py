@@ -13,6 +13,12 @@ from student_client.losses.chunked import (
     statistics_dtype,
 )
 from student_client.losses.fused import FusedLinearTopKKLFunction, FusedSettings
+from student_client.losses.input_checks import (
+    check_candidates,
+    check_linear,
+    check_sampled,
+    check_tensors,
+)
 from student_client.losses.masking import prepare_teacher_rows, reduce_positions, summarize
 from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.parallel import VocabShard
@@ -21,12 +27,6 @@ from student_client.losses.sizing import auto_chunk_rows, fused_chunks
 from student_client.losses.support import TeacherRows, support_columns
 from student_client.losses.teacher import TeacherTargets
 from student_client.losses.types import RowTerms, TopKKLStats
-from student_client.losses.validation import (
-    check_candidates,
-    check_linear,
-    check_sampled,
-    check_tensors,
-)
 
 __all__ = ["linear_topk_kl_loss", "teacher_rows", "topk_kl_loss"]
 

@@ -11,8 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from student_client.losses.input_checks import check_mask_values, check_teacher_values
 from student_client.losses.types import STAT_FIELDS, Reduction, RowTerms, TopKKLStats
-from student_client.losses.validation import check_mask_values, check_teacher_values
 
 __all__ = [
     "counted_positions",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from student_client.losses.divergences import Divergence, get_divergence
+from student_client.losses.input_checks import check_options
 from student_client.losses.types import (
     GRAD_ACCUMULATIONS,
     GradAccumulation,
@@ -19,7 +20,6 @@ from student_client.losses.types import (
     Reduction,
     Support,
 )
-from student_client.losses.validation import check_options
 
 __all__ = ["LossOptions", "loss_options"]
 

@@ -33,12 +33,12 @@ import math
 import torch
 from torch import Tensor
 
+from student_client.losses.input_checks import check_mask_values, check_sample_values
 from student_client.losses.masking import counted_positions, neutralize_uncounted
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.support import TeacherRows
 from student_client.losses.teacher import TeacherTargets
-from student_client.losses.validation import check_mask_values, check_sample_values
 
 __all__ = ["sampled_options", "sampled_rows", "sampled_target_weights"]
 

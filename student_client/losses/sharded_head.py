@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from student_client.losses.api import linear_topk_kl_loss
+from student_client.losses.input_checks import dtensor_type
 from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.teacher import TeacherTargets
 from student_client.losses.types import TopKKLStats
-from student_client.losses.validation import dtensor_type
 
 __all__ = [
     "HeadCall",

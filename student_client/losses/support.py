@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from student_client.losses.input_checks import check_candidate_values, check_sampled_values
 from student_client.losses.types import Support
-from student_client.losses.validation import check_candidate_values, check_sampled_values
 
 __all__ = ["TeacherRows", "first_occurrences", "support_columns"]
 

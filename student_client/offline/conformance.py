@@ -2,7 +2,7 @@
 
 Nothing here runs (the module body is behind ``TYPE_CHECKING``); ``mypy student_client``
 fails when a client's ``info`` / ``score`` / ``stream`` / ``close`` / ``names`` drifts from
-:mod:`student_client.clients.protocol`.
+:mod:`student_client.clients.sources`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from student_client.clients.aio import AsyncTeacherClient
     from student_client.clients.blocking import TeacherClient
-    from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
-    from student_client.clients.protocol import AsyncTeacherSource, TeacherSource
+    from student_client.clients.multi_teacher import AsyncMultiTeacherClient, MultiTeacherClient
+    from student_client.clients.sources import AsyncTeacherSource, TeacherSource
     from student_client.offline.multi_replay import MultiReplayClient
-    from student_client.offline.replay import ReplayClient
+    from student_client.offline.replay_client import ReplayClient
 
     def _blocking(
         a: TeacherClient, b: MultiTeacherClient, c: ReplayClient, d: MultiReplayClient

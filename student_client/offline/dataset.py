@@ -19,7 +19,7 @@ function pads to the longest sequence / payload in the batch and returns a
 the live client returns for the same batch (row ``j`` of sequence ``b`` is position
 ``payload.position_start[b] + j``, padding rows masked out).
 
-A multi-teacher recording (:mod:`topk_protocol.recording.multi`) is the rows of every
+A multi-teacher recording (:mod:`topk_protocol.recording.multi_recording`) is the rows of every
 teacher, teacher after teacher (in the manifest's order); each item names its
 ``teacher``, and a collated batch's ``payload.teachers`` (and :attr:`PayloadBatch.teachers`)
 is the teacher column.
@@ -43,13 +43,13 @@ from topk_protocol.errors import NotRecordedError
 from topk_protocol.packing import packed_roundtrip
 from topk_protocol.recording import RecordingReader
 from topk_protocol.recording.format import cast_arrays
-from topk_protocol.recording.multi import (
+from topk_protocol.recording.multi_recording import (
     read_manifest,
     recorded_teachers,
     teacher_recording_path,
 )
 from topk_protocol.recording.replay import check_options, recorded_arrays
-from topk_protocol.recording.sharded import holds_recording, list_parts
+from topk_protocol.recording.sharded import Part, holds_recording, list_parts
 from topk_protocol.storage import location
 
 __all__ = ["PayloadBatch", "PayloadDataset", "PayloadItem", "collate_payloads"]
@@ -125,75 +125,80 @@ class PayloadDataset(Dataset[PayloadItem]):
             "encoding": encoding,
             "logprob_bits": logprob_bits,
         }
+        self.include_sampled = include_sampled
         shards = list_parts(self.path)
         names = None if read_manifest(self.path) is None else recorded_teachers(self.path)
         #: ``(teacher name or None, dataset)`` of each part, in order: the teachers of a
         #: multi-teacher recording, or the shards of a sharded one (each maybe multi-teacher).
         self._parts: list[tuple[str | None, PayloadDataset]] = []
         if shards or names is not None:
-            from student_client.clients.routing import check_agreement
-            from student_client.offline.verify import check_same_answers
-
-            if shards:
-                counts = {p.num_shards for p in shards}
-                if len(counts) > 1:
-                    raise NotRecordedError(
-                        f"recording {self.path}: parts of several shard counts {sorted(counts)}"
-                    )
-                # A part with no rows (a shard of no input) holds no recording.
-                located: list[tuple[str | None, str | Path]] = [
-                    (None, location(p.location)) for p in shards if _has_rows(p.location)
-                ]
-                if not located:
-                    raise NotRecordedError(f"recording {self.path}: no part has rows recorded")
-            else:
-                if not names:
-                    raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")
-                located = [(n, teacher_recording_path(self.path, n)) for n in names]
-            self._parts = [
-                (n, PayloadDataset(loc, **self._options))  # type: ignore[arg-type]
-                for n, loc in located
-            ]
-            check_agreement(
-                {str(d.path): TeacherInfo.from_message(d.reader.info) for _, d in self._parts},
-                {str(d.path): [str(d.path)] for _, d in self._parts},
-            )
+            self._parts = self._open_parts(shards, names)
             first = self._parts[0][1]
-            if shards:  # parts of one teacher's recording: its replicas must agree
-                check_same_answers([(str(d.path), d.reader.info) for _, d in self._parts])
-            for _, d in self._parts[1:]:
-                if (d.top_k, d.dtype) != (first.top_k, first.dtype):
-                    raise NotRecordedError(
-                        f"recording {d.path}: K {d.top_k} {d.dtype}, but {first.path} has "
-                        f"K {first.top_k} {first.dtype}"
-                    )
             self._reader = first.reader
             self.top_k: int = first.top_k
             self.dtype: str = first.dtype
-            self.include_sampled = include_sampled
             self._starts = np.cumsum([0] + [len(d) for _, d in self._parts])
             return
         self._reader = RecordingReader(self.path)
-        r = self._reader
         try:
-            own = r.packing if encoding is None else None  # a packed recording's own
-            recorded = {**RequestOptions.recorded_defaults(), **r.options}  # e.g. samples, seed
-            opts = RequestOptions(
-                r.top_k if top_k is None else top_k,
-                dtype or r.dtype,
+            self._served = _served_options(
+                self._reader,
+                f"recording {self.path}",
+                top_k,
+                dtype,
                 include_sampled,
-                "packed" if own else encoding or "default",
-                own.logprob_bits if own and logprob_bits is None else logprob_bits,
-                **recorded,
+                encoding,
+                logprob_bits,
             )
-            check_options(r, opts, f"recording {self.path}")
         except BaseException:
-            r.close()
+            self._reader.close()
             raise
-        self.top_k = opts.top_k
-        self.dtype = opts.dtype
-        self.include_sampled = include_sampled
-        self._served = opts
+        self.top_k = self._served.top_k
+        self.dtype = self._served.dtype
+
+    def _open_parts(
+        self, shards: list[Part], names: list[str] | None
+    ) -> list[tuple[str | None, PayloadDataset]]:
+        """The parts of a sharded recording (``shards``: those with rows) or the teachers of
+        a multi-teacher one (``names``), each opened with this dataset's options; they must
+        agree on vocabulary, tokenizer and temperature, on K and dtype, and a sharded
+        recording's parts (replicas of one teacher) on their answers."""
+        from student_client.clients.routing import check_agreement
+        from student_client.offline.verify import check_same_answers
+
+        located: list[tuple[str | None, str | Path]]
+        if shards:
+            counts = {p.num_shards for p in shards}
+            if len(counts) > 1:
+                raise NotRecordedError(
+                    f"recording {self.path}: parts of several shard counts {sorted(counts)}"
+                )
+            # A part with no rows (a shard of no input) holds no recording.
+            located = [(None, location(p.location)) for p in shards if _has_rows(p.location)]
+            if not located:
+                raise NotRecordedError(f"recording {self.path}: no part has rows recorded")
+        else:
+            if not names:
+                raise NotRecordedError(f"recording {self.path}: no teacher has rows recorded")
+            located = [(n, teacher_recording_path(self.path, n)) for n in names]
+        parts = [
+            (n, PayloadDataset(loc, **self._options))  # type: ignore[arg-type]
+            for n, loc in located
+        ]
+        check_agreement(
+            {str(d.path): TeacherInfo.from_message(d.reader.info) for _, d in parts},
+            {str(d.path): [str(d.path)] for _, d in parts},
+        )
+        first = parts[0][1]
+        if shards:  # parts of one teacher's recording: its replicas must agree
+            check_same_answers([(str(d.path), d.reader.info) for _, d in parts])
+        for _, d in parts[1:]:
+            if (d.top_k, d.dtype) != (first.top_k, first.dtype):
+                raise NotRecordedError(
+                    f"recording {d.path}: K {d.top_k} {d.dtype}, but {first.path} has "
+                    f"K {first.top_k} {first.dtype}"
+                )
+        return parts
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "options": self._options}
@@ -254,6 +259,35 @@ def _has_rows(part: str) -> bool:
     if not holds_recording(part):
         return False
     return read_manifest(part) is None or bool(recorded_teachers(part))
+
+
+def _served_options(
+    reader: RecordingReader,
+    where: str,
+    top_k: int | None,
+    dtype: str | None,
+    include_sampled: bool,
+    encoding: str | None,
+    logprob_bits: int | None,
+) -> RequestOptions:
+    """The options a single recording serves its rows at: the asked ones, each defaulting
+    to the recording's own (a packed recording: its encoding and bits), with the options
+    it was recorded at (e.g. ``samples``, ``seed``). Raises
+    :class:`~topk_protocol.errors.InvalidRequestError` for invalid options and
+    :class:`~topk_protocol.errors.NotRecordedError`, naming ``where``, for options the
+    recording cannot serve."""
+    own = reader.packing if encoding is None else None  # a packed recording's own
+    recorded = {**RequestOptions.recorded_defaults(), **reader.options}  # e.g. samples, seed
+    opts = RequestOptions(
+        reader.top_k if top_k is None else top_k,
+        dtype or reader.dtype,
+        include_sampled,
+        "packed" if own else encoding or "default",
+        own.logprob_bits if own and logprob_bits is None else logprob_bits,
+        **recorded,
+    )
+    check_options(reader, opts, where)
+    return opts
 
 
 def collate_payloads(items: Sequence[PayloadItem], pad_id: int = 0) -> PayloadBatch:

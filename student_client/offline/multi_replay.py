@@ -1,9 +1,9 @@
 """``MultiReplayClient``: a multi-teacher recording, answered as the multi-teacher client did.
 
-A multi-teacher recording (:mod:`topk_protocol.recording.multi`) holds one recording per
+A multi-teacher recording (:mod:`topk_protocol.recording.multi_recording`) holds one recording per
 teacher. ``score(..., teacher=[...])`` / ``ScoreBatch(teacher=...)`` route each sequence to
 its teacher's recording (the routing of the live client, :mod:`student_client.clients.routing`),
-each part is answered by that teacher's :class:`~student_client.offline.replay.ReplayClient`,
+each part is answered by that teacher's :class:`~student_client.offline.replay_client.ReplayClient`,
 and the payload's ``teachers`` names the teacher of every row.
 """
 
@@ -18,18 +18,18 @@ from typing_extensions import Unpack
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
 from student_client.data.batch import ScoreKeywords, StreamKeywords, split_call
 from student_client.data.payload import TeacherPayload
-from student_client.offline.replay import ReplayClient, replay_stream
+from student_client.offline.replay_client import ReplayClient, replay_stream
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import Closeable
 from topk_protocol.errors import NotRecordedError, TeacherError
-from topk_protocol.recording.multi import read_manifest, recorded_teachers
+from topk_protocol.recording.multi_recording import read_manifest, recorded_teachers
 
 __all__ = ["MultiReplayClient"]
 
 
 class MultiReplayClient(Closeable):
     """Serves ``info``/``score``/``stream`` from a multi-teacher recording (a
-    :class:`~student_client.clients.protocol.TeacherSource` whose ``names`` are the
+    :class:`~student_client.clients.sources.TeacherSource` whose ``names`` are the
     recording's teachers).
 
     Args:
@@ -128,7 +128,7 @@ class MultiReplayClient(Closeable):
         **keywords: Unpack[StreamKeywords],
     ) -> Iterator[TeacherPayload]:
         """The recorded payloads of ``batches``, in order (see
-        :func:`~student_client.offline.replay.replay_stream`)."""
+        :func:`~student_client.offline.replay_client.replay_stream`)."""
         return replay_stream(self.score, batches, top_k, **keywords)
 
     def close(self) -> None:

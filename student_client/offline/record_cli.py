@@ -20,7 +20,7 @@ Many recorders (a Kubernetes Indexed Job): ``--shard-index I --num-shards N`` (d
 1/N of the input's units into ``DIR/part-0000I-of-0000N`` (:mod:`topk_protocol.recording.sharded`);
 ``teacher-record --verify DIR`` checks the parts before training.
 
-Several teachers (a multi-teacher recording, :mod:`topk_protocol.recording.multi`)::
+Several teachers (a multi-teacher recording, :mod:`topk_protocol.recording.multi_recording`)::
 
     teacher-record --teacher math=HOST:PORT --teacher code=H1:P,H2:P --input TOKENS ...
 
@@ -38,12 +38,14 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 # First, before anything imports pyarrow: Arrow's jemalloc pool for this process.
 import student_client.offline._arrow_pool  # noqa: F401
 from student_client.clients.blocking import TeacherClient
-from student_client.clients.multi import MultiTeacherClient
+from student_client.clients.multi_teacher import MultiTeacherClient
 from student_client.offline.inputs import (
     DATASETS_PREFIX,
     TOKEN_COLUMNS,
@@ -122,6 +124,15 @@ def _env_int(name: str) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="teacher-record", description=__doc__.split("\n")[0])
+    _add_target_flags(ap)
+    _add_payload_flags(ap)
+    _add_input_flags(ap)
+    _add_run_flags(ap)
+    return ap
+
+
+def _add_target_flags(ap: argparse.ArgumentParser) -> None:
+    """Who scores what, and where it goes: ``--teacher``, ``--input``, ``--output``."""
     ap.add_argument(
         "--teacher",
         action="append",
@@ -141,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         "a path or a URI (s3://...)",
     )
     ap.add_argument("--output", help="recording directory, a path or a URI")
+
+
+def _add_payload_flags(ap: argparse.ArgumentParser) -> None:
+    """What each request asks for: K, dtype, encoding, sampling."""
     ap.add_argument("--top-k", type=int, default=16, help="K (default: %(default)s)")
     ap.add_argument(
         "--dtype",
@@ -175,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --samples: draw from p^(1/T) with importance weights (default: %(default)s, "
         "from p)",
     )
+
+
+def _add_input_flags(ap: argparse.ArgumentParser) -> None:
+    """Which columns of the input are read."""
     ap.add_argument("--column", help="token column (default: input_ids, token_ids or tokens)")
     ap.add_argument(
         "--candidate-column",
@@ -186,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="train",
         help=f"the split of a {DATASETS_PREFIX} input (default: %(default)s)",
     )
+
+
+def _add_run_flags(ap: argparse.ArgumentParser) -> None:
+    """How the run goes: batching, depth, token, compression, sharding, progress, --verify."""
     ap.add_argument(
         "--batch-size", type=int, default=8, help="sequences per request (default: %(default)s)"
     )
@@ -228,7 +251,6 @@ def build_parser() -> argparse.ArgumentParser:
         "one shard count): print every problem, naming its file, then their count, and "
         "exit non-zero; or print one OK line",
     )
-    return ap
 
 
 def _teachers(values: list[str]) -> str | dict[str, str]:
@@ -349,6 +371,27 @@ def _check_output(output: str) -> None:
         raise SystemExit(f"teacher-record: --output {output}: {e}") from None
 
 
+@dataclass(frozen=True)
+class _Shard:
+    """This recorder's share of the run, opened: its part location, its input units, what
+    the part held before (``previous``: its ``part.json``; ``recorded``: the keys of its
+    rows; ``bytes_before``: its files' size)."""
+
+    index: int
+    num: int
+    part: str
+    source: InputSource
+    units: range
+    previous: dict[str, Any] | None
+    recorded: set[bytes]
+    bytes_before: int
+
+    @property
+    def label(self) -> str:
+        """``shard I/N`` when there are several, else the command's name."""
+        return f"shard {self.index}/{self.num}" if self.num > 1 else "teacher-record"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -356,6 +399,26 @@ def main(argv: list[str] | None = None) -> int:
         from student_client.offline.verify import verify_main
 
         return verify_main(args.verify)
+    _check_args(ap, args)
+    teachers = _teachers(args.teacher)
+    opts = _request_options(args)
+    shard = _open_shard(args, teachers, opts)
+    stats, started = _record(args, teachers, opts, shard)
+    rows = len(recorded_keys(shard.part, args.candidate_column is not None))
+    written = files_bytes(shard.part) - shard.bytes_before
+    _write_part(args, shard, stats, rows, started)
+    rate = stats.positions / max(stats.seconds, 1e-9)
+    print(
+        f"teacher-record: {shard.label + ': ' if shard.num > 1 else ''}"
+        f"scored {stats.rows} sequences ({stats.positions} positions, {written} bytes, "
+        f"{stats.seconds:.1f} s, {rate:.0f} positions/s); {stats.already} were recorded "
+        f"already; {stats.repeats} repeated an earlier row; {rows} rows in {shard.part}"
+    )
+    return 0
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags a recording run needs, and the counts that must be >= 1."""
     missing = [f"--{n}" for n in ("teacher", "input", "output") if not getattr(args, n)]
     if missing:
         ap.error(f"the following arguments are required: {', '.join(missing)}")
@@ -365,8 +428,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"teacher-record: --{flag.replace('_', '-')} must be >= 1, got "
                 f"{getattr(args, flag)}"
             )
-    teachers = _teachers(args.teacher)
-    opts = _request_options(args)
+
+
+def _open_shard(
+    args: argparse.Namespace, teachers: str | dict[str, str], opts: RequestOptions
+) -> _Shard:
+    """Check the output, open the input and this shard's part: a part a crash cut is
+    sealed first, the part's recordings must hold the asked format, and its
+    ``part.json`` is taken away until the run ends (a part without one is unfinished)."""
     index, num = _shard(args)
     output = str(args.output)
     _check_output(output)
@@ -382,32 +451,53 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         previous = None
     delete_part_file(part)
-    candidates = args.candidate_column is not None
-    recorded = recorded_keys(part, candidates)
-    bytes_before = files_bytes(part)
-    total = source.rows_in(units)
-    bar = _progress(total, f"shard {index}/{num}" if num > 1 else "teacher-record", args.quiet)
+    recorded = recorded_keys(part, args.candidate_column is not None)
+    return _Shard(index, num, part, source, units, previous, recorded, files_bytes(part))
+
+
+def _progress_bar(total: int | None, num_units: int, bar: Any) -> Callable[[ShardStats], None]:
+    """``on_progress`` of :func:`stream_shard`: rows done on ``bar`` and the rate; with no
+    ``total`` known up front, the total estimated from the rows per unit read so far."""
 
     def progress(stats: ShardStats) -> None:
         if total is None and stats.units_done:
-            bar.total = round(stats.rows_read / stats.units_done * len(units))
+            bar.total = round(stats.rows_read / stats.units_done * num_units)
         bar.n = stats.rows + stats.already + stats.repeats
         bar.set_postfix_str(
             f"{stats.positions / max(stats.seconds, 1e-9):.0f} positions/s", refresh=False
         )
         bar.update(0)  # redraws at most every mininterval
 
+    return progress
+
+
+def _client(
+    args: argparse.Namespace, teachers: str | dict[str, str], shard: _Shard
+) -> TeacherClient | MultiTeacherClient:
+    """The client recording into the shard's part (several teachers: a multi-teacher one)."""
     options: dict[str, Any] = {
         "token": args.token,
-        "record_to": part,
+        "record_to": shard.part,
         "record_compression": args.compression,
-        "record_metadata": {"input": str(args.input), "shard": [index, num]},
+        "record_metadata": {"input": str(args.input), "shard": [shard.index, shard.num]},
     }
-    client: TeacherClient | MultiTeacherClient
     if isinstance(teachers, dict):
-        client = MultiTeacherClient(teachers, **options)
-    else:
-        client = TeacherClient(teachers, **options)
+        return MultiTeacherClient(teachers, **options)
+    return TeacherClient(teachers, **options)
+
+
+def _record(
+    args: argparse.Namespace,
+    teachers: str | dict[str, str],
+    opts: RequestOptions,
+    shard: _Shard,
+) -> tuple[ShardStats, float]:
+    """Stream the shard's units through the teacher into its part: the run's stats and
+    when it started (Unix seconds). A bad input row ends the run, naming it; the rows
+    before it stay recorded."""
+    total = shard.source.rows_in(shard.units)
+    bar = _progress(total, shard.label, args.quiet)
+    client = _client(args, teachers, shard)
     error: InputError | None = None
     started = time.time()
     try:
@@ -415,56 +505,54 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 stats = stream_shard(
                     lambda reqs: client.stream_answers(reqs, opts, depth=args.depth),
-                    source,
-                    units,
+                    shard.source,
+                    shard.units,
                     batch_size=args.batch_size,
                     max_inflight=args.max_inflight,
-                    recorded=recorded,
+                    recorded=shard.recorded,
                     teachers=frozenset(teachers) if isinstance(teachers, dict) else None,
-                    on_progress=progress,
+                    on_progress=_progress_bar(total, len(shard.units), bar),
                 )
             except InputError as e:
                 error = e
     finally:
         bar.close()
-        source.close()
+        shard.source.close()
     if error is not None:
         raise SystemExit(
-            f"teacher-record: {error}; the rows before it are recorded in {part} (re-run to resume)"
+            f"teacher-record: {error}; the rows before it are recorded in {shard.part} "
+            "(re-run to resume)"
         )
-    rows = len(recorded_keys(part, candidates))
-    written = files_bytes(part) - bytes_before
+    return stats, started
+
+
+def _write_part(
+    args: argparse.Namespace, shard: _Shard, stats: ShardStats, rows: int, started: float
+) -> None:
+    """Seal the part with its ``part.json``: a complete part run again that scored nothing
+    keeps the record of the run that scored it (its positions and times)."""
+    previous = shard.previous
     if previous is not None and stats.rows == 0 and previous.get("rows") == rows:
-        # A complete part run again scored nothing: the record of the run that scored it
-        # (its positions and times) stays as it was.
-        write_part_file(part, {k: v for k, v in previous.items() if k != "format"})
-    else:
-        write_part_file(
-            part,
-            {
-                "shard_index": index,
-                "num_shards": num,
-                "input": str(args.input),
-                "unit": source.unit_name,
-                "units": [units.start, units.stop],
-                "num_units": source.num_units,
-                "input_rows": stats.rows_read,
-                "repeats": stats.repeats,
-                "rows": rows,
-                # this run's: what it scored, and when (its first request to its last answer)
-                "scored_positions": stats.positions,
-                "started_unix": started,
-                "finished_unix": started + stats.seconds,
-            },
-        )
-    rate = stats.positions / max(stats.seconds, 1e-9)
-    print(
-        f"teacher-record: {'shard ' + str(index) + '/' + str(num) + ': ' if num > 1 else ''}"
-        f"scored {stats.rows} sequences ({stats.positions} positions, {written} bytes, "
-        f"{stats.seconds:.1f} s, {rate:.0f} positions/s); {stats.already} were recorded "
-        f"already; {stats.repeats} repeated an earlier row; {rows} rows in {part}"
+        write_part_file(shard.part, {k: v for k, v in previous.items() if k != "format"})
+        return
+    write_part_file(
+        shard.part,
+        {
+            "shard_index": shard.index,
+            "num_shards": shard.num,
+            "input": str(args.input),
+            "unit": shard.source.unit_name,
+            "units": [shard.units.start, shard.units.stop],
+            "num_units": shard.source.num_units,
+            "input_rows": stats.rows_read,
+            "repeats": stats.repeats,
+            "rows": rows,
+            # this run's: what it scored, and when (its first request to its last answer)
+            "scored_positions": stats.positions,
+            "started_unix": started,
+            "finished_unix": started + stats.seconds,
+        },
     )
-    return 0
 
 
 if __name__ == "__main__":

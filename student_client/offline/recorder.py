@@ -43,7 +43,7 @@ from topk_protocol.recording.format import (
     SHARD_SUFFIX,
     sequence_key,
 )
-from topk_protocol.recording.multi import read_manifest
+from topk_protocol.recording.multi_recording import read_manifest
 from topk_protocol.recording.sharded import join
 from topk_protocol.storage import resolve
 

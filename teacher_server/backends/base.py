@@ -56,7 +56,7 @@ class BackendInfo:
     temperature: float = DEFAULT_TEACHER_TEMPERATURE
     max_candidates: int = 0
     max_samples: int = 0
-    #: Its answers to the canaries, set at start-up (teacher_server.fingerprint).
+    #: Its answers to the canaries, set at start-up (teacher_server.answer_fingerprint).
     answer_fingerprint: AnswerFingerprint | None = None
 
 

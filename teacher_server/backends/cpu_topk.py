@@ -127,6 +127,101 @@ def _shrink(row, in_row, cand_v, cand_i, c, lo):
     return w
 
 
+_HELPER = {"cache": True, "nogil": True, "boundscheck": False, "inline": "always"}
+
+
+@numba.njit(**_HELPER)
+def _rank_of(row, tv):
+    """``(count(row >= tv), count of non-finite entries)`` of one row, in one pass."""
+    rank = np.int32(0)
+    nonfinite = np.int32(0)
+    for j in range(row.shape[0]):
+        x = row[j]
+        rank += np.int32(x >= tv)
+        nonfinite += np.int32(x - x != 0)  # inf - inf and NaN - NaN are NaN
+    return rank, nonfinite
+
+
+@numba.njit(**_HELPER)
+def _min_max(row, minmax):
+    """``(min, max)`` of a finite row, found as integers (float min / max reductions do not
+    vectorize): the order-preserving int32 of a float's bits, and back (the map is its own
+    inverse). ``minmax``: an int32 ``[2]`` scratch buffer."""
+    bits = row.view(np.int32)
+    k_hi = np.int32(-2147483648)
+    k_lo = np.int32(2147483647)
+    for j in range(row.shape[0]):
+        b_ = bits[j]
+        key_ = b_ ^ ((b_ >> 31) & np.int32(0x7FFFFFFF))
+        k_hi = max(k_hi, key_)
+        k_lo = min(k_lo, key_)
+    minmax[0] = k_lo ^ ((k_lo >> 31) & np.int32(0x7FFFFFFF))
+    minmax[1] = k_hi ^ ((k_hi >> 31) & np.int32(0x7FFFFFFF))
+    minmax_f = minmax.view(np.float32)
+    return minmax_f[0], minmax_f[1]
+
+
+@numba.njit(**_HELPER)
+def _candidates(row, k, lo, hi, cand_v, cand_i, th, cnt):
+    """Narrow ``[lo, hi]`` by rounds of :data:`NUM_THRESHOLDS` thresholds until at most
+    ``k + SLACK`` entries are ``>= lo`` (``count(row >= lo) >= k`` always holds), or no
+    float is left between the bounds (ties at the threshold). The pool is written to
+    ``cand_v`` / ``cand_i [:c]`` (in id order); returns ``c``."""
+    v = row.shape[0]
+    c_lo = v
+    c = np.int64(0)
+    in_row = True
+    while c_lo > k + SLACK:
+        step = (hi - lo) / (NUM_THRESHOLDS + 1)
+        for m in range(NUM_THRESHOLDS):
+            x = lo + step * (m + 1)
+            th[m] = x
+            cm = np.int32(0)
+            if in_row:
+                for j in range(v):
+                    cm += np.int32(row[j] >= x)
+            else:
+                for j in range(c):
+                    cm += np.int32(cand_v[j] >= x)
+            cnt[m] = cm
+        new_lo, new_c, new_hi = lo, c_lo, hi
+        for m in range(NUM_THRESHOLDS):
+            if cnt[m] >= k:
+                new_lo, new_c = th[m], cnt[m]
+            else:
+                new_hi = th[m]
+                break
+        if new_lo == lo and new_hi == hi:
+            break  # no float left between them: ties at the threshold
+        lo, c_lo, hi = new_lo, new_c, new_hi
+        c = _shrink(row, in_row, cand_v, cand_i, c, lo)
+        in_row = False
+    if in_row:
+        c = _shrink(row, in_row, cand_v, cand_i, c, lo)
+    return c
+
+
+@numba.njit(**_HELPER)
+def _write_top(cand_v, cand_i, cand_key, c, k, out_vals, out_ids):
+    """Write the pool's ``k`` largest (``cand_v`` / ``cand_i [:c]``), sorted, to
+    ``out_vals`` / ``out_ids [1 : k + 1]`` of one row: each entry's place is the count of
+    entries ranked above it. Key: the float's bits made order-preserving as a signed int,
+    then the id reversed so that a lower id ranks first among equal values."""
+    for a in range(c):
+        bits = np.int64(np.float32(cand_v[a] + np.float32(0.0)).view(np.int32))
+        if bits < 0:  # (adding +0.0 above turned -0.0 into +0.0: they tie)
+            bits = bits ^ 0x7FFFFFFF
+        cand_key[a] = (bits << 32) + (0xFFFFFFFF - np.int64(cand_i[a]))
+    for a in range(c):
+        key = cand_key[a]
+        r = np.int32(0)
+        for q in range(c):
+            r += np.int32(cand_key[q] > key)
+        if r < k:
+            out_vals[1 + r] = cand_v[a]
+            out_ids[1 + r] = cand_i[a]
+
+
 @numba.njit(parallel=True, cache=True, nogil=True, boundscheck=False)
 def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):
     """The kernel (see the module docstring): writes ``out_ids``, ``out_vals``, ``ranks``
@@ -141,82 +236,18 @@ def _topk_rows(lp, tgt, k, out_ids, out_vals, ranks):
         th = np.empty(NUM_THRESHOLDS, np.float32)
         cnt = np.empty(NUM_THRESHOLDS, np.int32)
         minmax = np.empty(2, np.int32)
-        minmax_f = minmax.view(np.float32)
         for i in range(b * n // blocks, (b + 1) * n // blocks):
             row = lp[i]
             t = tgt[i]
             tv = row[t]
-            rank = np.int32(0)
-            nonfinite = np.int32(0)
-            for j in range(v):
-                x = row[j]
-                rank += np.int32(x >= tv)
-                nonfinite += np.int32(x - x != 0)  # inf - inf and NaN - NaN are NaN
-            # min and max as integers (float min / max reductions do not vectorize): the
-            # order-preserving int32 of a float's bits, and back (the map is its own inverse).
-            bits = row.view(np.int32)
-            k_hi = np.int32(-2147483648)
-            k_lo = np.int32(2147483647)
-            for j in range(v):
-                b_ = bits[j]
-                key_ = b_ ^ ((b_ >> 31) & np.int32(0x7FFFFFFF))
-                k_hi = max(k_hi, key_)
-                k_lo = min(k_lo, key_)
-            minmax[0] = k_lo ^ ((k_lo >> 31) & np.int32(0x7FFFFFFF))
-            minmax[1] = k_hi ^ ((k_hi >> 31) & np.int32(0x7FFFFFFF))
-            lo = minmax_f[0]
-            hi = minmax_f[1]
+            rank, nonfinite = _rank_of(row, tv)
+            lo, hi = _min_max(row, minmax)
             if nonfinite:
                 bad[b] += 1
                 continue
             ranks[i] = rank
             out_vals[i, 0] = tv
             out_ids[i, 0] = t
-            # count(row >= lo) >= k always; stop at <= k + SLACK candidates. The pool
-            # (cand_v / cand_i [:c]) holds the entries >= lo once the first pass shrank it.
-            c_lo = v
-            c = np.int64(0)
-            in_row = True
-            while c_lo > k + SLACK:
-                step = (hi - lo) / (NUM_THRESHOLDS + 1)
-                for m in range(NUM_THRESHOLDS):
-                    x = lo + step * (m + 1)
-                    th[m] = x
-                    cm = np.int32(0)
-                    if in_row:
-                        for j in range(v):
-                            cm += np.int32(row[j] >= x)
-                    else:
-                        for j in range(c):
-                            cm += np.int32(cand_v[j] >= x)
-                    cnt[m] = cm
-                new_lo, new_c, new_hi = lo, c_lo, hi
-                for m in range(NUM_THRESHOLDS):
-                    if cnt[m] >= k:
-                        new_lo, new_c = th[m], cnt[m]
-                    else:
-                        new_hi = th[m]
-                        break
-                if new_lo == lo and new_hi == hi:
-                    break  # no float left between them: ties at the threshold
-                lo, c_lo, hi = new_lo, new_c, new_hi
-                c = _shrink(row, in_row, cand_v, cand_i, c, lo)
-                in_row = False
-            if in_row:
-                c = _shrink(row, in_row, cand_v, cand_i, c, lo)
-            # Key: the float's bits made order-preserving as a signed int, then the id
-            # reversed so that a lower id ranks first among equal values.
-            for a in range(c):
-                bits = np.int64(np.float32(cand_v[a] + np.float32(0.0)).view(np.int32))
-                if bits < 0:  # (adding +0.0 above turned -0.0 into +0.0: they tie)
-                    bits = bits ^ 0x7FFFFFFF
-                cand_key[a] = (bits << 32) + (0xFFFFFFFF - np.int64(cand_i[a]))
-            for a in range(c):
-                key = cand_key[a]
-                r = np.int32(0)
-                for q in range(c):
-                    r += np.int32(cand_key[q] > key)
-                if r < k:
-                    out_vals[i, 1 + r] = cand_v[a]
-                    out_ids[i, 1 + r] = cand_i[a]
+            c = _candidates(row, k, lo, hi, cand_v, cand_i, th, cnt)
+            _write_top(cand_v, cand_i, cand_key, c, k, out_vals[i], out_ids[i])
     return bad.sum() == 0

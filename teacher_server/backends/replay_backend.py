@@ -27,7 +27,7 @@ from teacher_server.backends.base import Backend, BackendInfo
 from teacher_server.validation import ParsedRequest, ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, teacher_temperature
 from topk_protocol.recording import RecordingReader
-from topk_protocol.recording.multi import read_manifest, teacher_recording_path
+from topk_protocol.recording.multi_recording import read_manifest, teacher_recording_path
 from topk_protocol.recording.replay import find_rows, recorded_arrays, serves_encodings
 from topk_protocol.storage import Location, location
 

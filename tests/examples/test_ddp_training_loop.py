@@ -20,7 +20,7 @@ from conftest import ROOT, ServerProcess
 from examples import ddp_training_loop as ddp
 from student_client.clients.blocking import TeacherClient
 from student_client.integrations.distributed import rank_recordings, recorded_dataset
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 
 pytestmark = pytest.mark.vllm
 

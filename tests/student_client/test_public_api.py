@@ -25,7 +25,7 @@ def test_public_names_at_the_top() -> None:
 
     assert TeacherClient.__module__ == "student_client.clients.blocking"
     assert AsyncTeacherClient.__module__ == "student_client.clients.aio"
-    assert ReplayClient.__module__ == "student_client.offline.replay"
+    assert ReplayClient.__module__ == "student_client.offline.replay_client"
     assert topk_kl_loss.__module__ == "student_client.losses.api"
     assert lm_head_topk_kl_loss.__module__ == "student_client.losses.sharded_head"
     assert LossOptions.__module__ == "student_client.losses.options"

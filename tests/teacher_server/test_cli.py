@@ -13,7 +13,7 @@ import pytest
 
 from teacher_server import cli
 from teacher_server.backends.registry import BACKENDS, backend_class
-from teacher_server.backends.vllm import flags as vllm_flags
+from teacher_server.backends.vllm import engine_flags as vllm_flags
 from teacher_server.config import ServerConfig
 from teacher_server.flags import field_docs, flag_fields, from_args
 

@@ -21,7 +21,7 @@ import torch
 
 from devtools.launch import TeacherProcess, start_teacher
 from student_client import TeacherClient
-from teacher_server.fingerprint import announce_fingerprint, score_canaries
+from teacher_server.answer_fingerprint import announce_fingerprint, score_canaries
 from topk_protocol.errors import TeacherMismatchError
 from topk_protocol.fingerprint import (
     CANARY_TOP_K,

@@ -12,7 +12,7 @@ import pytest
 
 from devtools.launch import TeacherProcess
 from student_client import TeacherClient
-from teacher_server.fingerprint import score_canaries
+from teacher_server.answer_fingerprint import score_canaries
 from topk_protocol.fingerprint import CANARY_TOP_K, AnswerFingerprint, canary_sequences, differences
 
 pytestmark = pytest.mark.vllm

@@ -21,7 +21,7 @@ from recording_fakes import assert_bit_equal
 
 from student_client.clients.blocking import TeacherClient
 from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol import build_request, pb, pb_grpc
 from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
 from topk_protocol.errors import NotRecordedError

@@ -27,7 +27,7 @@ from test_vllm_server import (
 
 from devtools.tiny_model import TINY_SERVE_ARGS
 from student_client.clients.blocking import TeacherClient
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from teacher_server.backends.base import Backend, BackendInfo, topk_from_logprobs
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend

@@ -18,8 +18,8 @@ from test_deploy import dockerfile_instructions, load_yaml_docs, parse_serve
 
 from teacher_server import cli as server_cli
 from teacher_server.lifecycle import SHUTDOWN_MARGIN_S
-from topk_ray.cli import build_parser
 from topk_ray.pool import PoolConfig
+from topk_ray.ray_cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "deploy" / "kuberay"
@@ -36,7 +36,7 @@ def _pool_args(job: dict[str, Any]) -> Any:
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[0] == "topk-ray"
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["topk-ray"] == "topk_ray.cli:main"
+    assert scripts["topk-ray"] == "topk_ray.ray_cli:main"
     args = build_parser().parse_args(argv[1:])
     assert args.command == "pool" and args.address == "auto"
     return args

@@ -14,8 +14,8 @@ def test_student_and_server_load_no_ray() -> None:
     code = (
         "import sys\n"
         "from student_client import TeacherClient, PayloadDataset, ReplayClient, TopKKLLoss\n"
-        "import student_client.offline.record_cli, student_client.clients.multi\n"
-        "import teacher_server.server, teacher_server.cli, teacher_server.fingerprint\n"
+        "import student_client.offline.record_cli, student_client.clients.multi_teacher\n"
+        "import teacher_server.server, teacher_server.cli, teacher_server.answer_fingerprint\n"
         "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"
         "assert not loaded, loaded\n"
         "print('ok')\n"

@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 
 from topk_protocol import storage
 from topk_protocol.recording.format import METADATA_FILE
-from topk_protocol.recording.multi import MANIFEST_FILE
+from topk_protocol.recording.multi_recording import MANIFEST_FILE
 from topk_protocol.storage import resolve
 
 __all__ = [

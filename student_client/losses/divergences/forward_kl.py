@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from student_client.losses.divergences.base import CoarseRows
+from student_client.losses.divergences.interface import CoarseRows
 
 __all__ = ["ForwardKL"]
 

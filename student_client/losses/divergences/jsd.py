@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from student_client.losses.divergences.base import CoarseRows
 from student_client.losses.divergences.forward_kl import ForwardKL
+from student_client.losses.divergences.interface import CoarseRows
 from student_client.losses.divergences.reverse_kl import ReverseKL
 
 __all__ = ["GeneralizedJSD"]

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from student_client.losses.divergences.base import TAIL, CoarseRows
+from student_client.losses.divergences.interface import TAIL, CoarseRows
 
 __all__ = ["LOG_PROB_FLOOR", "ReverseKL", "floored_teacher_logprobs"]
 

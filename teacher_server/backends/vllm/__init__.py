@@ -2,12 +2,12 @@
 
 - :mod:`~teacher_server.backends.vllm.backend`: :class:`VLLMBackend`, the engine and the
   flat log-prob path;
-- :mod:`~teacher_server.backends.vllm.flags`: the backend's flags, and vLLM's own;
-- :mod:`~teacher_server.backends.vllm.arrays`: the array log-prob path;
+- :mod:`~teacher_server.backends.vllm.engine_flags`: the backend's flags, and vLLM's own;
+- :mod:`~teacher_server.backends.vllm.array_logprobs`: the array log-prob path;
 - :mod:`~teacher_server.backends.vllm.worker`: what runs inside vLLM's workers (temperature,
   the CPU top-k);
 - :mod:`~teacher_server.backends.vllm.candidates` and
-  :mod:`~teacher_server.backends.vllm.sampling`: candidate and sampled log-probs in the worker;
+  :mod:`~teacher_server.backends.vllm.sampled_draws`: candidate and sampled log-probs in the worker;
 - :mod:`~teacher_server.backends.vllm.prefix`: prefix reuse (the capped scheduler);
 - :mod:`~teacher_server.backends.vllm.hooks`: the list of every patch into vLLM's (and
   torch's) internals, the versions each was checked against, and its fallback.

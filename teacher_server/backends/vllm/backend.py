@@ -44,11 +44,11 @@ from teacher_server.backends.base import (
 )
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
-from teacher_server.backends.vllm import arrays as vllm_arrays
+from teacher_server.backends.vllm import array_logprobs as vllm_arrays
 from teacher_server.backends.vllm import hooks, topk_choice
-from teacher_server.backends.vllm import sampling as vllm_sampling
+from teacher_server.backends.vllm import sampled_draws as vllm_sampling
 from teacher_server.backends.vllm.candidates import extra_args
-from teacher_server.backends.vllm.flags import VLLMFlags, engine_kwargs, engine_parser
+from teacher_server.backends.vllm.engine_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
 from teacher_server.backends.vllm.prefix import (
     CAP_KEY,

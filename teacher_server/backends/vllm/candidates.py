@@ -31,7 +31,7 @@ such a step carry padding columns that vLLM's own processor ignores (it reads th
 ``K + 1``).
 
 **Sampled payloads** ride the same wrappers: a sampled request's extra columns are its
-draws (:mod:`teacher_server.backends.vllm.sampling`), computed from the same
+draws (:mod:`teacher_server.backends.vllm.sampled_draws`), computed from the same
 ``logprobs`` rows by :func:`topk_protocol.sampling.sample_rows` in place of the gather.
 
 The prompt wrapper replays the runner's loop bookkeeping (which requests, which rows)
@@ -90,14 +90,14 @@ class _CandidateColumns:
 
 def _extra_of(state: Any, length: int) -> Any:
     """A request's extra columns (:class:`_CandidateColumns` or
-    :class:`~teacher_server.backends.vllm.sampling.SampleColumns`), or None; built once
+    :class:`~teacher_server.backends.vllm.sampled_draws.SampleColumns`), or None; built once
     per request."""
     cached = getattr(state, _CACHE_ATTR, False)
     if cached is not False:
         return cached
     import torch
 
-    from teacher_server.backends.vllm.sampling import spec_of
+    from teacher_server.backends.vllm.sampled_draws import spec_of
 
     params = getattr(state, "sampling_params", None)
     extra = getattr(params, "extra_args", None) or {}

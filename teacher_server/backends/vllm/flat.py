@@ -1,5 +1,5 @@
 """vLLM's ``flat_logprobs`` path to payload arrays: the fallback where the array path
-(:mod:`teacher_server.backends.vllm.arrays`) does not check out on the installed vLLM.
+(:mod:`teacher_server.backends.vllm.array_logprobs`) does not check out on the installed vLLM.
 """
 
 from __future__ import annotations

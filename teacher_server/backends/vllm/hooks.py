@@ -105,7 +105,7 @@ ARRAY_LOGPROBS = Hook(
         "arrays; vLLM's builds a Python object per entry), swapped in by a wrapper of one "
         "engine's output_processor.add_request"
     ),
-    installed_by="teacher_server.backends.vllm.arrays:select_path",
+    installed_by="teacher_server.backends.vllm.array_logprobs:select_path",
     checked_versions=_VLLM_CHECKED,
     fallback="vLLM's flat_logprobs path (slower: a Python object per log-prob entry)",
     fallback_tests=(

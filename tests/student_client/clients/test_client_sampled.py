@@ -21,7 +21,7 @@ from sampling_checks import chi_square_p_value, equal_mass_chi_square
 from student_client.clients.blocking import TeacherClient
 from student_client.losses import TeacherTargets
 from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.backends.transformers_backend import TransformersBackend
 from teacher_server.validation import ParsedSequence

@@ -27,14 +27,14 @@ from test_client_live import requests_ok
 from devtools.tiny_model import write_tiny_model
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import TeacherClient
-from student_client.clients.multi import AsyncMultiTeacherClient, MultiTeacherClient
+from student_client.clients.multi_teacher import AsyncMultiTeacherClient, MultiTeacherClient
 from student_client.clients.routing import check_agreement
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 from student_client.offline.dataset import PayloadDataset, collate_payloads
 from student_client.offline.multi_replay import MultiReplayClient
 from student_client.offline.record_cli import main as record_main
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol.errors import (
     InvalidRequestError,
@@ -577,7 +577,7 @@ def test_reverse_kl_advantage_against_each_rows_own_teacher(
 
 def test_replay_server_needs_the_teacher_of_a_multi_teacher_recording(tmp_path: Path) -> None:
     from teacher_server.backends.replay_backend import replay_path
-    from topk_protocol.recording.multi import write_manifest
+    from topk_protocol.recording.multi_recording import write_manifest
 
     write_manifest(tmp_path, ["a", "b"])
     with pytest.raises(ValueError, match=r"multi-teacher recording of \['a', 'b'\]"):

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from devtools.tiny_model import tiny_qwen2_config
-from student_client.integrations.config import DistillationConfig
 from student_client.integrations.distillation import (
     TEACHER_KEY,
     distillation_loss,
     per_teacher_metrics,
 )
+from student_client.integrations.distillation_config import DistillationConfig
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 from topk_protocol.requests import RequestOptions
 

@@ -26,7 +26,7 @@ from student_client.integrations.hf_trainer import (
 )
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 from student_client.offline.dataset import PayloadDataset
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol.requests import RequestOptions
 
 pytestmark = pytest.mark.vllm

@@ -34,7 +34,7 @@ from transformers import Qwen2ForCausalLM
 
 from devtools.tiny_model import tiny_qwen2_config
 from student_client.integrations.hf_trainer import DistillationConfig, TopKDistillationTrainer
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol import SequenceArrays, pb
 from topk_protocol.recording import RecordingWriter
 from topk_protocol.requests import RequestOptions

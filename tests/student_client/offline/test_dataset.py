@@ -14,7 +14,7 @@ from recording_fakes import INFO, K, assert_bit_equal, teacher_answer
 from torch.utils.data import DataLoader
 
 from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol import SequenceArrays
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.recording import RecordingWriter

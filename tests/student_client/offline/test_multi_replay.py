@@ -14,10 +14,10 @@ from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_ans
 from student_client.clients.routing import merge_payloads
 from student_client.offline.dataset import PayloadDataset
 from student_client.offline.multi_replay import MultiReplayClient
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.recording import RecordingWriter
-from topk_protocol.recording.multi import teacher_recording_path, write_manifest
+from topk_protocol.recording.multi_recording import teacher_recording_path, write_manifest
 
 
 def _record(root: Path) -> tuple[list[np.ndarray], dict[str, dict[bytes, object]]]:

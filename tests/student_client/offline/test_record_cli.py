@@ -1,5 +1,5 @@
 """``teacher-record`` inputs: every supported corpus format gives the same sequences, and
-bad input is refused naming the problem (the live-teacher run is in test_replay.py)."""
+bad input is refused naming the problem (the live-teacher run is in test_replay_client.py)."""
 
 from __future__ import annotations
 

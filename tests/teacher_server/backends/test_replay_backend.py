@@ -15,7 +15,7 @@ import torch
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.clients.blocking import TeacherClient
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol.errors import DataLossError, NotRecordedError
 from topk_protocol.recording import RecordingWriter
 

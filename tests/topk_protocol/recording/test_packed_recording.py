@@ -15,7 +15,7 @@ from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_ans
 
 from student_client.data.assembler import ResponseAssembler
 from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.replay import ReplayClient, replay_response
+from student_client.offline.replay_client import ReplayClient, replay_response
 from teacher_server.backends.replay_backend import ReplayBackend
 from teacher_server.grpc_api.answers import encode_response, iter_stream_responses
 from teacher_server.validation import Limits, parse_request

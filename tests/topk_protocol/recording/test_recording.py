@@ -20,7 +20,7 @@ import pytest
 from recording_fakes import INFO, K, assert_bit_equal, live_payload, teacher_answer
 
 from student_client.data.assembler import ResponseAssembler
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol import (
     SequenceArrays,
     build_request,
@@ -336,7 +336,7 @@ _STUDENT_ONLY = textwrap.dedent(
     sys.meta_path.insert(0, Block())
     import numpy as np
     from topk_protocol.recording import RecordingWriter
-    from student_client.offline.replay import ReplayClient
+    from student_client.offline.replay_client import ReplayClient
     from topk_protocol import SequenceArrays, pb
     info = pb.TeacherInfo(model_name="m", vocab_size=512, max_top_k=64, schema_version=1)
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from recording_fakes import INFO, K, teacher_answer
 
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol import SequenceArrays
 from topk_protocol.errors import DataLossError, RecordingDamagedError, RecordingError
 from topk_protocol.recording import (

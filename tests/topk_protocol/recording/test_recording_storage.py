@@ -188,7 +188,7 @@ def test_replay_answers_from_an_s3_recording_as_from_the_local_one(
 ) -> None:
     import asyncio
 
-    from student_client.offline.replay import ReplayClient
+    from student_client.offline.replay_client import ReplayClient
     from teacher_server.backends.replay_backend import ReplayBackend, replay_path
 
     uri = f"{s3_bucket}/replayed"

@@ -20,7 +20,7 @@ from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollec
 from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 from teacher_server.backends.base import topk_from_logprobs
-from teacher_server.backends.vllm import arrays as va
+from teacher_server.backends.vllm import array_logprobs as va
 from teacher_server.backends.vllm import hooks
 from teacher_server.backends.vllm.backend import VLLMBackend
 from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from student_client.losses.divergences.base import Divergence
+from student_client.losses.divergences.interface import Divergence
 
 __all__ = ["DIVERGENCES", "get_divergence"]
 

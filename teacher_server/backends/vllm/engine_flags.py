@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from teacher_server.backends.base import ModelFlags
-from teacher_server.backends.vllm.arrays import LOGPROBS_PATHS
+from teacher_server.backends.vllm.array_logprobs import LOGPROBS_PATHS
 from teacher_server.backends.vllm.shared_rows import DEFAULT_SHARED_ROWS_BYTES
 from teacher_server.backends.vllm.worker import ENGINE_TOPK_CHOICES
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from topk_ray.errors import PoolError
+from topk_ray.pool_errors import PoolError
 
 __all__ = ["NAMESPACE", "PoolRegistry", "PoolResolver", "create_registry", "registry_name"]
 

@@ -8,7 +8,7 @@ live teacher: the recorded values go through the teacher's own encoding and the 
 own decoding. Anything else raises :class:`~topk_protocol.errors.NotRecordedError`
 naming the sequence and what is missing; never NaN or zeros in place of data.
 
-A multi-teacher recording (:mod:`topk_protocol.recording.multi`) replays through
+A multi-teacher recording (:mod:`topk_protocol.recording.multi_recording`) replays through
 :class:`~student_client.offline.multi_replay.MultiReplayClient`;
 ``ReplayClient(path, teacher=name)`` opens one teacher's part as a single-teacher
 recording.
@@ -47,7 +47,7 @@ from topk_protocol.checks import (
 )
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.recording import RecordingReader
-from topk_protocol.recording.multi import (
+from topk_protocol.recording.multi_recording import (
     read_manifest,
     recorded_teachers,
     teacher_recording_path,
@@ -120,7 +120,7 @@ def replay_stream(
 
 class ReplayClient(Closeable):
     """Serves ``info``/``score``/``stream`` from a recording directory (a
-    :class:`~student_client.clients.protocol.TeacherSource`).
+    :class:`~student_client.clients.sources.TeacherSource`).
 
     Args:
         path: the recording (see :mod:`topk_protocol.recording`).
@@ -182,7 +182,7 @@ class ReplayClient(Closeable):
 
     @property
     def names(self) -> list[str]:
-        """``[]``: one teacher (see :class:`~student_client.clients.protocol.TeacherSource`)."""
+        """``[]``: one teacher (see :class:`~student_client.clients.sources.TeacherSource`)."""
         return []
 
     def __len__(self) -> int:

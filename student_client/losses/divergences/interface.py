@@ -52,7 +52,7 @@ class CoarseRows(NamedTuple):
 class Divergence(Protocol):
     """A divergence between coarse-grained distributions (a frozen dataclass, hashable).
 
-    `name` is its registry name (`divergences.registry.DIVERGENCES`); `truncatable`
+    `name` is its registry name (`divergences.lookup.DIVERGENCES`); `truncatable`
     says whether mode "truncated" (the top-k terms alone) applies to it.
     """
 

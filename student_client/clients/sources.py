@@ -3,12 +3,12 @@
 :class:`TeacherSource` is what a training loop, the Hugging Face Trainer
 (:mod:`student_client.integrations.hf_trainer`), the examples and ``teacher-record`` use
 of a teacher: the blocking :class:`~student_client.clients.blocking.TeacherClient`, the
-:class:`~student_client.clients.multi.MultiTeacherClient`, and the recordings'
-:class:`~student_client.offline.replay.ReplayClient` and
+:class:`~student_client.clients.multi_teacher.MultiTeacherClient`, and the recordings'
+:class:`~student_client.offline.replay_client.ReplayClient` and
 :class:`~student_client.offline.multi_replay.MultiReplayClient` all satisfy it.
 :class:`AsyncTeacherSource` is the same interface on asyncio
 (:class:`~student_client.clients.aio.AsyncTeacherClient`,
-:class:`~student_client.clients.multi.AsyncMultiTeacherClient`). mypy checks every class
+:class:`~student_client.clients.multi_teacher.AsyncMultiTeacherClient`). mypy checks every class
 against its protocol (:mod:`student_client.offline.conformance`).
 
 ``names`` tells a single-teacher source (``[]``) from a multi-teacher one (its teachers'

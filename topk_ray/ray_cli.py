@@ -135,7 +135,7 @@ def _pool(args: argparse.Namespace) -> int:
 
 def _targets(args: argparse.Namespace) -> int:
     from topk_ray.pool import PoolError, connect
-    from topk_ray.registry import PoolResolver
+    from topk_ray.pool_registry import PoolResolver
 
     try:
         connect(args.address)
@@ -149,8 +149,8 @@ def _targets(args: argparse.Namespace) -> int:
 
 def _record(args: argparse.Namespace) -> int:
     from topk_ray.pool import PoolError, connect
+    from topk_ray.pool_registry import PoolResolver
     from topk_ray.record import RecordError, record_on_ray
-    from topk_ray.registry import PoolResolver
 
     try:
         connect(args.address)

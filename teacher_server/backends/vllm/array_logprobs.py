@@ -197,11 +197,11 @@ def topk_payload(
 
 def sampled_payload(out: Any, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
     """The sampled payload of a final ``RequestOutput`` of a marked sampled request
-    (:mod:`teacher_server.backends.vllm.sampling`): the rows' draw columns, converted as
+    (:mod:`teacher_server.backends.vllm.sampled_draws`): the rows' draw columns, converted as
     the transformers backend converts its draws
     (:func:`teacher_server.backends.base.sampled_arrays`)."""
     from teacher_server.backends.base import sampled_arrays
-    from teacher_server.backends.vllm.sampling import TOP_K, drawn_rows
+    from teacher_server.backends.vllm.sampled_draws import TOP_K, drawn_rows
 
     prompt, sample = _arrays_of(out)
     s = sequence

@@ -1,6 +1,6 @@
 """Several named teachers, one student: route each sequence to its teacher service.
 
-    from student_client.clients.multi import MultiTeacherClient
+    from student_client.clients.multi_teacher import MultiTeacherClient
 
     with MultiTeacherClient({"math": "dns:///math:50051", "code": "h1:50051,h2:50051"}) as c:
         payload = c.score(seqs, 16, teacher=["math", "code", "code"])   # [B, S, K]
@@ -23,7 +23,7 @@ core per teacher and adds only the routing (:mod:`student_client.clients.routing
 - ``stream`` keeps ``depth`` batches in flight ahead of the one the caller holds
   (prefetch depth counts batches, whatever their teachers);
 - ``record_to=DIR`` records each teacher's rows into ``DIR/<name>``
-  (:mod:`topk_protocol.recording.multi`).
+  (:mod:`topk_protocol.recording.multi_recording`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol._closeable import AsyncCloseable
 from topk_protocol.checks import check_depth
 from topk_protocol.errors import TeacherError
-from topk_protocol.recording.multi import (
+from topk_protocol.recording.multi_recording import (
     check_teacher_name,
     teacher_recording_path,
     write_manifest,
@@ -92,7 +92,7 @@ class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
 
     Args:
         teachers: ``{name: target or {"target": ..., options}}``; names as
-            :func:`~topk_protocol.recording.multi.check_teacher_name` allows.
+            :func:`~topk_protocol.recording.multi_recording.check_teacher_name` allows.
         expect_vocab_size, expect_tokenizer_fingerprint, expect_temperature: checked
             against every teacher (and every replica) before its first request.
         record_to: record each teacher's answered rows into ``record_to/<name>``.

@@ -29,7 +29,7 @@ from recording_fakes import assert_bit_equal
 from scripts import record_fixture
 from student_client.clients.blocking import TeacherClient
 from student_client.offline.dataset import PayloadDataset, collate_payloads
-from student_client.offline.replay import ReplayClient
+from student_client.offline.replay_client import ReplayClient
 from topk_protocol.errors import NotRecordedError
 from topk_protocol.recording import RecordingReader
 

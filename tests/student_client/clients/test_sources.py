@@ -1,4 +1,4 @@
-"""Every client satisfies the one client interface (``student_client.clients.protocol``):
+"""Every client satisfies the one client interface (``student_client.clients.sources``):
 the blocking ones ``TeacherSource``, the asyncio ones ``AsyncTeacherSource``; ``names``
 tells one teacher (``[]``) from several. mypy checks the signatures
 (``student_client/offline/conformance.py``); this checks the objects users get at run time, and
@@ -23,7 +23,7 @@ from student_client import (
     TeacherSource,
 )
 from topk_protocol.recording import RecordingWriter
-from topk_protocol.recording.multi import teacher_recording_path, write_manifest
+from topk_protocol.recording.multi_recording import teacher_recording_path, write_manifest
 
 # Nothing listens here: the clients connect lazily, at the first call.
 NOWHERE = "127.0.0.1:9"
