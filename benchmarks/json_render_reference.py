@@ -75,16 +75,24 @@ def _floats(values: npt.NDArray[np.float32]) -> list[float]:
     return out
 
 
-def _pairs(lps: list[float], ids: list[int]) -> str:
-    """``[[lp, id, null], ...]`` for one position."""
-    return "[" + ",".join(f"[{v!r},{t},null]" for v, t in zip(lps, ids, strict=True)) + "]"
+def _text(texts: TokenTexts | None, token: int) -> str:
+    """An entry's text element: the token's text as JSON (``return_text_in_logprobs``)."""
+    return "null" if texts is None else texts.json(token)
+
+
+def _pairs(lps: list[float], ids: list[int], texts: TokenTexts | None) -> str:
+    """``[[lp, id, text], ...]`` for one position."""
+    pairs = (f"[{v!r},{t},{_text(texts, t)}]" for v, t in zip(lps, ids, strict=True))
+    return "[" + ",".join(pairs) + "]"
 
 
 def _rows(first: str, rows: list[str]) -> str:
     return "[" + ",".join([first, *rows]) + "]"
 
 
-def _candidate_rows(item: GenerateItem, scored: SequenceArrays, n: int) -> list[str]:
+def _candidate_rows(
+    item: GenerateItem, scored: SequenceArrays, n: int, texts: TokenTexts | None
+) -> list[str]:
     """``input_token_ids_logprobs`` entries 1 .. n - 1: each position's ids (the shared
     ``token_ids_logprob``, or that position's own list, its -1 padding dropped)."""
     ids = item.candidate_rows()
@@ -97,11 +105,11 @@ def _candidate_rows(item: GenerateItem, scored: SequenceArrays, n: int) -> list[
     out = []
     for lps, row in zip(clps, id_rows, strict=True):
         width = row.index(-1) if -1 in row else len(row)
-        out.append(_pairs(lps[:width], row[:width]))
+        out.append(_pairs(lps[:width], row[:width], texts))
     return out
 
 
-def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> str:
+def _meta_logprobs(item: GenerateItem, scored: SequenceArrays, texts: TokenTexts | None) -> str:
     """The log-prob fields of one item's ``meta_info`` (leading comma included)."""
     if not item.return_logprob:
         return ""
@@ -118,17 +126,17 @@ def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> str:
     if scored.sampled_logprobs is None:
         raise TeacherError("teacher: the backend gave no actual-token log-probs")
     actual = _floats(scored.sampled_logprobs)
-    entries = [f"[null,{tokens[0]},null]"]
-    entries += [f"[{v!r},{t},null]" for v, t in zip(actual, tokens[1:], strict=True)]
+    entries = [f"[null,{tokens[0]},{_text(texts, tokens[0])}]"]
+    entries += [f"[{v!r},{t},{_text(texts, t)}]" for v, t in zip(actual, tokens[1:], strict=True)]
     fields = [f'"input_token_logprobs":[{",".join(entries)}]', '"output_token_logprobs":[]']
     if item.top_logprobs_num:
         top = item.top_logprobs_num
         lps: list[list[float]] = _floats(scored.logprobs[:, :top])  # type: ignore[assignment]
         ids: list[list[int]] = scored.ids[:, :top].tolist()
-        rows = [_pairs(r, i) for r, i in zip(lps, ids, strict=True)]
+        rows = [_pairs(r, i, texts) for r, i in zip(lps, ids, strict=True)]
         fields += [f'"input_top_logprobs":{_rows("null", rows)}', '"output_top_logprobs":[]']
     if item.candidate_ids is not None:
-        rows = _candidate_rows(item, scored, n)
+        rows = _candidate_rows(item, scored, n, texts)
         fields += [
             f'"input_token_ids_logprobs":{_rows("null", rows)}',
             '"output_token_ids_logprobs":[]',
@@ -137,16 +145,21 @@ def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> str:
 
 
 def render_generate(
-    request: GenerateRequest, scored: list[SequenceArrays], seconds: float
+    request: GenerateRequest,
+    scored: list[SequenceArrays],
+    seconds: float,
+    texts: TokenTexts | None = None,
 ) -> bytes:
     """SGLang's ``/generate`` answer to ``request`` from its scored sequences (one per
-    item, rows :attr:`GenerateItem.rows`); ``seconds``: the teacher's time so far."""
+    item, rows :attr:`GenerateItem.rows`); ``seconds``: the teacher's time so far;
+    ``texts``: each entry's text with ``return_text_in_logprobs``."""
+    table = texts if request.text_in_logprobs else None
     answers = []
     for item, arrays in zip(request.items, scored, strict=True):
         meta = (
             f'{{"id":{json.dumps(item.rid)},"finish_reason":{{"type":"length","length":0}},'
             f'"prompt_tokens":{len(item.token_ids)},"completion_tokens":0,'
-            f'"e2e_latency":{seconds!r}{_meta_logprobs(item, arrays)}}}'
+            f'"e2e_latency":{seconds!r}{_meta_logprobs(item, arrays, table)}}}'
         )
         answers.append(f'{{"text":"","output_ids":[],"meta_info":{meta}}}')
     body = f"[{','.join(answers)}]" if request.batched else answers[0]

@@ -59,6 +59,10 @@ class ComputeCollector(Collector):
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+#: How many (method, field) pairs of ignored body fields are logged, once each.
+MAX_NOTED_FIELDS = 256
+
+
 class TeacherMetrics:
     """Counters and histograms exported on ``GET /metrics``."""
 
@@ -104,11 +108,30 @@ class TeacherMetrics:
             ["process"],
             registry=self.registry,
         )
+        self.ignored_fields = Counter(
+            "topk_teacher_http_ignored_fields",
+            "Request body fields accepted and ignored, as the stock server ignores them, by "
+            "method and field ('(undeclared)': a field the stock server does not declare).",
+            ["method", "field"],
+            registry=self.registry,
+        )
+        self._noted_fields: set[tuple[str, str]] = set()
 
     def watch_compute(self, counts: ComputeCounts | None) -> None:
         """Export a backend's compute counts (:class:`ComputeCollector`); None: nothing."""
         if counts is not None:
             self.registry.register(ComputeCollector(counts))
+
+    def count_ignored_field(self, method: str, path: str, label: str) -> bool:
+        """Count one ignored body field (``path``, labelled ``label``) of ``method``; True
+        the first time ``(method, path)`` is seen, for one log line each (at most
+        :data:`MAX_NOTED_FIELDS` pairs are remembered: a client may send any names)."""
+        self.ignored_fields.labels(method, label).inc()
+        key = (method, path)
+        if key in self._noted_fields or len(self._noted_fields) >= MAX_NOTED_FIELDS:
+            return False
+        self._noted_fields.add(key)
+        return True
 
     def set_load(self, in_flight: int, queued: int) -> None:
         """Admission's counts: requests working and requests waiting for a slot."""

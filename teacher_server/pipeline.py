@@ -157,6 +157,10 @@ class RequestPipeline:
         return self._lifecycle
 
     @property
+    def metrics(self) -> TeacherMetrics:
+        return self._metrics
+
+    @property
     def limits(self) -> Limits:
         return self._limits
 

@@ -10,6 +10,8 @@ Shared by every route that turns another server's request body into a ``ScoreReq
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,9 @@ from topk_protocol.checks import check_token_ids, check_total_tokens
 from topk_protocol.errors import InvalidRequestError
 
 __all__ = [
+    "UNDECLARED",
+    "FieldRules",
+    "IgnoredField",
     "check_temperature",
     "int_field",
     "invalid",
@@ -63,6 +68,85 @@ def refuse_unknown(
             f"{prefix}{extra[0]}: not supported by this teacher's {route} (it serves prompt "
             f"log-probs only; fields read: {', '.join(sorted(known))})"
         )
+
+
+#: The metric label of an ignored field the stock server does not declare either (the
+#: names a client may send are unbounded; the log line names each).
+UNDECLARED = "(undeclared)"
+
+
+@dataclass(frozen=True)
+class IgnoredField:
+    """A body field accepted and ignored: its path (``sampling_params.top_p``) and its
+    metric label (the path, or :data:`UNDECLARED`)."""
+
+    path: str
+    label: str
+
+
+@dataclass(frozen=True)
+class FieldRules:
+    """What a route does with each field of a body (or of one object in it), the one rule
+    every framework route follows (docs/frameworks.md, "Fields: one rule"):
+
+    - ``read``: fields this teacher reads; the route's parser checks each.
+    - ``ignored``: fields the stock server declares that change only generated tokens or
+      the answer's dressing: accepted and ignored.
+    - ``refused``: fields the stock server declares that would change the answer and that
+      this teacher cannot honor: ``{name: why}``, refused by name unless the value is one
+      that changes nothing (``null``, ``false``, an empty list or object, or the value in
+      ``neutral``).
+    - any other field: the stock server does not declare it. Where the stock server
+      accepts and ignores such fields (vLLM's request models allow extra fields, SGLang's
+      request dataclass drops them) it is accepted and ignored, labelled
+      :data:`UNDECLARED`; where it rejects them (``refuse_undeclared``: SGLang's
+      ``SamplingParams``) it is refused by name.
+
+    ``stock`` names the stock server's model in messages (``vLLM's CompletionRequest``).
+    """
+
+    stock: str
+    read: frozenset[str]
+    ignored: frozenset[str] = frozenset()
+    refused: Mapping[str, str] = field(default_factory=dict)
+    neutral: Mapping[str, Any] = field(default_factory=dict)
+    refuse_undeclared: bool = False
+
+    @property
+    def declared(self) -> frozenset[str]:
+        """Every field the stock model declares (read, ignored or refused here)."""
+        return self.read | self.ignored | frozenset(self.refused)
+
+    def apply(self, data: dict[str, Any], prefix: str = "") -> list[IgnoredField]:
+        """Refuse ``data``'s refused fields by name; the fields it ignores."""
+        out = []
+        for name, value in data.items():
+            if name in self.read:
+                continue
+            if name in self.refused:
+                if _changes_nothing(value) or (
+                    name in self.neutral and value == self.neutral[name]
+                ):
+                    continue
+                raise invalid(
+                    f"{prefix}{name}: {shown(value)} is not supported by this teacher "
+                    f"({self.refused[name]})"
+                )
+            path = f"{prefix}{name}"
+            if name in self.ignored:
+                out.append(IgnoredField(path, path))
+            elif self.refuse_undeclared:
+                raise invalid(
+                    f"{path}: not a field of {self.stock}, which refuses it too (fields: "
+                    f"{', '.join(sorted(self.declared))})"
+                )
+            else:
+                out.append(IgnoredField(path, UNDECLARED))
+        return out
+
+
+def _changes_nothing(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
 
 
 def int_field(data: dict[str, Any], name: str, default: int | None = None) -> int:

@@ -13,6 +13,7 @@ backend, metrics under the route's ``method``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import Protocol, TypeVar
 
@@ -20,6 +21,7 @@ from fastapi import Request
 
 from teacher_server.fair_share import client_identity
 from teacher_server.http_api.answers import HTTPAnswer
+from teacher_server.http_api.bodies import IgnoredField
 from teacher_server.pipeline import Refused, RequestPipeline
 from teacher_server.validation import Limits, ParsedRequest
 from topk_protocol import SequenceArrays, pb
@@ -27,9 +29,15 @@ from topk_protocol.errors import TeacherUnavailableError
 
 __all__ = ["RouteRequest", "http_client", "score_body"]
 
+logger = logging.getLogger(__name__)
+
 
 class RouteRequest(Protocol):
-    """A route's parsed request: the one ``ScoreRequest`` it is scored as."""
+    """A route's parsed request: the one ``ScoreRequest`` it is scored as, and the body
+    fields it accepted and ignored (:class:`~teacher_server.http_api.bodies.FieldRules`)."""
+
+    @property
+    def ignored_fields(self) -> tuple[IgnoredField, ...]: ...
 
     def score_request(self) -> pb.ScoreRequest: ...
 
@@ -57,6 +65,14 @@ async def score_body(
         if served is None:
             raise TeacherUnavailableError("teacher: loading")
         parsed.append(parse(body, served, pipeline.limits))
+        for field in parsed[0].ignored_fields:
+            if pipeline.metrics.count_ignored_field(method, field.path, field.label):
+                logger.info(
+                    "%s: field %r accepted and ignored, as the stock server ignores it "
+                    "(logged once; counted in topk_teacher_http_ignored_fields_total)",
+                    method,
+                    field.path,
+                )
         return parsed[0].score_request()
 
     def finish(_: ParsedRequest, scored: list[SequenceArrays], seconds: float) -> bytes:

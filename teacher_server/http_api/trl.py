@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from teacher_server.http_api.answers import HTTPAnswer
 from teacher_server.http_api.bodies import (
+    IgnoredField,
     check_temperature,
     int_field,
     invalid,
@@ -94,6 +95,8 @@ class _Parsed:
     prompt_lengths: list[int]
     top_k: int
     response_format: str = "json"
+    #: TRL's route still refuses a field it does not read (docs/frameworks.md).
+    ignored_fields: tuple[IgnoredField, ...] = ()
 
     def score_request(self) -> pb.ScoreRequest:
         spans = [

@@ -27,8 +27,9 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.http_api.bodies import (
+    FieldRules,
+    IgnoredField,
     invalid,
-    refuse_unknown,
     shown,
     token_ids,
 )
@@ -38,32 +39,66 @@ from topk_protocol import Span, encode_token_ids, pb
 from topk_protocol.checks import check_top_k, check_total_tokens
 
 __all__ = [
-    "GENERATE_FIELDS",
-    "IGNORED_SAMPLING_PARAMS",
+    "GENERATE_RULES",
+    "SAMPLING_RULES",
     "GenerateItem",
     "GenerateRequest",
     "input_rows",
     "parse_generate",
 ]
 
-#: The fields of ``/generate`` this teacher reads; any other is refused by name.
-GENERATE_FIELDS = frozenset(
-    {"rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len"}
-    | {"top_logprobs_num", "token_ids_logprob", "token_ids_logprob_positions"}
-    | {"return_text_in_logprobs", "stream"}
-    | {"image_data"}
+#: ``POST /generate`` against SGLang's ``GenerateReqInput`` (the rule of
+#: :class:`~teacher_server.http_api.bodies.FieldRules`): what the answer's input
+#: log-probs depend on is read; routing, caching, tracing and output-only options are
+#: ignored; inputs other than token ids and texts, and extra outputs, are refused.
+GENERATE_RULES = FieldRules(
+    stock="SGLang's GenerateReqInput",
+    read=frozenset({"rid", "text", "input_ids", "sampling_params", "return_logprob"})
+    | {"logprob_start_len", "top_logprobs_num", "token_ids_logprob"}
+    | {"token_ids_logprob_positions", "return_text_in_logprobs", "stream", "image_data"},
+    ignored=frozenset({"session_id", "log_metrics", "routed_experts_start_len", "modalities"})
+    | {"mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config"}
+    | {"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key"}
+    | {"decode_tp_size", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"}
+    | {"kv_router_hint", "routing_key", "conversation_id", "http_worker_ipc", "background"}
+    | {"require_reasoning", "max_thinking_tokens", "priority", "extra_key", "no_logs"}
+    | {"custom_labels", "external_trace_header", "received_time", "need_wait_for_mm_inputs"}
+    | {"num_items_assigned", "encoder_urls", "max_dynamic_patch", "min_dynamic_patch"}
+    | {"image_max_dynamic_patch", "video_max_dynamic_patch", "images_config", "cache_salt"}
+    | {"custom_logit_processor", "return_sampling_mask", "return_bytes"},
+    refused={
+        "input_embeds": "this teacher scores token ids and texts only",
+        "video_data": "this teacher scores text tokens only",
+        "audio_data": "this teacher scores text tokens only",
+        "positional_embed_overrides": "this teacher scores token ids and texts only",
+        "session_params": "send the whole sequence to score (sessions are not kept)",
+        "multi_item_delimiter_indices": "multi-item scoring is not served",
+        "lora_path": "one teacher is served, without adapters",
+        "lora_id": "one teacher is served, without adapters",
+        "return_flat_raw_top_logprobs": "input_top_logprobs come as SGLang's nested lists",
+        "return_flat_raw_top_logprobs_b64": "input_top_logprobs come as nested lists",
+        "return_hidden_states": "hidden states are not served",
+        "return_routed_experts": "routed experts are not served",
+        "return_indexer_topk": "indexer top-k is not served",
+        "return_entropy": "entropy is not served",
+        "return_prompt_token_ids": "the answer does not repeat the prompt's token ids",
+    },
 )
-#: ``sampling_params`` keys that change only generated tokens: accepted and ignored (no
-#: token is generated). ``temperature`` is among them: SGLang's input log-probs are the
-#: model's own whatever the request's temperature (unless its server is started with
+#: ``sampling_params`` against SGLang's ``SamplingParams``, which refuses a key it does
+#: not declare: every option changes only generated tokens (none is generated here).
+#: ``temperature`` is among them: SGLang's input log-probs are the model's own whatever
+#: the request's temperature (unless its server is started with
 #: ``SGLANG_TEMP_SCALED_LOGPROBS``); here they are at the served teacher temperature.
-IGNORED_SAMPLING_PARAMS = frozenset(
-    {"temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty"}
-    | {"repetition_penalty", "stop", "stop_token_ids", "stop_regex", "ignore_eos"}
-    | {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
-    | {"min_new_tokens", "sampling_seed", "logit_bias", "custom_params"}
+SAMPLING_RULES = FieldRules(
+    stock="SGLang's SamplingParams",
+    read=frozenset({"max_new_tokens", "n"}),
+    ignored=frozenset({"temperature", "top_p", "top_k", "min_p", "frequency_penalty"})
+    | {"presence_penalty", "repetition_penalty", "stop", "stop_token_ids", "stop_regex"}
+    | {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+    | {"min_new_tokens", "sampling_seed", "logit_bias", "custom_params", "json_schema"}
+    | {"regex", "ebnf", "structural_tag", "stream_interval"},
+    refuse_undeclared=True,
 )
-_SAMPLING_FIELDS = IGNORED_SAMPLING_PARAMS | {"max_new_tokens", "n"}
 
 
 def input_rows(length: int, start: int) -> Span:
@@ -123,6 +158,8 @@ class GenerateRequest:
 
     items: list[GenerateItem]
     batched: bool
+    text_in_logprobs: bool = False
+    ignored_fields: tuple[IgnoredField, ...] = ()
 
     @property
     def top_k(self) -> int:
@@ -178,16 +215,19 @@ def _int(value: Any, field: str) -> int:
     return value
 
 
-def _check_sampling(params: Any, field: str) -> None:
+def _check_sampling(params: Any, field: str) -> list[IgnoredField]:
+    """One ``sampling_params`` object checked; the keys it ignores."""
     if not isinstance(params, dict):
         raise invalid(f"{field}: expected an object, got {shown(params)}")
-    refuse_unknown(params, _SAMPLING_FIELDS, "/generate", prefix=f"{field}.")
-    max_new = _int(params.get("max_new_tokens", 0), f"{field}.max_new_tokens")
+    ignored = SAMPLING_RULES.apply(params, prefix=f"{field}.")
+    max_new = params.get("max_new_tokens")
+    max_new = 0 if max_new is None else _int(max_new, f"{field}.max_new_tokens")
     if max_new not in (0, 1):
         raise invalid(f"{field}.max_new_tokens: {max_new}; this teacher generates nothing (0 or 1)")
     n = _int(params.get("n", 1), f"{field}.n")
     if n != 1:
         raise invalid(f"{field}.n: {n}; only n = 1 is served")
+    return ignored
 
 
 def _sequences(data: dict[str, Any], tokenizer: Any, limits: Limits) -> tuple[list[Any], bool]:
@@ -274,16 +314,13 @@ def _position_candidates(
 def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> GenerateRequest:
     """A ``/generate`` body (parsed JSON) -> :class:`GenerateRequest` (``tokenizer``:
     the teacher's, for ``text``; None: token ids only)."""
-    refuse_unknown(data, GENERATE_FIELDS, "/generate")
+    ignored = GENERATE_RULES.apply(data)
     if data.get("stream"):
         raise invalid("stream: not supported (the input log-probs come in one answer)")
     if data.get("image_data"):
         raise invalid("image_data: not supported (this teacher scores text tokens only)")
-    if data.get("return_text_in_logprobs"):
-        raise invalid(
-            "return_text_in_logprobs: true is not supported (entries carry the token id, "
-            "their text is null); decode the ids with the teacher's tokenizer"
-        )
+    text_flag = data.get("return_text_in_logprobs")
+    text_in_logprobs = _bool(False if text_flag is None else text_flag, "return_text_in_logprobs")
     seqs, batched = _sequences(data, tokenizer, limits)
     n = len(seqs)
     sampling = _per_item(data, "sampling_params", n, batched, {})
@@ -299,7 +336,8 @@ def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> Gene
     for i, seq in enumerate(seqs):
         at = f"[{i}]" if batched else ""
         listed = isinstance(data.get("sampling_params"), list)
-        _check_sampling(sampling[i], f"sampling_params{at if listed else ''}")
+        if i == 0 or listed:
+            ignored += _check_sampling(sampling[i], f"sampling_params{at if listed else ''}")
         length = len(seq)
         start = _int(starts[i], f"logprob_start_len{at}")
         if start < -1 or start > length:
@@ -325,4 +363,4 @@ def parse_generate(data: dict[str, Any], tokenizer: Any, limits: Limits) -> Gene
                 rid=rids[i],
             )
         )
-    return GenerateRequest(items, batched)
+    return GenerateRequest(items, batched, text_in_logprobs, tuple(ignored))

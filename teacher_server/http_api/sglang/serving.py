@@ -7,11 +7,13 @@ answer rendered here, in a worker thread, as SGLang shapes it: per sequence
 ``{"text": "", "output_ids": [], "meta_info": {...}}`` (a JSON list of them for a batch),
 ``meta_info`` with ``id``, ``finish_reason`` (``{"type": "length", "length": 0}``),
 ``prompt_tokens``, ``completion_tokens`` 0, ``e2e_latency`` and, with
-``return_logprob``, ``input_token_logprobs`` (``[logprob, token_id, null]`` per input
-position from ``logprob_start_len``, the first ``[null, token_id, null]``),
+``return_logprob``, ``input_token_logprobs`` (``[logprob, token_id, text]`` per input
+position from ``logprob_start_len``, the first ``[null, token_id, text]``),
 ``output_token_logprobs`` ``[]``, and with ``top_logprobs_num`` / ``token_ids_logprob``
 ``input_top_logprobs`` / ``input_token_ids_logprobs`` (``null`` first, then a list of
-``[logprob, token_id, null]`` per position) and their empty ``output_*`` twins.
+``[logprob, token_id, text]`` per position) and their empty ``output_*`` twins; ``text``
+is null, or with ``return_text_in_logprobs`` the token's text
+(:class:`~teacher_server.http_api.text.TokenTexts`).
 
 The log-prob fields are written from the arrays by
 :mod:`teacher_server.http_api.json_arrays` (no Python object per entry; each log-prob
@@ -31,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.http_api.answers import HTTPAnswer, http_status
-from teacher_server.http_api.bodies import json_object
+from teacher_server.http_api.bodies import invalid, json_object
 from teacher_server.http_api.json_arrays import (
     Cells,
     concat,
@@ -42,6 +44,7 @@ from teacher_server.http_api.json_arrays import (
 )
 from teacher_server.http_api.scoring import score_body
 from teacher_server.http_api.sglang.protocol import GenerateItem, GenerateRequest, parse_generate
+from teacher_server.http_api.text import TokenTexts
 from teacher_server.pipeline import Refused, RequestPipeline
 from teacher_server.validation import Limits
 from topk_protocol import SequenceArrays, pb
@@ -59,14 +62,20 @@ def sglang_error(status: int, message: str) -> HTTPAnswer:
     return HTTPAnswer(status, json.dumps({"error": {"message": message}}).encode())
 
 
-def _entries(lps: npt.NDArray[np.float32], ids: npt.NDArray[np.int32]) -> Cells:
-    """``[lp, id, null]`` per entry of ``lps`` / ``ids`` (same shape, read row-major)."""
+def _entries(
+    lps: npt.NDArray[np.float32], ids: npt.NDArray[np.int32], texts: TokenTexts | None
+) -> Cells:
+    """``[lp, id, text]`` per entry of ``lps`` / ``ids`` (same shape, read row-major):
+    ``text`` the token's text with ``texts`` (``return_text_in_logprobs``), else null."""
+    text: Cells | bytes = b"null" if texts is None else texts.json_cells(ids)
     return concat(
         b"[",
         json_floats(lps.reshape(-1), nonfinite=JSON_NEG_INF),
         b",",
         json_ints(ids.reshape(-1)),
-        b",null]",
+        b",",
+        text,
+        b"]",
     )
 
 
@@ -76,16 +85,21 @@ def _after_null(rows: bytes) -> bytes:
 
 
 def _position_lists(
-    lps: npt.NDArray[np.float32], ids: npt.NDArray[np.int32], keep: npt.NDArray[np.bool_]
+    lps: npt.NDArray[np.float32],
+    ids: npt.NDArray[np.int32],
+    keep: npt.NDArray[np.bool_],
+    texts: TokenTexts | None,
 ) -> bytes:
-    """``[null, [[lp, id, null], ...] per row]`` of ``[S, W]`` log-probs and ids (the
+    """``[null, [[lp, id, text], ...] per row]`` of ``[S, W]`` log-probs and ids (the
     entries where ``keep``)."""
     if lps.shape[0] == 0:
         return b"[null]"
-    return _after_null(joined(json_lists(_entries(lps, ids), keep)))
+    return _after_null(joined(json_lists(_entries(lps, ids, texts), keep)))
 
 
-def _candidate_lists(item: GenerateItem, scored: SequenceArrays, n: int) -> bytes:
+def _candidate_lists(
+    item: GenerateItem, scored: SequenceArrays, n: int, texts: TokenTexts | None
+) -> bytes:
     """``input_token_ids_logprobs``: ``null``, then each position's ids (the shared
     ``token_ids_logprob``, or that position's own list, its -1 padding dropped)."""
     ids = item.candidate_rows()
@@ -95,11 +109,12 @@ def _candidate_lists(item: GenerateItem, scored: SequenceArrays, n: int) -> byte
         raise TeacherError("teacher: the backend gave no candidate log-probs")
     # A position's list ends at its first -1 (the padding).
     keep = np.logical_and.accumulate(ids != -1, axis=1)
-    return _position_lists(scored.candidate_logprobs, ids, keep)
+    return _position_lists(scored.candidate_logprobs, np.maximum(ids, 0), keep, texts)
 
 
-def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> bytes:
-    """The log-prob fields of one item's ``meta_info`` (leading comma included)."""
+def _meta_logprobs(item: GenerateItem, scored: SequenceArrays, texts: TokenTexts | None) -> bytes:
+    """The log-prob fields of one item's ``meta_info`` (leading comma included);
+    ``texts``: each entry's text (``return_text_in_logprobs``), else null."""
     if not item.return_logprob:
         return b""
     n = item.num_entries
@@ -113,28 +128,36 @@ def _meta_logprobs(item: GenerateItem, scored: SequenceArrays) -> bytes:
     tokens = item.token_ids[item.logprob_start :]
     if scored.sampled_logprobs is None:
         raise TeacherError("teacher: the backend gave no actual-token log-probs")
-    first = b"[null,%d,null]" % int(tokens[0])
-    actual = joined(_entries(scored.sampled_logprobs, tokens[1:]))
+    first_text = b"null" if texts is None else texts.json(int(tokens[0])).encode()
+    first = b"[null,%d,%s]" % (int(tokens[0]), first_text)
+    actual = joined(_entries(scored.sampled_logprobs, tokens[1:], texts))
     entries = first + b"," + actual if actual else first
     fields = [b'"input_token_logprobs":[' + entries + b"]", b'"output_token_logprobs":[]']
     if item.top_logprobs_num:
         top = item.top_logprobs_num
         lps, ids = scored.logprobs[:, :top], scored.ids[:, :top]
-        rows = _position_lists(lps, ids, np.ones(lps.shape, dtype=np.bool_))
+        rows = _position_lists(lps, ids, np.ones(lps.shape, dtype=np.bool_), texts)
         fields += [b'"input_top_logprobs":' + rows, b'"output_top_logprobs":[]']
     if item.candidate_ids is not None:
         fields += [
-            b'"input_token_ids_logprobs":' + _candidate_lists(item, scored, n),
+            b'"input_token_ids_logprobs":' + _candidate_lists(item, scored, n, texts),
             b'"output_token_ids_logprobs":[]',
         ]
     return b"," + b",".join(fields)
 
 
 def render_generate(
-    request: GenerateRequest, scored: list[SequenceArrays], seconds: float
+    request: GenerateRequest,
+    scored: list[SequenceArrays],
+    seconds: float,
+    texts: TokenTexts | None = None,
 ) -> bytes:
     """SGLang's ``/generate`` answer to ``request`` from its scored sequences (one per
-    item, rows :attr:`GenerateItem.rows`); ``seconds``: the teacher's time so far."""
+    item, rows :attr:`GenerateItem.rows`); ``seconds``: the teacher's time so far;
+    ``texts``: the token texts (needed with ``return_text_in_logprobs``)."""
+    if request.text_in_logprobs and texts is None:
+        raise TeacherError("teacher: return_text_in_logprobs needs the backend's tokenizer")
+    table = texts if request.text_in_logprobs else None
     answers = []
     for item, arrays in zip(request.items, scored, strict=True):
         meta = (
@@ -143,7 +166,10 @@ def render_generate(
             f'"e2e_latency":{seconds!r}'
         ).encode()
         answers.append(
-            b'{"text":"","output_ids":[],"meta_info":' + meta + _meta_logprobs(item, arrays) + b"}}"
+            b'{"text":"","output_ids":[],"meta_info":'
+            + meta
+            + _meta_logprobs(item, arrays, table)
+            + b"}}"
         )
     return b"[" + b",".join(answers) + b"]" if request.batched else answers[0]
 
@@ -162,10 +188,28 @@ class SGLangEndpoints:
     ) -> None:
         self._pipeline = pipeline
         self._info = info
+        self._texts: TokenTexts | None = None
+
+    def _token_texts(self) -> TokenTexts | None:
+        tokenizer = self._pipeline.backend.tokenizer
+        if tokenizer is None:
+            return None
+        if self._texts is None:
+            self._texts = TokenTexts(tokenizer)
+        return self._texts
 
     def _parse(self, body: bytes, _info: pb.TeacherInfo, limits: Limits) -> GenerateRequest:
         data: dict[str, Any] = json_object(body)
-        return parse_generate(data, self._pipeline.backend.tokenizer, limits)
+        parsed = parse_generate(data, self._pipeline.backend.tokenizer, limits)
+        if parsed.text_in_logprobs and self._token_texts() is None:
+            raise invalid(
+                "return_text_in_logprobs: this teacher's backend has no tokenizer to write "
+                "the tokens' text; send false"
+            )
+        return parsed
+
+    def _render(self, parsed: GenerateRequest, scored: list[SequenceArrays], s: float) -> bytes:
+        return render_generate(parsed, scored, s, self._token_texts())
 
     async def generate(self, body: bytes, client: Hashable = None) -> HTTPAnswer:
         """SGLang's ``POST /generate``."""
@@ -179,7 +223,7 @@ class SGLangEndpoints:
             GENERATE_METHOD,
             body,
             self._parse,
-            render_generate,
+            self._render,
             refuse,
             client,
         )

@@ -10,11 +10,14 @@ Who sends what (docs/frameworks.md): TRL 1.11+ token-id prompts with ``prompt_lo
 and ``max_tokens=1``; rllm's ``compute_logprobs`` token ids with ``echo``, ``logprobs=1``,
 ``max_tokens=1``, ``temperature`` and ``top_p`` 1; ms-swift and vime text prompts with
 ``prompt_logprobs``; Prime-RL ``/inference/v1/generate`` with ``token_ids`` and
-``sampling_params`` ``{max_tokens: 1, temperature, top_p, prompt_logprobs}``. Nothing is
-generated: ``max_tokens`` above 1, ``n`` above 1 and ``stream`` are refused by name, and
-so is any field this teacher does not read; the generation-only sampling options
-(:data:`IGNORED_SAMPLING`) are accepted and ignored. ``temperature``, when given, must be
-the served teacher temperature (a top-k answer cannot be re-tempered).
+``sampling_params`` ``{max_tokens: 1, temperature, top_p, prompt_logprobs}``; axolotl
+a batch of token prompts with ``echo``, ``logprobs: true``, no ``max_tokens`` and keys
+vLLM does not declare. Nothing is generated: ``max_tokens`` absent or null is served as 1,
+above 1 refused by name, as are ``n`` above 1 and ``stream``; every other field follows
+the routes' one rule (:class:`~teacher_server.http_api.bodies.FieldRules`:
+:data:`COMPLETIONS_RULES`, :data:`GENERATE_RULES`, :data:`GENERATE_SAMPLING_RULES`).
+``temperature``, when given, must be the served teacher temperature (a top-k answer
+cannot be re-tempered).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import numpy as np
 import numpy.typing as npt
 
 from teacher_server.http_api.bodies import (
+    FieldRules,
+    IgnoredField,
     check_temperature,
     int_field,
     invalid,
-    refuse_unknown,
     shown,
     token_id_lists,
     token_ids,
@@ -42,30 +46,68 @@ from topk_protocol.checks import check_top_k, check_total_tokens
 from topk_protocol.trl_layout import trl_span
 
 __all__ = [
-    "COMPLETIONS_FIELDS",
-    "GENERATE_FIELDS",
+    "COMPLETIONS_RULES",
+    "GENERATE_RULES",
+    "GENERATE_SAMPLING_RULES",
     "IGNORED_SAMPLING",
     "PromptLogprobsRequest",
     "parse_completions",
     "parse_token_generate",
 ]
 
-#: Sampling options that change only generated tokens: accepted and ignored.
+#: Sampling options that change only generated tokens: accepted and ignored (nothing is
+#: generated), on both routes (``/inference/v1/generate`` takes them in
+#: ``sampling_params``).
 IGNORED_SAMPLING = frozenset(
     {"top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty"}
-    | {"frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens"}
+    | {"frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "logit_bias"}
     | {"skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
+    | {"allowed_token_ids", "bad_words", "logprob_token_ids", "length_penalty", "use_beam_search"}
+    | {"structured_outputs", "response_format", "thinking_token_budget", "repetition_detection"}
+    | {"watermarking"}
 )
-#: The ``/v1/completions`` fields read; any other is refused by name.
-COMPLETIONS_FIELDS = (
-    frozenset({"model", "prompt", "max_tokens", "temperature", "prompt_logprobs", "n"})
-    | {"stream", "echo", "logprobs", "user", "add_special_tokens"}
-    | IGNORED_SAMPLING
+#: Fields of vLLM's ``CompletionRequest`` that would change the answer and that a
+#: prompt-scoring teacher cannot honor.
+_REFUSED = {
+    "truncate_prompt_tokens": "the prompt is scored whole; send the tokens to score",
+    "prompt_embeds": "this teacher scores token ids and texts only",
+    "return_tokens_as_token_ids": "entries are keyed by token id and carry decoded_token",
+    "suffix": "nothing is generated, so no suffix is written",
+    "vllm_xargs": "no custom sampling arguments reach this teacher's engine",
+}
+#: ``POST /v1/completions`` against vLLM's ``CompletionRequest`` (the rule of
+#: :class:`~teacher_server.http_api.bodies.FieldRules`; tests/.../test_field_rules.py
+#: checks that every field vLLM declares is in one of the three lists).
+COMPLETIONS_RULES = FieldRules(
+    stock="vLLM's CompletionRequest",
+    read=frozenset({"model", "prompt", "max_tokens", "temperature", "prompt_logprobs", "n"})
+    | {"stream", "echo", "logprobs", "add_special_tokens"},
+    ignored=IGNORED_SAMPLING
+    | {"user", "request_id", "session_id", "priority", "stream_options", "stream_interval"}
+    | {"cache_salt", "kv_transfer_params", "ec_transfer_params", "mm_payload"}
+    | {"return_mm_kwargs", "routed_experts_prompt_start", "return_token_offsets"}
+    | {"truncation_side"},
+    refused={
+        **_REFUSED,
+        "return_token_ids": "the answer does not repeat the prompt's token ids",
+    },
 )
-#: The ``/inference/v1/generate`` fields read (and those of its ``sampling_params``).
-GENERATE_FIELDS = frozenset({"model", "token_ids", "sampling_params", "request_id", "stream"})
-_GENERATE_SAMPLING = frozenset({"max_tokens", "temperature", "prompt_logprobs", "n", "logprobs"})
-_GENERATE_SAMPLING |= IGNORED_SAMPLING | {"detokenize"}
+#: ``POST /inference/v1/generate`` (vLLM's token-in ``GenerateRequest``) and its
+#: ``sampling_params`` (vLLM's ``SamplingParams``).
+GENERATE_RULES = FieldRules(
+    stock="vLLM's GenerateRequest",
+    read=frozenset({"model", "token_ids", "sampling_params", "request_id", "stream"}),
+    ignored=frozenset({"cache_salt", "priority", "kv_transfer_params", "features"}),
+)
+GENERATE_SAMPLING_RULES = FieldRules(
+    stock="vLLM's SamplingParams",
+    read=frozenset({"max_tokens", "temperature", "prompt_logprobs", "n", "logprobs"}),
+    ignored=IGNORED_SAMPLING | {"detokenize", "output_kind", "extra_args"},
+    refused={
+        "truncate_prompt_tokens": _REFUSED["truncate_prompt_tokens"],
+        "flat_logprobs": "the answer's entries are vLLM's dictionaries",
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +127,7 @@ class PromptLogprobsRequest:
     echo: bool = False
     decoded: bool = False
     request_id: str = ""
+    ignored_fields: tuple[IgnoredField, ...] = ()
 
     @property
     def prompt_k(self) -> int | None:
@@ -132,8 +175,19 @@ def _optional_k(data: dict[str, Any], name: str, limits: Limits) -> int | None:
     return k
 
 
+def _vllm_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a boolean ``logprobs`` read as vLLM's model reads it: an int field
+    that takes ``true`` as 1 and ``false`` as 0 (axolotl sends ``logprobs: true``)."""
+    value = data.get("logprobs")
+    if isinstance(value, bool):
+        return {"logprobs": int(value)}
+    return data
+
+
 def _check_generation(data: dict[str, Any], prefix: str = "") -> None:
-    max_tokens = int_field(data, "max_tokens", 1)
+    # Absent or null (vLLM: 16 tokens, or as many as fit) is served as 1: the teacher
+    # scores the prompt and generates nothing (docs/frameworks.md).
+    max_tokens = 1 if data.get("max_tokens") is None else int_field(data, "max_tokens")
     if max_tokens not in (0, 1):
         raise invalid(f"{prefix}max_tokens: {max_tokens}; this teacher generates nothing (0 or 1)")
     n = int_field(data, "n", 1)
@@ -176,7 +230,7 @@ def parse_completions(
 ) -> PromptLogprobsRequest:
     """A ``/v1/completions`` body (parsed JSON) -> :class:`PromptLogprobsRequest`
     (``tokenizer``: the teacher's, for text prompts; None: ids only)."""
-    refuse_unknown(data, COMPLETIONS_FIELDS, "/v1/completions")
+    ignored = COMPLETIONS_RULES.apply(data)
     _check_model(data, info.model_name)
     if data.get("stream"):
         raise invalid("stream: not supported (prompt log-probs come in one answer)")
@@ -185,7 +239,7 @@ def parse_completions(
     if not isinstance(echo, bool):
         raise invalid(f"echo: expected true or false, got {shown(echo)}")
     prompt_k = _optional_k(data, "prompt_logprobs", limits)
-    logprobs = _optional_k(data, "logprobs", limits)
+    logprobs = _optional_k(_vllm_logprobs(data), "logprobs", limits)
     if prompt_k is None and not (echo and logprobs is not None):
         raise invalid(
             "prompt_logprobs: missing; this teacher answers prompt log-probs only "
@@ -197,7 +251,9 @@ def parse_completions(
         raise invalid(f"add_special_tokens: expected true or false, got {shown(special)}")
     seqs, texts = _prompts(data.get("prompt"), tokenizer, limits, special)
     decoded = echo or any(t is not None for t in texts)
-    return PromptLogprobsRequest(seqs, texts, prompt_k, logprobs, echo, decoded)
+    return PromptLogprobsRequest(
+        seqs, texts, prompt_k, logprobs, echo, decoded, ignored_fields=tuple(ignored)
+    )
 
 
 def parse_token_generate(
@@ -205,14 +261,14 @@ def parse_token_generate(
 ) -> PromptLogprobsRequest:
     """A ``/inference/v1/generate`` body (vLLM's token-in generate, as Prime-RL sends it)
     -> :class:`PromptLogprobsRequest` (one prompt)."""
-    refuse_unknown(data, GENERATE_FIELDS, "/inference/v1/generate")
+    ignored = GENERATE_RULES.apply(data)
     _check_model(data, info.model_name)
     if data.get("stream"):
         raise invalid("stream: not supported (prompt log-probs come in one answer)")
     params = data.get("sampling_params")
     if not isinstance(params, dict):
         raise invalid(f"sampling_params: expected an object, got {shown(params)}")
-    refuse_unknown(params, _GENERATE_SAMPLING, "/inference/v1/generate", prefix="sampling_params.")
+    ignored += GENERATE_SAMPLING_RULES.apply(params, prefix="sampling_params.")
     _check_generation(params, "sampling_params.")
     if params.get("logprobs") is not None:
         raise invalid(
@@ -240,5 +296,9 @@ def parse_token_generate(
     if request_id is not None and not isinstance(request_id, str):
         raise invalid(f"request_id: expected a string, got {shown(request_id)}")
     return PromptLogprobsRequest(
-        [seq], [None], prompt_k, request_id=request_id or f"gen-{uuid.uuid4().hex}"
+        [seq],
+        [None],
+        prompt_k,
+        request_id=request_id or f"gen-{uuid.uuid4().hex}",
+        ignored_fields=tuple(ignored),
     )

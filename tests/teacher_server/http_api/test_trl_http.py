@@ -237,7 +237,7 @@ def test_refusals_name_the_field_and_the_server_keeps_serving(
         ("/v1/completions", {"prompt": [[1, 2]], "prompt_logprobs": 4, "max_tokens": 16}, 400,
          r"^max_tokens: 16"),
         ("/v1/completions", {"prompt": [[1, 2]], "prompt_logprobs": 4, "suffix": "x"}, 400,
-         r"^suffix: not supported"),
+         r"^suffix: \"x\" is not supported by this teacher \(nothing is generated"),
         ("/v1/completions", {"prompt": [[1, 2]], "prompt_logprobs": 4, "model": "x"}, 400,
          r"^model: 'x' is not served here"),
     ]  # fmt: skip

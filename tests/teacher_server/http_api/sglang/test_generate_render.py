@@ -3,7 +3,8 @@ per-entry reference (:mod:`benchmarks.json_render_reference`), without an engine
 same JSON once every float is read as float32, and the same bytes apart from how the
 floats are written, on odd shapes (S in {0, 1, 3, 47}, K in {1, 5, 64}), ``-inf`` and
 NaN log-probs, a ``logprob_start_len``, shared and per-position ``token_ids_logprob``
-lists with -1 padding, no log-probs, and batches."""
+lists with -1 padding, no log-probs, batches, and ``return_text_in_logprobs`` (each
+entry's text from the token-text table, against the reference's per-entry decode)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from benchmarks import json_render_reference as reference
 from teacher_server.http_api.sglang.protocol import GenerateItem, GenerateRequest
 from teacher_server.http_api.sglang.serving import render_generate
+from teacher_server.http_api.text import TokenTexts
 from topk_protocol import SequenceArrays
 from topk_protocol.errors import TeacherError
 
@@ -62,9 +64,20 @@ def _item(
     return item, scored
 
 
-def _check(request: GenerateRequest, scored: list[SequenceArrays]) -> None:
-    new = render_generate(request, scored, 0.125)
-    old = reference.render_generate(request, scored, 0.125)
+class _Tokenizer:
+    """Token texts with JSON escapes, multi-byte characters, empty and long ones."""
+
+    WORDS = ("a", " the", '"', "\\", "\n", "é", "日本", "", "\u2028", "x" * 40, "\t\x01")
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"{self.WORDS[i % len(self.WORDS)]}{i % 97}" for i in ids)
+
+
+def _check(
+    request: GenerateRequest, scored: list[SequenceArrays], texts: TokenTexts | None = None
+) -> None:
+    new = render_generate(request, scored, 0.125, texts)
+    old = reference.render_generate(request, scored, 0.125, texts)
     assert reference.as_float32(json.loads(new)) == reference.as_float32(json.loads(old))
     assert reference.float_shape(new) == reference.float_shape(old)
 
@@ -95,6 +108,27 @@ def test_a_start_a_batch_and_no_logprobs(top: int) -> None:
     scored.append(SequenceArrays(np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32)))
     _check(GenerateRequest(items, batched=True), scored)
     _check(GenerateRequest(items[:1], batched=True), scored[:1])
+
+
+@pytest.mark.parametrize("candidates", ["none", "shared", "per-position"])
+def test_text_in_logprobs_writes_each_entrys_text(candidates: str) -> None:
+    """``return_text_in_logprobs``: ``[lp, id, text]`` in every input field, position 0
+    included, the text ``tokenizer.decode([id])``; without it the same answer with null."""
+    rng = np.random.default_rng(7)
+    texts = TokenTexts(_Tokenizer())
+    item, scored = _item(rng, 30, 3, 5, candidates, "t")
+    with_text = GenerateRequest([item, item], batched=True, text_in_logprobs=True)
+    _check(with_text, [scored, scored], texts)
+    answer = json.loads(render_generate(with_text, [scored, scored], 0.0, texts))[0]["meta_info"]
+    first, *rest = answer["input_token_logprobs"]
+    assert first == [None, int(item.token_ids[3]), _Tokenizer().decode([int(item.token_ids[3])])]
+    for entry in rest + [e for row in answer["input_top_logprobs"][1:] for e in row]:
+        assert entry[2] == _Tokenizer().decode([entry[1]])
+    plain = GenerateRequest([item], batched=False)
+    nulls = json.loads(render_generate(plain, [scored], 0.0, texts))["meta_info"]
+    assert all(e[2] is None for e in nulls["input_token_logprobs"])
+    with pytest.raises(TeacherError, match="needs the backend's tokenizer"):
+        render_generate(with_text, [scored, scored], 0.0, None)
 
 
 def test_missing_logprobs_are_refused() -> None:
