@@ -15,7 +15,7 @@ from teacher_server.http_api.json_arrays import Cells, padded_strings, table_cel
 from teacher_server.validation import Limits
 from topk_protocol.checks import check_token_ids
 
-__all__ = ["TokenTexts", "encode_text"]
+__all__ = ["LazyTokenTexts", "TokenTexts", "encode_text"]
 
 
 def encode_text(
@@ -107,3 +107,20 @@ class TokenTexts:
         """A prompt's text from its ids (``tokenizer.decode``)."""
         text: str = self._tokenizer.decode(ids.tolist())
         return text
+
+
+class LazyTokenTexts:
+    """A route's :class:`TokenTexts` of the backend's tokenizer, made on first use (the
+    tokenizer is there once the backend has loaded); None where the backend has none."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._texts: TokenTexts | None = None
+
+    def get(self) -> TokenTexts | None:
+        tokenizer = self._backend.tokenizer
+        if tokenizer is None:
+            return None
+        if self._texts is None:
+            self._texts = TokenTexts(tokenizer)
+        return self._texts

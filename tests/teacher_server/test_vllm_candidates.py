@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from dense_reference import dense_logprobs
 from engine_drift import FLOAT32_DRIFT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,15 +30,6 @@ VOCAB = 512
 def stub(vllm_teacher) -> Iterator[pb_grpc.TeacherStub]:  # type: ignore[no-untyped-def]
     with grpc.insecure_channel(vllm_teacher.target) as ch:
         yield pb_grpc.TeacherStub(ch)
-
-
-def _dense(reference_backend, seq: np.ndarray) -> np.ndarray:  # type: ignore[no-untyped-def]
-    """``[L, V]`` float32 log-softmax of the transformers forward pass (T = 1): row ``t``
-    is ``log p(. | x[0..t])``."""
-    with torch.inference_mode():
-        x = torch.as_tensor(seq.astype(np.int64))[None]
-        logits = reference_backend._model(input_ids=x).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).numpy()
 
 
 @st.composite
@@ -96,7 +88,7 @@ def test_candidate_logprobs_match_dense_reference_and_leave_topk_unchanged(
         rng = np.random.default_rng(spec["seed"])
         seq = rng.integers(0, VOCAB, size=spec["length"]).astype(np.int32)
         lo, hi = spec["span"]
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         seqs.append(seq)
         spans.append((lo, hi))
         denses.append(dense[lo:hi])
@@ -154,7 +146,7 @@ def test_client_candidates_float16_and_padded_batch(vllm_teacher, reference_back
     assert (payload.candidate_ids[~real] == -1).all()
     assert torch.equal(payload.candidate_ids == -1, payload.candidate_logprobs.isnan())
     for row, seq, first in ((0, a, 0), (1, b, 4)):
-        dense = _dense(reference_backend, seq.astype(np.int32))
+        dense = dense_logprobs(reference_backend, seq.astype(np.int32))
         ids = cands[row, first:, :5]
         want = np.take_along_axis(dense, ids, axis=1).astype(np.float16).astype(np.float32)
         got = payload.candidate_logprobs[row, first:, :5].numpy()

@@ -44,7 +44,7 @@ from teacher_server.http_api.json_arrays import (
 )
 from teacher_server.http_api.scoring import score_body
 from teacher_server.http_api.sglang.protocol import GenerateItem, GenerateRequest, parse_generate
-from teacher_server.http_api.text import TokenTexts
+from teacher_server.http_api.text import LazyTokenTexts, TokenTexts
 from teacher_server.pipeline import Refused, RequestPipeline
 from teacher_server.validation import Limits
 from topk_protocol import SequenceArrays, pb
@@ -188,20 +188,12 @@ class SGLangEndpoints:
     ) -> None:
         self._pipeline = pipeline
         self._info = info
-        self._texts: TokenTexts | None = None
-
-    def _token_texts(self) -> TokenTexts | None:
-        tokenizer = self._pipeline.backend.tokenizer
-        if tokenizer is None:
-            return None
-        if self._texts is None:
-            self._texts = TokenTexts(tokenizer)
-        return self._texts
+        self._texts = LazyTokenTexts(pipeline.backend)
 
     def _parse(self, body: bytes, _info: pb.TeacherInfo, limits: Limits) -> GenerateRequest:
         data: dict[str, Any] = json_object(body)
         parsed = parse_generate(data, self._pipeline.backend.tokenizer, limits)
-        if parsed.text_in_logprobs and self._token_texts() is None:
+        if parsed.text_in_logprobs and self._texts.get() is None:
             raise invalid(
                 "return_text_in_logprobs: this teacher's backend has no tokenizer to write "
                 "the tokens' text; send false"
@@ -209,7 +201,7 @@ class SGLangEndpoints:
         return parsed
 
     def _render(self, parsed: GenerateRequest, scored: list[SequenceArrays], s: float) -> bytes:
-        return render_generate(parsed, scored, s, self._token_texts())
+        return render_generate(parsed, scored, s, self._texts.get())
 
     async def generate(self, body: bytes, client: Hashable = None) -> HTTPAnswer:
         """SGLang's ``POST /generate``."""

@@ -51,7 +51,7 @@ from teacher_server.http_api.json_arrays import (
     json_lists,
 )
 from teacher_server.http_api.scoring import score_body
-from teacher_server.http_api.text import TokenTexts
+from teacher_server.http_api.text import LazyTokenTexts, TokenTexts
 from teacher_server.http_api.vllm.protocol import (
     PromptLogprobsRequest,
     parse_completions,
@@ -270,15 +270,7 @@ class VLLMEndpoints:
     ) -> None:
         self._pipeline = pipeline
         self._info = info
-        self._texts: TokenTexts | None = None
-
-    def _token_texts(self) -> TokenTexts | None:
-        tokenizer = self._pipeline.backend.tokenizer
-        if tokenizer is None:
-            return None
-        if self._texts is None:
-            self._texts = TokenTexts(tokenizer)
-        return self._texts
+        self._texts = LazyTokenTexts(pipeline.backend)
 
     def _model(self) -> str:
         info = self._info()
@@ -286,7 +278,7 @@ class VLLMEndpoints:
 
     async def completions(self, body: bytes, client: Hashable = None) -> HTTPAnswer:
         """``POST /v1/completions``."""
-        texts = self._token_texts()
+        texts = self._texts.get()
 
         def parse(raw: bytes, info: pb.TeacherInfo, limits: Limits) -> PromptLogprobsRequest:
             tokenizer = self._pipeline.backend.tokenizer

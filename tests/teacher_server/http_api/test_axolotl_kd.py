@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
-import torch
+from dense_reference import dense_logprobs
 
 from tests.conftest import ROOT, ServerProcess
 
@@ -108,15 +108,6 @@ def _fetch(
     return out
 
 
-def _dense(reference_backend: Any, seq: list[int]) -> np.ndarray:
-    """``[L, V]`` float32 log-softmax of the transformers forward pass: row ``t`` is
-    ``log p(. | x[0..t])``."""
-    with torch.inference_mode():
-        x = torch.as_tensor(np.asarray(seq, np.int64))[None]
-        logits = reference_backend._model(input_ids=x).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).numpy()
-
-
 def _batch() -> tuple[list[list[int]], list[list[int]]]:
     rng = np.random.default_rng(61)
     seqs = [rng.integers(0, VOCAB, n).tolist() for n in (1, 2, 40, 97)]
@@ -170,7 +161,7 @@ def test_vllm_mode_body_and_post_processing(
     got = _fetch(axolotl_dir, vllm_teacher, "vllm", seqs, labels, normalize)
     assert len(got["target_token_ids"]) == len(seqs)
     for b, seq in enumerate(seqs):
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         ids, lps, mask = (got[k][b] for k in ("target_token_ids", "target_logprobs", "target_mask"))
         assert len(ids) == len(lps) == len(mask) == len(seq)
         for p in range(1, len(seq)):
@@ -191,7 +182,7 @@ def test_sglang_mode_body_and_post_processing(
     seqs, labels = _batch()
     got = _fetch(axolotl_dir, vllm_teacher, "sglang", seqs, labels, normalize)
     for b, seq in enumerate(seqs):
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         ids, lps, mask = (got[k][b] for k in ("target_token_ids", "target_logprobs", "target_mask"))
         assert len(ids) == len(seq)
         assert lps[0] == [-float("inf")] * K and mask[0] == [0] * K

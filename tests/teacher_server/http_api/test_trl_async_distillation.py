@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from dense_reference import dense_logprobs
 
 from tests.conftest import ServerProcess
 
@@ -25,15 +25,6 @@ pytestmark = pytest.mark.vllm
 TOL = 2e-4
 VOCAB = 512
 K = 8
-
-
-def _dense(reference_backend: Any, seq: list[int]) -> np.ndarray:
-    """``[L, V]`` float32 log-softmax of the transformers forward pass: row ``t`` is
-    ``log p(. | x[0..t])``."""
-    with torch.inference_mode():
-        x = torch.as_tensor(np.asarray(seq, np.int64))[None]
-        logits = reference_backend._model(input_ids=x).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).numpy()
 
 
 async def _score(url: str, prompts: list[tuple[list[int], list[int]]]) -> tuple[str, list[Any]]:
@@ -73,7 +64,7 @@ def test_score_with_teacher_against_the_dense_reference(
     outside = 0
     for (prompt, completion), (ids, lps) in zip(prompts, scored, strict=True):
         seq = prompt + completion
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         assert len(ids) == len(lps) == len(completion)
         for j, position in enumerate(range(len(prompt), len(seq))):
             row = dense[position - 1]

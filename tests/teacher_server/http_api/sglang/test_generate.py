@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import requests
 import torch
+from dense_reference import dense_logprobs
 
 from tests.conftest import ServerProcess
 
@@ -24,15 +25,6 @@ pytestmark = pytest.mark.vllm
 TOL = 2e-4
 VOCAB = 512
 K = 16
-
-
-def _dense(reference_backend: Any, seq: list[int]) -> np.ndarray:
-    """``[L, V]`` float32 log-softmax of the transformers forward pass: row ``t`` is
-    ``log p(. | x[0..t])``."""
-    with torch.inference_mode():
-        x = torch.as_tensor(np.asarray(seq, np.int64))[None]
-        logits = reference_backend._model(input_ids=x).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).numpy()
 
 
 def _seqs() -> list[list[int]]:
@@ -90,7 +82,7 @@ def test_slime_on_policy_distillation_call(
         assert "input_top_logprobs" not in meta
         response_length = max(len(tokens) - 1, 1) // 2 or 1
         got = _slime_teacher_log_probs(answer, response_length).numpy()
-        dense = _dense(reference_backend, tokens)
+        dense = dense_logprobs(reference_backend, tokens)
         want = np.array([dense[q - 1, tokens[q]] for q in range(1, len(tokens))], np.float32)
         want = want[-response_length:] if len(want) else want
         np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
@@ -123,7 +115,7 @@ def test_top_logprobs_and_token_ids_logprob_with_a_start(
     is None whatever the start, entry ``i`` is position ``start + i``."""
     tokens = _seqs()[3]
     cands = [0, 7, 300, 511, tokens[10]]
-    dense = _dense(reference_backend, tokens)
+    dense = dense_logprobs(reference_backend, tokens)
     for start in (0, 25):
         body = {
             **_slime_body(tokens),
@@ -177,7 +169,7 @@ def test_per_position_token_ids_logprob(
     values = r.json()["meta_info"]["input_token_ids_logprobs"]
     assert values[0] is None and len(values) == len(tokens)
     maps = [{int(e[1]): float(e[0]) for e in entries} for entries in values[1:][-response_length:]]
-    dense = _dense(reference_backend, tokens)
+    dense = dense_logprobs(reference_backend, tokens)
     for j, got in enumerate(maps):
         q = prompt_len + j  # entry q: the distribution of x[q], dense row q - 1
         assert list(got) == per_pos[q]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
-import torch
+from dense_reference import dense_logprobs
 
 from tests.conftest import ServerProcess
 
@@ -23,14 +23,6 @@ pytestmark = pytest.mark.vllm
 TOL = 2e-4
 VOCAB = 512
 K = 8
-
-
-def _dense(reference_backend: Any, seq: list[int]) -> np.ndarray:
-    """``[L, V]`` float32 log-softmax of the transformers forward pass."""
-    with torch.inference_mode():
-        x = torch.as_tensor(np.asarray(seq, np.int64))[None]
-        logits = reference_backend._model(input_ids=x).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).numpy()
 
 
 def _seqs() -> list[list[int]]:
@@ -99,7 +91,7 @@ def test_rllm_compute_logprobs_echo_call(
         assert prompt_length == len(seq) and response["usage"]["completion_tokens"] == 0
         prompt_logprobs = choice["logprobs"]["token_logprobs"][:prompt_length]
         assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(seq)
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         got = np.array(prompt_logprobs[1:], np.float32)
         np.testing.assert_allclose(got, _want_actual(dense, seq), rtol=TOL, atol=TOL)
         # vLLM's echo layout: the prompt's text and tokens, top_logprobs keyed by token
@@ -143,7 +135,7 @@ def test_openai_client_echo_with_prompt_logprobs(
         assert out.usage is not None and out.usage.prompt_tokens == len(tokens)
         entries = (choice.model_extra or {})["prompt_logprobs"]
         assert entries[0] is None and len(entries) == len(tokens)
-        dense = _dense(reference_backend, tokens)
+        dense = dense_logprobs(reference_backend, tokens)
         for p, entry in enumerate(entries[1:], 1):
             _check_entry(entry, dense[p - 1], tokens[p], K)
         assert choice.text == text
@@ -167,7 +159,7 @@ def test_text_prompts_prompt_logprobs_and_batches(
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1] and [c["text"] for c in choices] == texts
     for choice, seq in zip(choices, ids, strict=True):
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         entries = choice["prompt_logprobs"]
         assert entries[0] is None and len(entries) == len(seq)
         # rllm's post-processing of prompt_logprobs.
@@ -222,7 +214,7 @@ def test_prime_rl_token_in_generate(vllm_teacher: ServerProcess, reference_backe
             lp = first.logprob if hasattr(first, "logprob") else first.get("logprob")
             flat.append(float(lp) if lp is not None else 0.0)
         assert len(flat) == len(seq) and flat[0] == 0.0
-        dense = _dense(reference_backend, seq)
+        dense = dense_logprobs(reference_backend, seq)
         np.testing.assert_allclose(flat[1:], _want_actual(dense, seq), rtol=TOL, atol=TOL)
         for p, entry in enumerate(r.json()["prompt_logprobs"][1:], 1):
             _check_entry(entry, dense[p - 1], seq[p], 1)
