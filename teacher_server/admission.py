@@ -17,7 +17,12 @@ from collections.abc import Callable, Hashable
 
 from teacher_server.fair_share import FairQueue
 
-__all__ = ["AdmissionQueue", "AdmissionRefused"]
+__all__ = ["QUIET_IN_FLIGHT", "AdmissionQueue", "AdmissionRefused"]
+
+#: The server is *quiet* while at most this many requests hold a slot: one client's
+#: sequential calls (a canary, a trainer at depth 1), no burst. What waits for a quiet
+#: spell (the memory trim, :mod:`teacher_server.malloc_trim`) runs under such a load too.
+QUIET_IN_FLIGHT = 1
 
 
 class AdmissionRefused(Exception):
@@ -59,6 +64,7 @@ class AdmissionQueue:
         self._idle = asyncio.Event()
         self._idle.set()
         self._idle_since: float | None = time.monotonic()
+        self._quiet_since: float | None = self._idle_since
 
     @property
     def in_flight(self) -> int:
@@ -74,7 +80,25 @@ class AdmissionQueue:
         queue was made), ``None`` while a request holds one."""
         return self._idle_since
 
+    @property
+    def quiet_since(self) -> float | None:
+        """``time.monotonic()`` when the current quiet spell began (at most
+        :data:`QUIET_IN_FLIGHT` requests holding a slot since), ``None`` while more hold
+        one."""
+        return self._quiet_since
+
+    def restart_quiet_spell(self) -> None:
+        """Memory was let go (a client went, leaving answers unsent): while quiet, a new
+        quiet spell starts now, so what runs once per spell runs again."""
+        if self._quiet_since is not None:
+            self._quiet_since = time.monotonic()
+
     def _changed(self) -> None:
+        if self._in_flight <= QUIET_IN_FLIGHT:
+            if self._quiet_since is None:
+                self._quiet_since = time.monotonic()
+        else:
+            self._quiet_since = None
         if self._in_flight:
             self._idle.clear()
             self._idle_since = None

@@ -89,9 +89,10 @@ class ServerConfig:
     stream_max_unsent_requests: int = DEFAULT_STREAM_MAX_UNSENT_REQUESTS
     """ScoreStream backpressure: requests one stream may have read but not answered"""
     memory_trim_idle_s: float = DEFAULT_MEMORY_TRIM_IDLE_S
-    """once no request has been in flight for this many seconds, give the memory that the
-    server's and the engine's processes hold freed back to the OS (glibc's malloc_trim;
-    once per idle spell; 0: never)"""
+    """once at most one request has been in flight for this many seconds, give the memory
+    that the server's and the engine's processes hold freed back to the OS (glibc's
+    malloc_trim; once per such quiet spell, and again after a client went leaving answers
+    unsent; 0: never)"""
     http_limits: HttpLimits | None = field(default=None, metadata={"flag": False})
     """the HTTP side's limits (None: HttpLimits' defaults; the CLI's --http-* flags)"""
     expect_fingerprint: Path | None = None

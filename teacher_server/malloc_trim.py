@@ -10,10 +10,13 @@ of vLLM's processes, flat before and after (docs/operations.md, memory over time
 
 Under steady load that memory is the engine's working set: a soak that trimmed every 30 s
 saw each trim give back about 270 MiB of vLLM's worker process, taken again within 10 s
-(re-faulted page by page). So the server trims only once it has been idle (no request
-holding an admission slot) for ``--memory-trim-idle-s``, once per idle spell
-(:func:`trim_when_idle`): after a burst, a storm of clients or a day's training, the
-memory goes back to the machine; under load nothing is trimmed and nothing re-faulted.
+(re-faulted page by page). So the server trims only once it has been quiet (at most one
+request holding an admission slot: one client's sequential calls, no burst) for
+``--memory-trim-idle-s``, once per quiet spell (:func:`trim_when_quiet`), and once more
+after a client that went leaving answers unsent (a killed slow reader starts a new
+spell): after a burst, a storm of clients, slow readers killed or a day's training, the
+memory goes back to the machine, also while a light client keeps calling; under load
+nothing is trimmed and nothing re-faulted.
 It trims its own process and, through the backend, vLLM's worker processes (the worker
 extension's method, run between engine steps; on CPU the one worker is a child of vLLM's
 engine-core process, which schedules and is not trimmed).
@@ -36,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from functools import cache
 from typing import Any
 
-__all__ = ["DEFAULT_MEMORY_TRIM_IDLE_S", "malloc_trim", "trim_when_idle"]
+__all__ = ["DEFAULT_MEMORY_TRIM_IDLE_S", "malloc_trim", "trim_when_quiet"]
 
 log = logging.getLogger(__name__)
 
@@ -73,26 +76,29 @@ def malloc_trim() -> int:
     return max(before - _rss_bytes(), 0)
 
 
-async def trim_when_idle(
-    idle_s: float,
-    idle_since: Callable[[], float | None],
+async def trim_when_quiet(
+    quiet_s: float,
+    quiet_since: Callable[[], float | None],
     engine_trim: Callable[[], Awaitable[int]],
     on_trim: Callable[[str, int], None],
     drop_caches: Callable[[], None] | None = None,
 ) -> None:
-    """Once per idle spell, when it has lasted ``idle_s``: call ``drop_caches`` (the
-    backend's caches of answers, of no use across idle spells), trim this process (in a
-    worker thread: the loop keeps serving) and await ``engine_trim`` (the backend's
-    engine processes); ``on_trim(process, bytes_given_back)`` after each, ``process`` being
-    ``"server"`` or ``"engine"``. ``idle_since()``: ``time.monotonic()`` when the server
-    last became idle, ``None`` while it is busy. Runs until cancelled; a failed engine trim
-    is logged (once per run of failures) and tried again at the next idle spell."""
-    trimmed: float | None = None  # the start of the idle spell trimmed last
+    """Once per quiet spell, when it has lasted ``quiet_s``: call ``drop_caches`` (the
+    backend's caches of answers, kept for requests that arrive together), trim this
+    process (in a worker thread: the loop keeps serving) and await ``engine_trim`` (the
+    backend's engine processes); ``on_trim(process, bytes_given_back)`` after each,
+    ``process`` being ``"server"`` or ``"engine"``. ``quiet_since()``: ``time.monotonic()``
+    when the current quiet spell began (:attr:`AdmissionQueue.quiet_since
+    <teacher_server.admission.AdmissionQueue.quiet_since>`: at most one request in
+    flight; a client that went leaving answers unsent starts a new spell), ``None`` while
+    the server is busier. Runs until cancelled; a failed engine trim is logged (once per
+    run of failures) and tried again at the next quiet spell."""
+    trimmed: float | None = None  # the start of the quiet spell trimmed last
     failed = False
     while True:
-        await asyncio.sleep(min(idle_s, 1.0))
-        since = idle_since()
-        if since is None or since == trimmed or time.monotonic() - since < idle_s:
+        await asyncio.sleep(min(quiet_s, 1.0))
+        since = quiet_since()
+        if since is None or since == trimmed or time.monotonic() - since < quiet_s:
             continue
         trimmed = since
         if drop_caches is not None:

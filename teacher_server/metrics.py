@@ -46,7 +46,7 @@ class ComputeCollector(Collector):
         yield GaugeMetricFamily(
             "topk_teacher_shared_rows_bytes",
             "Bytes of answers' rows kept now to answer later requests for the same prefix "
-            "(--shared-rows-mib; cleared when the server is idle).",
+            "(--shared-rows-mib; cleared at the start of each quiet spell's memory trim).",
             value=c.shared_row_bytes,
         )
         yield GaugeMetricFamily(
@@ -116,6 +116,18 @@ class TeacherMetrics:
             registry=self.registry,
         )
         self._noted_fields: set[tuple[str, str]] = set()
+        self.streams_open = Gauge(
+            "topk_teacher_streams_open",
+            "ScoreStream calls whose per-stream state (budget, answers not yet sent) is "
+            "still alive on the server.",
+            registry=self.registry,
+        )
+        self.stream_unsent_bytes = Gauge(
+            "topk_teacher_stream_unsent_bytes",
+            "Bytes of answers reserved by open ScoreStream calls and not yet handed to "
+            "gRPC (slow readers' answers), summed over the streams.",
+            registry=self.registry,
+        )
 
     def watch_compute(self, counts: ComputeCounts | None) -> None:
         """Export a backend's compute counts (:class:`ComputeCollector`); None: nothing."""

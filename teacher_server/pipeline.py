@@ -160,6 +160,12 @@ class RequestPipeline:
     def metrics(self) -> TeacherMetrics:
         return self._metrics
 
+    def memory_released(self) -> None:
+        """A client went leaving answers unsent: what was held for it is freed, so a new
+        quiet spell starts (the memory trim runs again once it has lasted,
+        :mod:`teacher_server.malloc_trim`)."""
+        self._admission.restart_quiet_spell()
+
     @property
     def limits(self) -> Limits:
         return self._limits

@@ -38,7 +38,7 @@ from teacher_server.lifecycle import (
     Lifecycle,
     Phase,
 )
-from teacher_server.malloc_trim import trim_when_idle
+from teacher_server.malloc_trim import trim_when_quiet
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import RequestPipeline
 from teacher_server.validation import Limits
@@ -233,9 +233,9 @@ class TeacherServer:
             self._info = teacher_info_message(self._backend, self._limits)
             if self._config.memory_trim_idle_s > 0:
                 self._trim_task = asyncio.create_task(
-                    trim_when_idle(
+                    trim_when_quiet(
                         self._config.memory_trim_idle_s,
-                        lambda: self._admission.idle_since,
+                        lambda: self._admission.quiet_since,
                         self._backend.trim_memory,
                         lambda process, n: self._metrics.memory_trimmed.labels(process).inc(n),
                         self._backend.drop_caches,

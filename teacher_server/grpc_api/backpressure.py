@@ -19,6 +19,7 @@ on two quantities at once (requests and bytes), which ``asyncio.Semaphore`` cann
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 # The defaults are the server settings' (written once, in teacher_server.config).
 from teacher_server.config import DEFAULT_STREAM_MAX_UNSENT_MB, DEFAULT_STREAM_MAX_UNSENT_REQUESTS
@@ -37,9 +38,13 @@ class StreamBudget:
     Args:
         max_requests: >= 1.
         max_bytes: >= 1.
+        on_bytes: called with each change of :attr:`bytes` (``+n`` reserved, ``-n``
+            given back): the server's gauge of unsent bytes.
     """
 
-    def __init__(self, max_requests: int, max_bytes: int) -> None:
+    def __init__(
+        self, max_requests: int, max_bytes: int, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         if max_requests < 1:
             raise ValueError(f"stream_max_unsent_requests: must be >= 1, got {max_requests}")
         if max_bytes < 1:
@@ -48,6 +53,7 @@ class StreamBudget:
         self.max_bytes = max_bytes
         self.requests = 0
         self.bytes = 0
+        self._on_bytes = on_bytes
         self._changed = asyncio.Condition()
 
     async def take_request(self) -> None:
@@ -63,10 +69,14 @@ class StreamBudget:
                 lambda: self.bytes == 0 or self.bytes + n <= self.max_bytes
             )
             self.bytes += n
+            if self._on_bytes is not None:
+                self._on_bytes(n)
 
     async def give_back(self, n: int) -> None:
         """A request is answered (or failed): its slot and its ``n`` bytes return."""
         async with self._changed:
             self.requests -= 1
             self.bytes -= n
+            if self._on_bytes is not None:
+                self._on_bytes(-n)
             self._changed.notify_all()

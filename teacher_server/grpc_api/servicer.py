@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator
 
 import grpc
@@ -82,6 +83,10 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         self._pipeline = pipeline
         StreamBudget(*stream_budget)  # refuses bad values now, not at the first stream
         self._stream_budget = stream_budget
+        # Every stream's budget while its state is alive: the gauge counts what the
+        # server still holds for streams, so a stream whose client went must drop to 0.
+        self._streams: weakref.WeakSet[StreamBudget] = weakref.WeakSet()
+        pipeline.metrics.streams_open.set_function(lambda: len(self._streams))
 
     # -- RPCs --------------------------------------------------------------------------
     async def GetInfo(
@@ -168,7 +173,10 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         # Unbounded as a queue, bounded by the budget: every item was reserved in it.
         out: asyncio.Queue[_Outgoing] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
-        budget = StreamBudget(*self._stream_budget)  # also names the stream's turn
+        unsent = self._pipeline.metrics.stream_unsent_bytes
+        # Also names the stream's turn in admission.
+        budget = StreamBudget(*self._stream_budget, on_bytes=unsent.inc)
+        self._streams.add(budget)
         client = _client(context)
         requests = aiter(request_iterator)
 
@@ -214,6 +222,10 @@ class TeacherServicer(pb_grpc.TeacherServicer):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+            # Answers reserved and never handed to gRPC go with this frame.
+            unsent.dec(budget.bytes)
+            if budget.requests:
+                self._pipeline.memory_released()
 
 
 def _client(context: grpc.aio.ServicerContext) -> str:

@@ -1,4 +1,4 @@
-"""The memory trim: glibc gives freed heap pages back; the server trims when idle."""
+"""The memory trim: glibc gives freed heap pages back; the server trims when quiet."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 from devtools.launch import TeacherProcess
 from teacher_server.admission import AdmissionQueue
 from teacher_server.config import ServerConfig
-from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S, malloc_trim, trim_when_idle
+from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S, malloc_trim, trim_when_quiet
 from topk_protocol import build_request, pb_grpc
 
 MIB = 1024 * 1024
@@ -50,9 +51,9 @@ def test_malloc_trim_gives_back_freed_heap_memory_that_glibc_keeps() -> None:
     assert malloc_trim() < 16 * MIB  # nothing much left to give right after
 
 
-def test_trim_when_idle_trims_once_per_idle_spell_and_survives_an_engine_failure() -> None:
-    """Busy: no trim. Idle for 0.2 s: the backend's caches dropped, then one trim of each
-    process. Still idle: no more. A new idle spell: again (its engine trim fails: logged,
+def test_trim_when_quiet_trims_once_per_quiet_spell_and_survives_an_engine_failure() -> None:
+    """Busy: no trim. Quiet for 0.2 s: the backend's caches dropped, then one trim of each
+    process. Still quiet: no more. A new quiet spell: again (its engine trim fails: logged,
     the loop goes on), and again."""
     calls: list[tuple[str, int]] = []
     engine_answers: Iterator[int | Exception] = iter([7, RuntimeError("engine gone"), 9])
@@ -66,7 +67,7 @@ def test_trim_when_idle_trims_once_per_idle_spell_and_survives_an_engine_failure
 
     async def main() -> None:
         task = asyncio.create_task(
-            trim_when_idle(
+            trim_when_quiet(
                 0.2,
                 lambda: state["since"],
                 engine_trim,
@@ -103,6 +104,33 @@ def test_admission_says_since_when_it_is_idle() -> None:
         assert q.idle_since is None
         q.release()
         assert q.idle_since is not None and q.idle_since >= made
+
+    asyncio.run(main())
+
+
+def test_admission_says_since_when_it_is_quiet_and_a_release_starts_a_new_spell() -> None:
+    """Quiet: at most one request in flight (a lone client's calls do not end the spell);
+    two end it; a client that went leaving answers unsent starts a new one, while quiet
+    only."""
+
+    async def main() -> None:
+        q = AdmissionQueue(4, 4)
+        made = q.quiet_since
+        assert made is not None
+        await q.acquire()
+        assert q.quiet_since == made  # one request in flight: still the same quiet spell
+        await q.acquire()
+        assert q.quiet_since is None  # two: busy
+        q.restart_quiet_spell()
+        assert q.quiet_since is None  # not quiet: nothing to restart
+        q.release()
+        again = q.quiet_since
+        assert again is not None and again >= made
+        while time.monotonic() == again:
+            await asyncio.sleep(0)
+        q.restart_quiet_spell()
+        assert q.quiet_since is not None and q.quiet_since > again
+        q.release()
 
     asyncio.run(main())
 
@@ -144,8 +172,9 @@ ENGINE_GROWTH_BOUND = 24 * MIB
 def test_an_idle_teacher_gives_memory_back_and_keeps_none_per_request(
     vllm_teacher: TeacherProcess,
 ) -> None:
-    """The same burst of large requests (3 answers of 8 MiB) ``BURSTS`` times. After each,
-    once the server has been idle for ``--memory-trim-idle-s``, it trims: ``/metrics``
+    """The same burst of large requests (4 answers of 8 MiB, two at a time: the server is
+    busy, not quiet) ``BURSTS`` times. After each, once the server has been quiet for
+    ``--memory-trim-idle-s``, it trims: ``/metrics``
     counts what came back and the worker's RSS falls by about as much. What is resident
     then (freed memory given back) is what the processes keep: a leak that grows with the
     work grows it after every burst, so from at least one burst to the next it must grow
@@ -164,10 +193,11 @@ def test_an_idle_teacher_gives_memory_back_and_keeps_none_per_request(
     opts = [("grpc.max_receive_message_length", 64 * MIB)]  # one answer is 8 MiB
     with grpc.insecure_channel(server.target, options=opts) as ch:
         stub = pb_grpc.TeacherStub(ch)
+        request = build_request(seqs, 64, dtype="float32")
         for _ in range(BURSTS):
             trimmed0 = _engine_trimmed_bytes(server.http)
-            for _ in range(3):
-                stub.Score(build_request(seqs, 64, dtype="float32"), timeout=300)
+            with ThreadPoolExecutor(2) as pool:  # two in flight: not a quiet spell
+                list(pool.map(lambda _: stub.Score(request, timeout=300), range(4)))
             busy = _engine_rss(server.proc.pid)
             deadline = time.monotonic() + DEFAULT_MEMORY_TRIM_IDLE_S + 30  # a stop, if none
             while _engine_trimmed_bytes(server.http) == trimmed0 and time.monotonic() < deadline:
@@ -179,7 +209,7 @@ def test_an_idle_teacher_gives_memory_back_and_keeps_none_per_request(
     for busy, given, idle, kept in rounds:
         print(
             f"engine RSS {busy / MIB:.1f} MiB after the burst, {idle / MIB:.1f} MiB once "
-            f"idle (the trim gave back {given / MIB:.1f} MiB); server {kept / MIB:.1f} MiB"
+            f"quiet (the trim gave back {given / MIB:.1f} MiB); server {kept / MIB:.1f} MiB"
         )
         assert given >= 16 * MIB
         assert idle <= busy - given / 2

@@ -128,8 +128,8 @@ class SharedRows:
         return None
 
     def clear(self) -> None:
-        """Forget every kept answer (the server does when idle, before giving memory
-        back: a group's requests come together, not across idle spells)."""
+        """Forget every kept answer (the server does when quiet, before giving memory
+        back: a group's requests come together, not across quiet spells)."""
         self._kept.clear()
         self._by_key.clear()
         self._bytes = 0

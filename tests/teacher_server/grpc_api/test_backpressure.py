@@ -5,11 +5,16 @@ another client not delayed, memory back once they go."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -22,6 +27,7 @@ from teacher_server.grpc_api.backpressure import (
     DEFAULT_STREAM_MAX_UNSENT_REQUESTS,
     StreamBudget,
 )
+from tests.conftest import ROOT
 from topk_protocol import build_request, pb, pb_grpc
 
 MIB = 1024 * 1024
@@ -194,3 +200,72 @@ def test_a_stalled_stream_resumes_when_its_client_reads(vllm_teacher) -> None:  
         reader.join(120)
         assert len(finals) == len(reqs)
         assert all(n == 8 * 256 * 64 * 4 for n in got.values())  # ids bytes: 8 x 256 x K x 4
+
+
+#: A client that opens a ScoreStream, sends its requests and never reads an answer,
+#: until it is killed: ARGV target, seed.
+_NEVER_READS = """
+import sys, time
+import numpy as np, grpc
+from topk_protocol import build_request, pb_grpc
+target, seed = sys.argv[1], int(sys.argv[2])
+def requests():
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        yield build_request([rng.integers(0, 512, 256).astype(np.int32) for _ in range(8)], 64,
+                            dtype="float32")
+channel = grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])
+call = pb_grpc.TeacherStub(channel).ScoreStream(requests())
+print("sent", flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
+def _stream_state(http: str) -> tuple[float, float]:
+    """(streams whose state is alive, their unsent bytes) from /metrics."""
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    found = [
+        re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        for name in ("topk_teacher_streams_open", "topk_teacher_stream_unsent_bytes")
+    ]
+    assert all(found), "the stream gauges are on /metrics"
+    return float(found[0].group(1)), float(found[1].group(1))  # type: ignore[union-attr]
+
+
+def _wait_for(condition: Any, what: str, safety_s: float = 300.0) -> None:
+    """Poll until ``condition()``; ``safety_s`` only stops a hung run (not a measured bound)."""
+    deadline = time.monotonic() + safety_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.vllm
+def test_a_killed_slow_reader_leaves_no_stream_state_behind(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
+    """A client that sends requests and reads nothing is SIGKILLed with answers waiting for
+    it: the server lets go of its stream's state (the budget, the answers reserved and not
+    sent; counted by the objects still alive, ``topk_teacher_streams_open``) and of those
+    bytes (``topk_teacher_stream_unsent_bytes``), and keeps serving."""
+    server = vllm_teacher
+    _wait_for(lambda: _stream_state(server.http) == (0.0, 0.0), "no stream open before")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    client = subprocess.Popen(
+        [sys.executable, "-c", _NEVER_READS, server.target, "11"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert client.stdout is not None and client.stdout.readline().strip() == "sent"
+        _wait_for(
+            lambda: _stream_state(server.http)[0] == 1 and _stream_state(server.http)[1] > 0,
+            "the slow stream holds answers its client has not read",
+        )
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+    _wait_for(lambda: _stream_state(server.http) == (0.0, 0.0), "the stream's state released")
+    with TeacherClient(server.target) as good:
+        tokens = np.random.default_rng(0).integers(0, 512, 64).astype(np.int32)
+        assert good.score([tokens], 16).ids.shape[-1] == 16

@@ -1,0 +1,285 @@
+"""Slow readers, killed, round after round: does the teacher's memory come back?
+
+One vLLM teacher on the tiny model (CPU, float32). A canary client scores one small
+request after another all along (so the server is never idle: its idle-time cleanups do
+not run). Each of ``--rounds`` (10) rounds: two client processes each open a
+``ScoreStream`` and send ``--requests`` (200) requests of 8 x ``--length`` (512) tokens at
+K = 64, float32 (about 1.5 MiB of answer each); one reads a message every 3 s, the other
+never reads; after ``--round-s`` (60) both are SIGKILLed; the RSS of the server's process
+tree is read at the kill and ``--settle`` seconds after it (5, 15, 30).
+
+Printed per round: the RSS of the server process, vLLM's engine-core and worker
+processes and the tree, at the kill and after each settle time; the rows the server keeps
+to share (``topk_teacher_shared_rows_bytes``), the in-flight and queued gauges; the
+canary's p50 and slowest call. Then the tree's RSS at the last settle time against the
+baseline (before the first round), per round, and its least-squares slope over the
+rounds (MiB per round).
+
+    python -m benchmarks.bench_slow_reader_rounds [--rounds 10] [--round-s 60]
+        [--settle 5,15,30] [--server-args "..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+
+from devtools.launch import TeacherProcess, start_teacher
+from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
+from topk_protocol import build_request, pb_grpc
+
+MIB = 1024 * 1024
+K = 64
+
+#: One slow client (a subprocess, so that SIGKILL is a real client's death): ARGV target,
+#: seed, requests, length, read interval in s (0: never read).
+_CLIENT = """
+import sys, time
+import grpc, numpy as np
+from topk_protocol import build_request, pb_grpc
+target, seed, n, length = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+every = float(sys.argv[5])
+def requests():
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        seqs = [rng.integers(0, 512, length).astype(np.int32) for _ in range(8)]
+        yield build_request(seqs, 64, dtype="float32")
+channel = grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])
+call = pb_grpc.TeacherStub(channel).ScoreStream(requests())
+if every > 0:
+    for _ in call:
+        time.sleep(every)
+while True:
+    time.sleep(60)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--round-s", type=float, default=60.0, help="slow clients' life")
+    ap.add_argument("--settle", default="5,15,30", help="seconds after the kill to read RSS")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--read-every-s", type=float, default=3.0)
+    ap.add_argument("--server-args", default="", help="extra teacher-server serve flags")
+    ap.add_argument("--target-mib", type=float, default=64.0)
+    ap.add_argument(
+        "--canary-pause-s",
+        type=float,
+        default=0.0,
+        help="pause the canary for this long after each kill (the server goes idle)",
+    )
+    return ap
+
+
+def _kind(proc: psutil.Process) -> str:
+    try:
+        name = proc.name()
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    if "EngineCore" in name or "EngineCore" in cmd:
+        return "EngineCore"
+    if "Worker" in name or "Worker" in cmd:
+        return "Worker"
+    return "other"
+
+
+def largest_anonymous_mapping(pid: int) -> tuple[float, float]:
+    """(size, resident) in MiB of the process's largest anonymous mapping: in vLLM's
+    worker, the KV cache (one tensor of the engine's KV cache size, its pages resident
+    once first written)."""
+    best = (0.0, 0.0)
+    size = 0.0
+    anonymous = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            anonymous = len(fields) < 6
+        elif fields[:1] == ["Size:"]:
+            size = int(fields[1]) / 1024
+        elif fields[:1] == ["Rss:"] and anonymous and size > best[0]:
+            best = (size, int(fields[1]) / 1024)
+    return best
+
+
+def tree_rss(pid: int) -> dict[str, float]:
+    """RSS in MiB of the server process, vLLM's engine-core and worker processes, the
+    tree (every descendant included)."""
+    root = psutil.Process(pid)
+    out = {"server": root.memory_info().rss / MIB, "EngineCore": 0.0, "Worker": 0.0}
+    total = out["server"]
+    for child in root.children(recursive=True):
+        try:
+            rss = child.memory_info().rss / MIB
+        except psutil.Error:
+            continue
+        total += rss
+        kind = _kind(child)
+        if kind in out:
+            out[kind] += rss
+        if kind == "Worker":
+            out["kv_size"], out["kv_resident"] = largest_anonymous_mapping(child.pid)
+    out["tree"] = total
+    return out
+
+
+def gauges(http: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+
+    def one(name: str) -> float:
+        found = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        return float(found.group(1)) if found else float("nan")
+
+    return {
+        "shared_rows_mib": one("topk_teacher_shared_rows_bytes") / MIB,
+        "in_flight": one("topk_teacher_requests_in_flight"),
+        "queued": one("topk_teacher_requests_queued"),
+    }
+
+
+class Canary:
+    """One small request after another (1 x 64 tokens, K = 8) for the whole run."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._stop = threading.Event()
+        self._resume_at = 0.0
+        self._lock = threading.Lock()
+        self._latencies: list[float] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Canary:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def pause(self, seconds: float) -> None:
+        """No new call for ``seconds`` from now."""
+        self._resume_at = time.monotonic() + seconds
+
+    def take(self) -> list[float]:
+        """The latencies (s) since the last call."""
+        with self._lock:
+            out, self._latencies = self._latencies, []
+        return out
+
+    def _run(self) -> None:
+        rng = np.random.default_rng(7)
+        with grpc.insecure_channel(self._target) as ch:
+            stub = pb_grpc.TeacherStub(ch)
+            while not self._stop.is_set():
+                if time.monotonic() < self._resume_at:
+                    time.sleep(0.05)
+                    continue
+                seq = rng.integers(0, 512, 64).astype(np.int32)
+                t0 = time.perf_counter()
+                stub.Score(build_request([seq], 8, dtype="float32"), timeout=120)
+                with self._lock:
+                    self._latencies.append(time.perf_counter() - t0)
+
+
+def _slow_clients(server: TeacherProcess, a: argparse.Namespace, r: int) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _CLIENT,
+                server.target,
+                str(1000 * r + i),
+                str(a.requests),
+                str(a.length),
+                str(every),
+            ],
+            env=env,
+        )
+        for i, every in enumerate((a.read_every_s, 0.0))
+    ]
+
+
+def _row(label: str, rss: dict[str, float], g: dict[str, float], base: dict[str, float]) -> str:
+    return (
+        f"| {label} | {rss['server']:,.0f} | {rss['EngineCore']:,.0f} | {rss['Worker']:,.0f} "
+        f"| {rss.get('kv_resident', 0):,.0f} of {rss.get('kv_size', 0):,.0f} "
+        f"| {rss['tree']:,.0f} ({rss['tree'] - base['tree']:+,.0f}) | "
+        f"{g['shared_rows_mib']:.1f} | {g['in_flight']:.0f} / {g['queued']:.0f} |"
+    )
+
+
+def main() -> None:
+    a = build_parser().parse_args()
+    settle = [float(s) for s in a.settle.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_model(Path(tmp) / "model", seed=0)
+        args = ["--backend", "vllm", "--model", str(model), *TINY_SERVE_ARGS]
+        server = start_teacher([*args, *shlex.split(a.server_args)], Path(tmp) / "server.log")
+        try:
+            with Canary(server.target) as canary:
+                time.sleep(5)
+                base = tree_rss(server.proc.pid)
+                print("| when | server MiB | EngineCore | Worker | Worker's largest anonymous "
+                      "mapping (KV cache), resident of size | tree (vs baseline) | "
+                      "shared rows MiB | in flight / queued |")  # fmt: skip
+                print("|---|---:|---:|---:|---:|---:|---:|---|")
+                print(_row("baseline", base, gauges(server.http), base), flush=True)
+                after: list[float] = []
+                canary_rows = []
+                for r in range(1, a.rounds + 1):
+                    canary.take()
+                    clients = _slow_clients(server, a, r)
+                    time.sleep(a.round_s)
+                    rss = tree_rss(server.proc.pid)
+                    for c in clients:
+                        c.send_signal(signal.SIGKILL)
+                        c.wait()
+                    canary.pause(a.canary_pause_s)
+                    print(_row(f"round {r}, at the kill", rss, gauges(server.http), base))
+                    t_kill = time.monotonic()
+                    for s in settle:
+                        time.sleep(max(0.0, t_kill + s - time.monotonic()))
+                        rss = tree_rss(server.proc.pid)
+                        print(_row(f"round {r}, kill + {s:g} s", rss, gauges(server.http), base))
+                    after.append(rss["tree"])
+                    lat = canary.take()
+                    canary_rows.append((r, np.median(lat) * 1e3, max(lat), len(lat)))
+                    sys.stdout.flush()
+            print()
+            print("| round | canary calls | p50 ms | slowest s |")
+            print("|---:|---:|---:|---:|")
+            for r, p50, worst, n in canary_rows:
+                print(f"| {r} | {n} | {p50:.1f} | {worst:.2f} |")
+            rounds = np.arange(1, len(after) + 1)
+            slope = float(np.polyfit(rounds, after, 1)[0]) if len(after) > 1 else 0.0
+            over = [t - base["tree"] for t in after]
+            print()
+            print(
+                f"tree RSS {settle[-1]:g} s after each kill vs the baseline ({base['tree']:,.0f} "
+                f"MiB): {', '.join(f'{d:+.0f}' for d in over)} MiB; worst {max(over):+.0f} "
+                f"(target within {a.target_mib:g}); slope over the rounds {slope:+.2f} MiB/round"
+            )
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
