@@ -88,16 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _kind(proc: psutil.Process) -> str:
+    """``EngineCore`` or ``Worker`` (vLLM names its processes ``VLLM::EngineCore`` and
+    ``VLLM::Worker``), else ``other``."""
     try:
         name = proc.name()
-        cmd = " ".join(proc.cmdline())
     except psutil.Error:
         return "other"
-    if "EngineCore" in name or "EngineCore" in cmd:
-        return "EngineCore"
-    if "Worker" in name or "Worker" in cmd:
-        return "Worker"
-    return "other"
+    return next((k for k in ("EngineCore", "Worker") if k in name), "other")
 
 
 def largest_anonymous_mapping(pid: int) -> tuple[float, float]:

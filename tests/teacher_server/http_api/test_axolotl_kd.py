@@ -14,10 +14,6 @@ a one-token sequence and position 0 included."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +21,9 @@ import numpy as np
 import pytest
 import requests
 from dense_reference import dense_logprobs
+from pinned_clients import installed_apart, run_apart
 
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ServerProcess
 
 pytestmark = pytest.mark.vllm
 
@@ -41,20 +38,13 @@ EXTRA = ["orjson==3.13.0", "addict==2.4.0"]
 PAD_LABEL = -100
 
 
-def _axolotl_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "topk-distill" / f"axolotl-{AXOLOTL}"
-
-
 @pytest.fixture(scope="module")
 def axolotl_dir() -> Path:
-    target = _axolotl_dir()
-    if not (target / "axolotl" / "integrations" / "kd" / "collator_online_teacher.py").exists():
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
-        done = subprocess.run([*cmd, f"axolotl=={AXOLOTL}", *EXTRA], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"axolotl=={AXOLOTL} could not be installed: {done.stderr[-500:]}")
-    return target
+    return installed_apart(
+        f"axolotl-{AXOLOTL}",
+        [f"axolotl=={AXOLOTL}", *EXTRA],
+        "axolotl/integrations/kd/collator_online_teacher.py",
+    )
 
 
 #: Runs in a subprocess: axolotl's module imported with its package ``__init__``s
@@ -94,17 +84,9 @@ def _fetch(
     labels: list[list[int]],
     normalize: bool,
 ) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [str(axolotl_dir), server.http, mode, batch, labels, K, normalize]
-    done = subprocess.run(
-        [sys.executable, "-c", _CALL, json.dumps(args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out: dict[str, Any] = json.loads(done.stdout)
+    out, _ = run_apart(axolotl_dir, _CALL, args)
+    assert isinstance(out, dict)
     return out
 
 

@@ -7,11 +7,7 @@ the server keeps serving. The expected answers are built here by plain indexing,
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
+from pinned_clients import installed_apart, run_apart
 
 from benchmarks.json_render_reference import as_float32
 from student_client.clients.blocking import TeacherClient
@@ -114,22 +111,11 @@ def test_trl_client_reads_our_completions_route(
     assert chunked == got
 
 
-def _trl_110_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "topk-distill" / f"trl-{TRL_110}"
-
-
 @pytest.fixture(scope="module")
 def trl_110() -> Path:
     """TRL 1.10 installed (``pip --no-deps --target``, cached) beside the project's TRL;
     its client runs in a subprocess with it first on ``PYTHONPATH``."""
-    target = _trl_110_dir()
-    if not (target / "trl" / "generation" / "vllm_client.py").exists():
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
-        done = subprocess.run([*cmd, f"trl=={TRL_110}"], capture_output=True, text=True)
-        if done.returncode:
-            pytest.skip(f"trl=={TRL_110} could not be installed: {done.stderr[-500:]}")
-    return target
+    return installed_apart(f"trl-{TRL_110}", [f"trl=={TRL_110}"], "trl/generation/vllm_client.py")
 
 
 _CALL_110 = """
@@ -145,16 +131,8 @@ print(json.dumps(got))
 
 
 def _run_110(trl_dir: Path, args: list[Any]) -> tuple[dict[str, Any], str]:
-    env = {**os.environ, "PYTHONPATH": f"{trl_dir}{os.pathsep}{ROOT}"}
-    done = subprocess.run(
-        [sys.executable, "-c", _CALL_110, json.dumps(args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout), done.stderr
+    got, log = run_apart(trl_dir, _CALL_110, args)
+    return got, log
 
 
 def test_trl_110_client_reads_our_sequence_logprobs_route(
