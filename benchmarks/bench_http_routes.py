@@ -39,7 +39,7 @@ read from a cache or shared between requests unless the measurement is about tha
     python -m benchmarks.bench_http_routes [--model DIR] [--batch 8] [--seq-len 2048]
         [--k 8 64] [--reps 3] [--group 8] [--prompt 1536] [--completion 512]
         [--group-rounds 5] [--clients 64] [--probe-requests 2] [--probe-top 0 64]
-        [--only throughput|group|probes]
+        [--only throughput|group|probes] [--before DIR]
 """
 
 from __future__ import annotations
@@ -174,45 +174,72 @@ class Measured:
     nbytes: int  # response bytes per rep
 
 
-def http_route(base: str, route: str, k: int, reps: int, batch: int, length: int) -> Measured:
-    """One route at K: ``reps`` reps after a warm-up, ``batch`` requests in flight."""
-    url = base + PATHS[route]
+#: One timed rep against one server: (seconds, answered positions, response bytes).
+Rep = tuple[float, int, int]
 
-    def one(tokens: list[int]) -> tuple[int, int]:
+
+def _alternating(servers: list[Any], reps: int, one_rep: Any) -> list[Measured]:
+    """``one_rep(server, rep)`` for each server, rep by rep after a warm-up rep 0, the
+    servers' order alternating between reps (a paired comparison); medians per server."""
+    timed: list[list[Rep]] = [[] for _ in servers]
+    for rep in range(reps + 1):
+        order = list(range(len(servers)))
+        for i in order if rep % 2 else order[::-1]:
+            got = one_rep(servers[i], rep)
+            if rep:
+                timed[i].append(got)
+    return [
+        Measured(statistics.median(t for t, _, _ in reps_of), reps_of[-1][1], reps_of[-1][2])
+        for reps_of in timed
+    ]
+
+
+def http_route(
+    bases: list[str], route: str, k: int, reps: int, batch: int, length: int
+) -> list[Measured]:
+    """One route at K on each server: ``reps`` reps after a warm-up, ``batch`` requests in
+    flight, the servers taking turns (:func:`_alternating`)."""
+
+    def one(url: str, tokens: list[int]) -> tuple[int, int]:
         status, raw = post(url, body_for(route, tokens, k))
         if status != 200:
             raise RuntimeError(f"{route}: HTTP {status}: {raw[:300]!r}")
         return rows_in(route, json.loads(raw)), len(raw)
 
-    times, positions, nbytes = [], 0, 0
     with cf.ThreadPoolExecutor(batch) as pool:
-        for rep in range(reps + 1):
+
+        def one_rep(base: str, rep: int) -> Rep:
             seqs = sequences((ROUTES.index(route), k, rep), batch, length)
             t0 = time.perf_counter()
-            got = list(pool.map(one, seqs))
-            if rep:
-                times.append(time.perf_counter() - t0)
-            positions, nbytes = sum(g[0] for g in got), sum(g[1] for g in got)
-    return Measured(statistics.median(times), positions, nbytes)
+            got = list(pool.map(lambda s: one(base + PATHS[route], s), seqs))
+            elapsed = time.perf_counter() - t0
+            return elapsed, sum(g[0] for g in got), sum(g[1] for g in got)
+
+        return _alternating(bases, reps, one_rep)
 
 
-def grpc_stream(target: str, k: int, reps: int, batch: int, length: int) -> Measured:
+def grpc_stream(targets: list[str], k: int, reps: int, batch: int, length: int) -> list[Measured]:
+    """The gRPC ``ScoreStream`` at K on each server, as :func:`http_route` times a route."""
     opts = [("grpc.max_receive_message_length", 256 << 20)]
-    times, positions, nbytes = [], 0, 0
-    with grpc.insecure_channel(target, options=opts) as ch:
+    channels = [grpc.insecure_channel(t, options=opts) for t in targets]
+
+    def one_rep(ch: grpc.Channel, rep: int) -> Rep:
         stub = pb_grpc.TeacherStub(ch)
-        for rep in range(reps + 1):
-            req = pb.ScoreRequest(request_id="b", top_k=k, dtype=pb.LOGPROB_DTYPE_FLOAT16)
-            for s in sequences((9, k, rep), batch, length):
-                req.sequences.add(token_ids=encode_token_ids(np.asarray(s, np.int32)))
-            t0 = time.perf_counter()
-            positions = nbytes = 0
-            for msg in stub.ScoreStream(iter([req]), timeout=600):
-                nbytes += msg.ByteSize()
-                positions += sum(decode_sequence(p).ids.shape[0] for p in msg.sequences)
-            if rep:
-                times.append(time.perf_counter() - t0)
-    return Measured(statistics.median(times), positions, nbytes)
+        req = pb.ScoreRequest(request_id="b", top_k=k, dtype=pb.LOGPROB_DTYPE_FLOAT16)
+        for s in sequences((9, k, rep), batch, length):
+            req.sequences.add(token_ids=encode_token_ids(np.asarray(s, np.int32)))
+        t0 = time.perf_counter()
+        positions = nbytes = 0
+        for msg in stub.ScoreStream(iter([req]), timeout=600):
+            nbytes += msg.ByteSize()
+            positions += sum(decode_sequence(p).ids.shape[0] for p in msg.sequences)
+        return time.perf_counter() - t0, positions, nbytes
+
+    try:
+        return _alternating(channels, reps, one_rep)
+    finally:
+        for ch in channels:
+            ch.close()
 
 
 def computed_positions(server: TeacherProcess) -> float:
@@ -320,12 +347,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="top_logprobs_num of the loading requests, one load per value (0: slime's body)",
     )  # fmt: skip
     ap.add_argument("--only", choices=["throughput", "group", "probes"], help="one part only")
+    ap.add_argument(
+        "--before", metavar="DIR",
+        help="a source tree of this project (e.g. a git worktree of an earlier commit): its "
+        "teacher server is started too and timed on the same throughput work, the two "
+        "servers taking turns rep by rep; the table adds a 'vs before' column",
+    )  # fmt: skip
     return ap
 
 
 def throughput_table(
-    ours: dict[tuple[str, int], Measured], theirs: dict[tuple[str, int], Measured], ks: list[int]
+    ours: dict[tuple[str, int], Measured],
+    theirs: dict[tuple[str, int], Measured],
+    ks: list[int],
+    before: dict[tuple[str, int], Measured] | None = None,
 ) -> None:
+    if before:
+        print("| K | server | route | answered positions/s | bytes/position | vs before | "
+              "vs vLLM's server |")  # fmt: skip
+        print("|---|---|---|---:|---:|---:|---:|")
+        for k in ks:
+            for route in [*ROUTES, "grpc"]:
+                m, b = ours[(route, k)], before[(route, k)]
+                for name, got in (("topk-distill, before", b), ("topk-distill", m)):
+                    speed = got.positions / got.seconds
+                    twin = theirs[(route if route in ROUTES[1:] else "completions", k)]
+                    ratio = speed / (twin.positions / twin.seconds)
+                    vs = speed / (b.positions / b.seconds)
+                    print(
+                        f"| {k} | {name} | {LABELS[route]} | {speed:,.0f} | "
+                        f"{got.nbytes / got.positions:,.0f} | {vs:.2f}x | {ratio:.1f}x |"
+                    )
+        print()
     print("| K | server | route | answered positions/s | bytes/position | vs vLLM's server |")
     print("|---|---|---|---:|---:|---:|")
     for k in ks:
@@ -347,20 +400,31 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-http-routes-"))
     model = model_or_tiny(a.model, tmp)
     print(f"# {a.batch} x {a.seq_len} tokens, K {a.k}, reps={a.reps}, logs in {tmp}", flush=True)
-    server = start_teacher(
-        ["--backend", "vllm", "--model", model, *ENGINE_ARGS, "--max-top-k", str(max(a.k)),
-         "--served-model-name", MODEL_NAME],
-        tmp / "teacher.log",
-        env=ENV,
-    )  # fmt: skip
+    teacher_args = ["--backend", "vllm", "--model", model, *ENGINE_ARGS,
+                    "--max-top-k", str(max(a.k)), "--served-model-name", MODEL_NAME]  # fmt: skip
+    server = start_teacher(teacher_args, tmp / "teacher.log", env=ENV)
     ours: dict[tuple[str, int], Measured] = {}
+    before: dict[tuple[str, int], Measured] = {}
     try:
         if a.only in (None, "throughput"):
-            for k in a.k:
-                for route in ROUTES:
-                    ours[(route, k)] = http_route(server.http, route, k, a.reps, a.batch, a.seq_len)
-                ours[("grpc", k)] = grpc_stream(server.target, k, a.reps, a.batch, a.seq_len)
-                print(f"# ours, K = {k}: done", flush=True)
+            servers = [server]
+            if a.before:
+                log = tmp / "teacher-before.log"
+                servers.append(start_teacher(teacher_args, log, env=ENV, cwd=a.before))
+            try:
+                for k in a.k:
+                    for route in ROUTES:
+                        got = http_route(
+                            [s.http for s in servers], route, k, a.reps, a.batch, a.seq_len
+                        )
+                        ours[(route, k)], before[(route, k)] = got[0], got[-1]
+                    targets = [s.target for s in servers]
+                    got = grpc_stream(targets, k, a.reps, a.batch, a.seq_len)
+                    ours[("grpc", k)], before[("grpc", k)] = got[0], got[-1]
+                    print(f"# ours, K = {k}: done", flush=True)
+            finally:
+                for extra in servers[1:]:
+                    extra.stop()
         if a.only in (None, "group"):
             g = group_reuse(server, a)
             ratios = [d / s for d, s in zip(g["distinct s"], g["group s"], strict=True)]
@@ -394,12 +458,12 @@ def main() -> None:
     try:
         for k in a.k:
             for route in ROUTES[1:]:
-                theirs[(route, k)] = http_route(base, route, k, a.reps, a.batch, a.seq_len)
+                theirs[(route, k)] = http_route([base], route, k, a.reps, a.batch, a.seq_len)[0]
             print(f"# vLLM's server, K = {k}: done", flush=True)
     finally:
         _stop(proc)
     print()
-    throughput_table(ours, theirs, a.k)
+    throughput_table(ours, theirs, a.k, before if a.before else None)
 
 
 if __name__ == "__main__":

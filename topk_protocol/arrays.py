@@ -9,6 +9,11 @@ per-row field is declared here once and carried through every slice, join and em
 answer without further code. A new field goes after ``position_start``, with a default
 (None for an optional one), so that positional construction keeps its meaning.
 
+The wire fields (:data:`WIRE_FIELDS`) are the ones the codec encodes and a recording
+writes. A field declared ``wire=False`` lives only inside the teacher server, between a
+backend and the front end that renders it (``sampled_ranks``, for the HTTP routes that
+report vLLM's ``rank``): it is cut and joined with the rest, but never sent or recorded.
+
 Candidate fields (``candidate_ids`` / ``candidate_logprobs``, ``[S, C]``) are the teacher's
 log-probs at ids the request named for each row: a column per candidate, not cut by
 :meth:`SequenceArrays.top`, both present or both absent.
@@ -25,20 +30,22 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ARRAY_FIELDS", "ArrayField", "SequenceArrays"]
+__all__ = ["ARRAY_FIELDS", "WIRE_FIELDS", "ArrayField", "SequenceArrays"]
 
 
 @dataclass(frozen=True)
 class ArrayField:
     """How one array field of :class:`SequenceArrays` is shaped: ``columns`` True for
     ``[S, K]``, False for ``[S]``; ``candidates`` True for ``[S, C]`` (a column per
-    candidate id); ``dtype`` its numpy dtype; ``optional``: may be None."""
+    candidate id); ``dtype`` its numpy dtype; ``optional``: may be None; ``wire``: encoded
+    and recorded (False: the teacher server's own, see the module docstring)."""
 
     name: str
     dtype: type[np.generic]
     columns: bool
     optional: bool
     candidates: bool = False
+    wire: bool = True
 
     @property
     def width(self) -> str:
@@ -53,10 +60,14 @@ class ArrayField:
 
 
 def _array(
-    dtype: type[np.generic], columns: bool, optional: bool = False, candidates: bool = False
+    dtype: type[np.generic],
+    columns: bool,
+    optional: bool = False,
+    candidates: bool = False,
+    wire: bool = True,
 ) -> dict[str, Any]:
     """The metadata of a dataclass field holding an array of :class:`SequenceArrays`."""
-    return {"array": (dtype, columns, optional, candidates)}
+    return {"array": (dtype, columns, optional, candidates, wire)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +91,11 @@ class SequenceArrays:
             log-probs at them (padding 0), and rows are not sorted by log-prob.
         proposal_log_normalizer: sampled from a tempered proposal only: ``[S]`` float32,
             ``log Z`` of ``q = p^(1/tau) / Z``.
+        sampled_ranks: ``[S]`` int32, the rank of ``x[t+1]`` in the teacher's
+            distribution, ``1 + #{v : logprob(v) > logprob(x[t+1])}`` as vLLM counts it
+            (entries equal to it count too), 0 at the last position of the sequence;
+            None where the backend does not know it (a replayed recording). Not a wire
+            field: the teacher's HTTP routes report it, the codec and recordings skip it.
 
     Arrays are converted to their dtypes when built (no copy when they already have
     them) and their shapes checked here, once: a bad one raises ``ValueError`` naming the
@@ -104,6 +120,9 @@ class SequenceArrays:
     )
     proposal_log_normalizer: npt.NDArray[np.float32] | None = field(
         default=None, metadata=_array(np.float32, columns=False, optional=True)
+    )
+    sampled_ranks: npt.NDArray[np.int32] | None = field(
+        default=None, metadata=_array(np.int32, columns=False, optional=True, wire=False)
     )
 
     def __post_init__(self) -> None:
@@ -196,6 +215,17 @@ class SequenceArrays:
             return self
         return self._map(lambda a, f: a[:, :k] if f.columns else a, self.position_start)
 
+    def copy(self) -> SequenceArrays:
+        """The same rows in arrays of their own (not views of a larger buffer)."""
+        return self._map(lambda a, _: a.copy(), self.position_start)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the present array fields."""
+        return sum(
+            getattr(self, f.name).nbytes for f in ARRAY_FIELDS if getattr(self, f.name) is not None
+        )
+
     def _map(self, fn: Any, position_start: int) -> SequenceArrays:
         """Apply ``fn(array, field)`` to every present array field."""
         changed = {
@@ -260,3 +290,6 @@ ARRAY_FIELDS: Final[tuple[ArrayField, ...]] = tuple(
     for f in fields(SequenceArrays)
     if "array" in f.metadata
 )
+
+#: The fields the codec encodes and a recording writes, in declaration order.
+WIRE_FIELDS: Final[tuple[ArrayField, ...]] = tuple(f for f in ARRAY_FIELDS if f.wire)

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
+from topk_protocol.arrays import WIRE_FIELDS, SequenceArrays
 from topk_protocol.floats import f32_to_bf16_bits
 from topk_protocol.packing import (
     ENDS_PER_ROW,
@@ -240,7 +240,7 @@ def decode_sequence_into(out: Mapping[str, npt.NDArray[Any]], msg: pb.SequencePa
     the message's shape (``[S, K]``, ``[S]``, ``[S, C]``; any numeric dtype the values fit,
     e.g. slices of a padded batch): ``ids`` and ``logprobs`` are required, each other wire
     field in ``out`` is decoded from its bytes (log-probs from the message's dtype, the
-    integer fields from their :data:`~topk_protocol.arrays.ARRAY_FIELDS` dtype), fields
+    integer fields from their :data:`~topk_protocol.arrays.WIRE_FIELDS` dtype), fields
     not in ``out`` are skipped; candidate ids are the request's and never travel.
     ``ValueError`` naming the field when a byte length does not fit.
     """
@@ -277,7 +277,7 @@ _NOT_DECODED = frozenset({"ids", "logprobs", "candidate_ids"})
 #: the message's dtype), worked out once from the field table rather than per message.
 _OTHER_FIELDS: tuple[tuple[str, np.dtype[Any] | None], ...] = tuple(
     (f.name, None if f.dtype is np.float32 else np.dtype(f.dtype).newbyteorder("<"))
-    for f in ARRAY_FIELDS
+    for f in WIRE_FIELDS
     if f.name not in _NOT_DECODED
 )
 

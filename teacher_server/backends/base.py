@@ -215,9 +215,12 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 def topk_from_logprobs(
     logprobs: npt.NDArray[np.float32], token_ids: npt.NDArray[np.int32], top_k: int
 ) -> SequenceArrays:
-    """Dense ``[L, V]`` log-probs (row t predicts x[t+1]) -> the payload of all L positions.
+    """Dense ``[L, V]`` log-probs (row t predicts ``token_ids[t+1]``) -> the payload of all
+    L positions.
 
-    Pure numpy; used by the transformers backend and in tests.
+    ``token_ids``: ``[L]`` (the last row has no next token: its sampled log-prob is NaN and
+    its rank 0) or ``[L + 1]`` (every row has one). The actual tokens' ranks are vLLM's:
+    ``count(row >= row[next])``. Pure numpy; used by the transformers backend and in tests.
     """
     n, v = logprobs.shape
     k = min(top_k, v)
@@ -226,10 +229,15 @@ def topk_from_logprobs(
     order = np.argsort(-vals, axis=1, kind="stable")
     ids = np.take_along_axis(part, order, axis=1).astype(np.int32)
     lps = np.take_along_axis(vals, order, axis=1).astype(np.float32)
+    following = min(n, len(token_ids) - 1)  # rows with a next token
     sampled = np.full(n, np.nan, dtype=np.float32)
-    if n > 1:
-        sampled[:-1] = logprobs[np.arange(n - 1), token_ids[1:n]]
-    return SequenceArrays(ids, lps, sampled)
+    ranks = np.zeros(n, dtype=np.int32)
+    if following > 0:
+        rows = logprobs[:following]
+        actual = rows[np.arange(following), np.asarray(token_ids[1 : following + 1])]
+        sampled[:following] = actual
+        ranks[:following] = np.count_nonzero(rows >= actual[:, None], axis=1)
+    return SequenceArrays(ids, lps, sampled, sampled_ranks=ranks)
 
 
 def gather_candidates(logprobs: Any, candidate_ids: Any) -> Any:

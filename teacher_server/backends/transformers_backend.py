@@ -181,15 +181,11 @@ class TransformersBackend(Backend):
                 .numpy()
             )
             lp = tempered[start:end].cpu().numpy()
+        # token_ids[start : end + 1]: one more than the rows when the slice's last row
+        # has a following token inside the sequence.
         full = topk_from_logprobs(lp, np.asarray(token_ids[start : end + 1]), options.top_k)
-        sampled = full.sampled_logprobs
-        assert sampled is not None  # topk_from_logprobs computes them
-        if end < len(token_ids):
-            # The last row of the slice has a following token inside the sequence.
-            sampled[-1] = lp[-1, int(token_ids[end])]
         return replace(
             full,
-            sampled_logprobs=sampled,
             position_start=start,
             candidate_ids=cand,
             candidate_logprobs=cand_lp,

@@ -30,7 +30,6 @@ __all__ = [
     "int_field",
     "invalid",
     "json_object",
-    "refuse_unknown",
     "shown",
     "token_id_lists",
     "token_ids",
@@ -55,19 +54,6 @@ def json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise invalid(f"body: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def refuse_unknown(
-    data: dict[str, Any], known: frozenset[str], route: str, prefix: str = ""
-) -> None:
-    """An unknown key of `data` (a body, or the object at field path `prefix`) refused by
-    name, with the keys `route` reads."""
-    extra = sorted(set(data) - known)
-    if extra:
-        raise invalid(
-            f"{prefix}{extra[0]}: not supported by this teacher's {route} (it serves prompt "
-            f"log-probs only; fields read: {', '.join(sorted(known))})"
-        )
 
 
 #: The metric label of an ignored field the stock server does not declare either (the

@@ -15,10 +15,11 @@ goes through the request pipeline like a gRPC ``Score`` (:mod:`teacher_server.pi
 :func:`teacher_server.http_api.scoring.score_body`): lifecycle, validation, admission,
 backend (vLLM, transformers or replay), metrics. The answer is rendered in TRL's layout
 (:mod:`topk_protocol.trl_layout`) in a worker thread. A request ``temperature`` other
-than the served one is refused (a top-k answer cannot be re-tempered), and so is any
-field the route does not read. Refusals are the protocol's typed errors with the field
-named; the pipeline maps them to a transport-free status, and
-:func:`teacher_server.http_api.answers.http_status` that status to HTTP, once.
+than the served one is refused (a top-k answer cannot be re-tempered); a field TRL's
+``SequenceLogprobsRequest`` does not declare is accepted and ignored, as TRL's pydantic
+model ignores it (:data:`SEQUENCE_RULES`, the routes' one rule). Refusals are the
+protocol's typed errors with the field named; the pipeline maps them to a transport-free
+status, and :func:`teacher_server.http_api.answers.http_status` that status to HTTP, once.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ import numpy.typing as npt
 
 from teacher_server.http_api.answers import HTTPAnswer
 from teacher_server.http_api.bodies import (
+    FieldRules,
     IgnoredField,
     check_temperature,
     int_field,
     invalid,
     json_object,
-    refuse_unknown,
     token_id_lists,
 )
 from teacher_server.http_api.scoring import score_body
@@ -60,6 +61,7 @@ from topk_protocol.trl_layout import (
 
 __all__ = [
     "SEQUENCE_LOGPROBS_METHOD",
+    "SEQUENCE_RULES",
     "TRLEndpoints",
 ]
 
@@ -67,9 +69,13 @@ __all__ = [
 #: vLLM's: :mod:`teacher_server.http_api.vllm`).
 SEQUENCE_LOGPROBS_METHOD = "HTTP /get_sequence_logprobs"
 
-# Fields the route reads; any other field is refused by name rather than ignored.
-_SEQUENCE_FIELDS = frozenset(
-    {"sequences", "prompt_lengths", "top_logprobs", "temperature", "response_format"}
+#: The body of TRL 1.10's route (``SequenceLogprobsRequest`` in ``trl/scripts/vllm_serve.py``,
+#: a pydantic model: it declares these five, all read here, and ignores any other key).
+SEQUENCE_RULES = FieldRules(
+    stock="TRL's SequenceLogprobsRequest",
+    read=frozenset(
+        {"sequences", "prompt_lengths", "top_logprobs", "temperature", "response_format"}
+    ),
 )
 _RESPONSE_FORMATS = ("json", "binary")
 #: TRL 1.10's default ``top_logprobs`` when a request leaves it out.
@@ -95,7 +101,6 @@ class _Parsed:
     prompt_lengths: list[int]
     top_k: int
     response_format: str = "json"
-    #: TRL's route still refuses a field it does not read (docs/frameworks.md).
     ignored_fields: tuple[IgnoredField, ...] = ()
 
     def score_request(self) -> pb.ScoreRequest:
@@ -107,7 +112,7 @@ class _Parsed:
 
 def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: Limits) -> _Parsed:
     """A TRL 1.10 ``/get_sequence_logprobs/`` body -> the completion positions."""
-    refuse_unknown(data, _SEQUENCE_FIELDS, "/get_sequence_logprobs/")
+    ignored = SEQUENCE_RULES.apply(data)
     top_k = int_field(data, "top_logprobs", TRL_DEFAULT_TOP_LOGPROBS)
     check_top_k(top_k, limits, "top_logprobs")
     fmt = data.get("response_format", "json")
@@ -116,7 +121,7 @@ def parse_sequence_logprobs(data: dict[str, Any], info: pb.TeacherInfo, limits: 
     check_temperature(data, info.teacher_temperature)
     seqs = token_id_lists(data.get("sequences"), "sequences", limits)
     lengths = check_prompt_lengths(data.get("prompt_lengths"), [len(s) for s in seqs])
-    return _Parsed(seqs, lengths, top_k, fmt)
+    return _Parsed(seqs, lengths, top_k, fmt, tuple(ignored))
 
 
 # -- answers -------------------------------------------------------------------------------

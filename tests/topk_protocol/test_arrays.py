@@ -123,3 +123,29 @@ def test_without_sampled_and_pickling() -> None:
     b = pickle.loads(pickle.dumps(_arrays()))
     np.testing.assert_array_equal(b.logprobs, _arrays().logprobs)
     assert b.position_start == 3
+
+
+def test_a_server_only_field_is_cut_and_joined_but_never_encoded() -> None:
+    """``sampled_ranks`` (``wire=False``) follows every slice, join and copy like the other
+    fields, and the codec leaves it out: the decoded payload has none."""
+    from topk_protocol import decode_sequence, encode_sequence
+    from topk_protocol.arrays import WIRE_FIELDS
+
+    assert "sampled_ranks" not in {f.name for f in WIRE_FIELDS}
+    assert {f.name for f in ARRAY_FIELDS} - {f.name for f in WIRE_FIELDS} == {"sampled_ranks"}
+    base = _arrays(s=13, k=4)
+    ranks = np.arange(1, 14)  # int64: converted to int32
+    a = replace(base, sampled_ranks=ranks)
+    assert a.sampled_ranks is not None and a.sampled_ranks.dtype == np.int32
+    assert a.nbytes == base.nbytes + 13 * 4
+    for cut, want in ((a.rows(2, 9), ranks[2:9]), (a.top(2), ranks), (a.copy(), ranks)):
+        np.testing.assert_array_equal(cut.sampled_ranks, want)
+    joined = SequenceArrays.concat([a.rows(0, 5), a.rows(5, 13)])
+    np.testing.assert_array_equal(joined.sampled_ranks, ranks)
+    assert SequenceArrays.concat([a.rows(0, 5), base.rows(5, 13)]).sampled_ranks is None
+    assert a.copy().sampled_ranks is not a.sampled_ranks
+    decoded = decode_sequence(encode_sequence(a, dtype="float32"))
+    assert decoded.sampled_ranks is None
+    np.testing.assert_array_equal(decoded.ids, a.ids)
+    with pytest.raises(ValueError, match=r"sampled_ranks: expected shape \[S\]"):
+        replace(base, sampled_ranks=np.zeros(12))

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
+from topk_protocol.arrays import WIRE_FIELDS, SequenceArrays
 from topk_protocol.errors import RecordingDamagedError
 from topk_protocol.packing import Packing
 from topk_protocol.recording.format import (
@@ -63,7 +63,7 @@ class Chunk:
         self.arrays: dict[str, tuple[npt.NDArray[Any], npt.NDArray[Any], Any]] = {}
         #: candidate field name -> offsets of each position's ids into its values
         self.widths: dict[str, npt.NDArray[Any]] = {}
-        for f in ARRAY_FIELDS:
+        for f in WIRE_FIELDS:
             if packing is not None and f.name in PACKED_COLUMNS:
                 col = batch.column(PACKED_COLUMNS[f.name])
                 _, offsets, data = col.buffers()
@@ -97,7 +97,7 @@ class Chunk:
         """Row ``r`` as stored (views), unverified."""
         tokens = self.tok_values[self.tok_offsets[r] : self.tok_offsets[r + 1]]
         values: dict[str, Any] = {}
-        for f in ARRAY_FIELDS:
+        for f in WIRE_FIELDS:
             if f.name not in self.arrays:
                 values[f.name] = None
                 continue

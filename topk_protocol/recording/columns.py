@@ -4,7 +4,7 @@ Pure (arrays in, a ``pa.RecordBatch`` out): :class:`~topk_protocol.recording.wri
 RecordingWriter` turns each row it takes into a :class:`StoredRow` (:func:`stored_row`:
 the values as the recording stores them, so a buffered float16 row holds 2 bytes a
 log-prob, not 4) and calls :func:`record_batch` at each flush. Every array field of
-:class:`~topk_protocol.arrays.SequenceArrays` (:data:`ARRAY_FIELDS`) becomes a list
+:class:`~topk_protocol.arrays.SequenceArrays` (:data:`WIRE_FIELDS`) becomes a list
 column in its storage dtype (a packed recording's ids and log-probs: the packed bytes),
 and each row carries its checksum (:func:`~topk_protocol.recording.format.row_crc`).
 """
@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
+from topk_protocol.arrays import WIRE_FIELDS, SequenceArrays
 from topk_protocol.packing import Packing
 from topk_protocol.recording.format import row_crc, storage_dtype
 from topk_protocol.recording.packed import PACKED_COLUMNS, pack_row
@@ -60,7 +60,7 @@ def stored_row(
     values: dict[str, npt.NDArray[Any] | None] = (
         dict(pack_row(arrays, dtype, packing)) if packing is not None else {}
     )
-    for f in ARRAY_FIELDS:
+    for f in WIRE_FIELDS:
         if f.name not in values:
             a = getattr(arrays, f.name)
             values[f.name] = None if a is None else np.ascontiguousarray(a, storage_dtype(f, dtype))
@@ -110,7 +110,7 @@ def record_batch(
         pa.array([r.position_start for r in rows], pa.int32()),
         pa.array([r.position_end for r in rows], pa.int32()),
     ]
-    for f in ARRAY_FIELDS:
+    for f in WIRE_FIELDS:
         if packing is not None and f.name in PACKED_COLUMNS:
             columns.append(
                 pa.array([np.asarray(r.values[f.name]).tobytes() for r in rows], pa.binary())

@@ -58,7 +58,7 @@ from topk_protocol import (
     pb,
     teacher_temperature,
 )
-from topk_protocol.arrays import ARRAY_FIELDS, ArrayField, SequenceArrays
+from topk_protocol.arrays import WIRE_FIELDS, ArrayField, SequenceArrays
 from topk_protocol.checks import MAX_LOGPROB_BITS, MIN_LOGPROB_BITS
 from topk_protocol.codec import ENCODING_NAMES
 from topk_protocol.errors import RecordingError
@@ -218,7 +218,7 @@ def recording_schema(
         pa.field("position_start", pa.int32(), nullable=False),
         pa.field("position_end", pa.int32(), nullable=False),
     ]
-    for f in ARRAY_FIELDS:
+    for f in WIRE_FIELDS:
         if f.optional and optional is not None and f.name not in optional:
             continue
         if packing is not None and f.name in PACKED_COLUMNS:
@@ -247,8 +247,8 @@ def row_crc(
         token_ids,
         start,
         end,
-        [values[f.name] for f in ARRAY_FIELDS if not f.optional],  # type: ignore[misc]
-        [values.get(f.name) for f in ARRAY_FIELDS if f.optional],
+        [values[f.name] for f in WIRE_FIELDS if not f.optional],  # type: ignore[misc]
+        [values.get(f.name) for f in WIRE_FIELDS if f.optional],
     )
 
 
@@ -257,7 +257,7 @@ def cast_arrays(arrays: SequenceArrays, dtype: str) -> SequenceArrays:
     (:func:`cast_like_teacher`), held as float32 (exact)."""
     cast: dict[str, Any] = {
         f.name: cast_like_teacher(getattr(arrays, f.name), dtype)
-        for f in ARRAY_FIELDS
+        for f in WIRE_FIELDS
         if not np.issubdtype(f.dtype, np.integer) and getattr(arrays, f.name) is not None
     }
     return replace(arrays, **cast)
@@ -403,7 +403,7 @@ def _compare_schema(schema: pa.Schema, meta: dict[str, Any]) -> ShardCheck:
     if not isinstance(top_k, int) or top_k < 1 or dtype not in DTYPES:
         return ShardCheck(damage=f"its schema states top_k {top_k!r}, dtype {dtype!r}")
     checksums = CHECKSUM_COLUMN in schema.names
-    optional = tuple(f.name for f in ARRAY_FIELDS if f.optional and f.name in schema.names)
+    optional = tuple(f.name for f in WIRE_FIELDS if f.optional and f.name in schema.names)
     problems = _packing_problems(fmt)
     if problems:
         return ShardCheck(damage="its schema states " + "; ".join(problems))

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from topk_protocol._generated import teacher_pb2 as pb
-from topk_protocol.arrays import ARRAY_FIELDS, SequenceArrays
+from topk_protocol.arrays import WIRE_FIELDS, SequenceArrays
 from topk_protocol.codec import decode_sequence, dtype_from_name, encode_sequence, itemsize
 from topk_protocol.packing import Packing, packed_payload_bytes
 
@@ -57,7 +57,7 @@ def unpack_row(
         packed_logprobs=bytes(values["logprobs"]),
     )
     decoded = decode_sequence(msg)
-    others = {f.name: values.get(f.name) for f in ARRAY_FIELDS if f.name not in PACKED_COLUMNS}
+    others = {f.name: values.get(f.name) for f in WIRE_FIELDS if f.name not in PACKED_COLUMNS}
     return SequenceArrays(decoded.ids, decoded.logprobs, position_start=start, **others)
 
 

@@ -5,7 +5,8 @@ versions it was checked against, its fallback).
 
 vLLM's engine core sends the front-end process, per request, the prompt log-probs as a
 ``LogprobsTensors`` (``[rows, K+1]`` int32 token ids and float32 log-probs, column 0 the
-actual next token, columns 1..K the top-K in descending order; ``rows`` = prompt length - 1,
+actual next token, columns 1..K the top-K in descending order, and ``[rows]`` the actual
+token's rank in the vocabulary, which the engine core counts; ``rows`` = prompt length - 1,
 delivered in one or more chunks) and the generated token's log-probs as a
 ``LogprobsLists`` (numpy, ``[1, K_max+1]``, where ``K_max`` is the largest K in that
 engine step's batch). vLLM's own ``LogprobsProcessor`` then turns every entry into a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,23 +68,27 @@ MARKER = "topk_distill_arrays"
 
 log = logging.getLogger(__name__)
 
-Rows = tuple[npt.NDArray[Any], npt.NDArray[Any]]
+#: One chunk of rows as the engine sent it: ``(ids [r, C], logprobs [r, C], ranks [r])``.
+Rows = tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
 
 
 class LogprobArrays:
     """Log-prob rows of one request as they arrived: chunks of ``(ids [r, C], logprobs
-    [r, C])``, column 0 the actual token, columns 1..K the top-K (C >= K+1)."""
+    [r, C], ranks [r])``, column 0 the actual token, columns 1..K the top-K (C >= K+1),
+    ``ranks`` the actual token's rank in the vocabulary."""
 
     __slots__ = ("chunks",)
 
     def __init__(self) -> None:
         self.chunks: list[Rows] = []
 
-    def append_chunk(self, ids: npt.NDArray[Any], logprobs: npt.NDArray[Any]) -> None:
-        self.chunks.append((ids, logprobs))
+    def append_chunk(
+        self, ids: npt.NDArray[Any], logprobs: npt.NDArray[Any], ranks: npt.NDArray[Any]
+    ) -> None:
+        self.chunks.append((ids, logprobs, ranks))
 
     def __len__(self) -> int:
-        return sum(len(ids) for ids, _ in self.chunks)
+        return sum(len(ids) for ids, _, _ in self.chunks)
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -91,23 +97,43 @@ class LogprobArrays:
         return f"LogprobArrays(rows={len(self)}, chunks={len(self.chunks)})"
 
 
-def _fill(
-    chunks: Sequence[Rows],
-    start: int,
-    stop: int,
-    k: int,
-    ids: npt.NDArray[np.int32],
-    lps: npt.NDArray[np.float32],
-    actual: npt.NDArray[np.float32],
-    cand: tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]] | None = None,
-) -> None:
-    """Copy rows ``[start, stop)`` of the concatenated chunks into the ``[stop - start, ...]``
-    outputs: top-K columns into ``ids`` / ``lps``, column 0 into ``actual`` and, with
-    ``cand`` (``[stop - start, C]`` ids and log-probs), the last C columns
+@dataclass(frozen=True)
+class _Out:
+    """The ``[S, ...]`` arrays :func:`_fill` writes: top-K ``ids`` / ``lps`` ``[S, K]``, the
+    actual token's log-prob ``actual`` and ``ranks`` ``[S]``, and the candidate columns
+    ``cand`` (``(ids, logprobs)`` ``[S, C]``) or None."""
+
+    ids: npt.NDArray[np.int32]
+    lps: npt.NDArray[np.float32]
+    actual: npt.NDArray[np.float32]
+    ranks: npt.NDArray[np.int32]
+    cand: tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]] | None
+
+    @classmethod
+    def empty(cls, s: int, k: int, c: int) -> _Out:
+        cand = (np.empty((s, c), np.int32), np.empty((s, c), np.float32)) if c else None
+        return cls(
+            np.empty((s, k), np.int32),
+            np.empty((s, k), np.float32),
+            np.empty(s, np.float32),
+            np.empty(s, np.int32),
+            cand,
+        )
+
+    def rows(self, rows: slice) -> _Out:
+        cand = None if self.cand is None else (self.cand[0][rows], self.cand[1][rows])
+        return _Out(self.ids[rows], self.lps[rows], self.actual[rows], self.ranks[rows], cand)
+
+
+def _fill(chunks: Sequence[Rows], start: int, stop: int, k: int, out: _Out) -> None:
+    """Copy rows ``[start, stop)`` of the concatenated chunks into ``out``'s ``[stop -
+    start, ...]`` arrays: top-K columns into ``ids`` / ``lps``, column 0 into ``actual``,
+    the ranks into ``ranks`` and, with ``out.cand``, the last C columns
     (:func:`~teacher_server.backends.vllm.candidates.candidate_columns`)."""
+    cand = out.cand
     c = 0 if cand is None else cand[0].shape[1]
     offset = 0
-    for c_ids, c_lps in chunks:
+    for c_ids, c_lps, c_ranks in chunks:
         n = len(c_ids)
         lo, hi = max(start - offset, 0), min(stop - offset, n)
         if lo < hi:
@@ -117,9 +143,10 @@ def _fill(
                     f"expected [rows, >= {k + 1 + c}] for K = {k}, C = {c}"
                 )
             dst = slice(offset + lo - start, offset + hi - start)
-            ids[dst] = c_ids[lo:hi, 1 : k + 1]
-            lps[dst] = c_lps[lo:hi, 1 : k + 1]
-            actual[dst] = c_lps[lo:hi, 0]
+            out.ids[dst] = c_ids[lo:hi, 1 : k + 1]
+            out.lps[dst] = c_lps[lo:hi, 1 : k + 1]
+            out.actual[dst] = c_lps[lo:hi, 0]
+            out.ranks[dst] = c_ranks[lo:hi]
             if cand is not None:
                 got_ids, got_lps = candidate_columns(c_ids[lo:hi], c_lps[lo:hi], c)
                 cand[0][dst] = got_ids
@@ -129,35 +156,29 @@ def _fill(
 
 def _rows(
     chunks: tuple[Sequence[Rows], Sequence[Rows]], length: int, k: int, span: range, c: int
-) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32], Any]:
+) -> _Out:
     """Positions ``[start, end)`` of a sequence of ``length`` tokens: ``ids`` /
-    ``logprobs`` ``[S, K]`` (the top-K columns as they came), ``actual`` ``[S]`` (NaN at
-    the last when ``end == length``) and, for ``c > 0``, the rows' last ``c`` columns
-    (``(ids, logprobs)`` ``[S, c]``; else None). ``chunks``: those of the prompt rows
-    (``length - 1`` rows in all; row ``t`` predicts ``x[t+1]``) and of the generated
-    token's rows (row 0 is the distribution after the whole sequence)."""
+    ``lps`` ``[S, K]`` (the top-K columns as they came), ``actual`` and ``ranks`` ``[S]``
+    (NaN and 0 at the last when ``end == length``) and, for ``c > 0``, the rows' last
+    ``c`` columns (``cand``, ``(ids, logprobs)`` ``[S, c]``; else None). ``chunks``: those
+    of the prompt rows (``length - 1`` rows in all; row ``t`` predicts ``x[t+1]``) and of
+    the generated token's rows (row 0 is the distribution after the whole sequence)."""
     prompt, sample = chunks
     start, end = span.start, span.stop
-    rows = sum(len(i) for i, _ in prompt)
+    rows = sum(len(i) for i, _, _ in prompt)
     if rows != length - 1:
         raise RuntimeError(f"vLLM returned {rows} prompt log-prob rows; expected {length - 1}")
     s = end - start
-    ids = np.empty((s, k), np.int32)
-    lps = np.empty((s, k), np.float32)
-    actual = np.empty(s, np.float32)
-    extra = None
-    if c:
-        extra = (np.empty((s, c), np.int32), np.empty((s, c), np.float32))
+    out = _Out.empty(s, k, c)
     p_end = min(end, length - 1)
-    _fill(prompt, start, p_end, k, ids, lps, actual, extra)
+    _fill(prompt, start, p_end, k, out)
     if end == length:
-        if sum(len(i) for i, _ in sample) < 1:
+        if sum(len(i) for i, _, _ in sample) < 1:
             raise RuntimeError("vLLM returned no log-probs for the generated token")
-        last = slice(s - 1, s)
-        last_extra = None if extra is None else (extra[0][last], extra[1][last])
-        _fill(sample, 0, 1, k, ids[last], lps[last], actual[last], last_extra)
-        actual[-1] = np.nan
-    return ids, lps, actual, extra
+        _fill(sample, 0, 1, k, out.rows(slice(s - 1, s)))
+        out.actual[-1] = np.nan  # no next token: the generated one is not part of it
+        out.ranks[-1] = 0
+    return out
 
 
 def topk_payload(
@@ -174,14 +195,16 @@ def topk_payload(
     ``prompt``: chunks of the prompt rows (``length - 1`` rows in all; row ``t`` predicts
     ``x[t+1]``); ``sample``: the generated token's rows (row 0 is the distribution after
     the whole sequence, used when ``end == length``). Returns ``ids`` ``[S, K]``,
-    ``logprobs`` ``[S, K]`` sorted descending and ``sampled_logprobs`` ``[S]`` (the
-    actual next token's) with ``S = end - start``, NaN at the last when ``end == length``;
-    with ``candidate_ids`` (``[S, C]``, the request's), ``candidate_logprobs`` ``[S, C]``
-    from the rows' last C columns, which the worker gathered at exactly those ids
-    (checked: a mismatch raises).
+    ``logprobs`` ``[S, K]`` sorted descending, ``sampled_logprobs`` and ``sampled_ranks``
+    ``[S]`` (the actual next token's log-prob and its rank, counted by the engine) with
+    ``S = end - start``, NaN and 0 at the last when ``end == length``; with
+    ``candidate_ids`` (``[S, C]``, the request's), ``candidate_logprobs`` ``[S, C]`` from
+    the rows' last C columns, which the worker gathered at exactly those ids (checked: a
+    mismatch raises).
     """
     c = 0 if candidate_ids is None else int(candidate_ids.shape[1])
-    ids, lps, actual, cand = _rows((prompt, sample), length, k, range(start, end), c)
+    out = _rows((prompt, sample), length, k, range(start, end), c)
+    ids, lps, cand = out.ids, out.lps, out.cand
     s = end - start
     if cand is not None and not np.array_equal(cand[0], np.asarray(candidate_ids)):
         raise RuntimeError("vLLM's candidate columns do not hold the request's candidate ids")
@@ -190,9 +213,15 @@ def topk_payload(
         order = np.argsort(-lps, axis=1, kind="stable")
         ids = np.take_along_axis(ids, order, axis=1)
         lps = np.take_along_axis(lps, order, axis=1)
-    if cand is None:
-        return SequenceArrays(ids, lps, actual, start)
-    return SequenceArrays(ids, lps, actual, start, candidate_ids, cand[1])
+    return SequenceArrays(
+        ids,
+        lps,
+        out.actual,
+        start,
+        candidate_ids=None if cand is None else candidate_ids,
+        candidate_logprobs=None if cand is None else cand[1],
+        sampled_ranks=out.ranks,
+    )
 
 
 def sampled_payload(out: Any, sequence: ParsedSequence, options: RequestOptions) -> SequenceArrays:
@@ -207,9 +236,11 @@ def sampled_payload(out: Any, sequence: ParsedSequence, options: RequestOptions)
     s = sequence
     width = 2 * options.samples + 1
     chunks = (prompt.chunks, sample.chunks)
-    _, _, actual, extra = _rows(chunks, len(s.token_ids), TOP_K, range(s.start, s.end), width)
-    drawn = drawn_rows(extra[0], extra[1], options)
-    return sampled_arrays(drawn, actual if options.include_sampled else None, s.start)
+    out = _rows(chunks, len(s.token_ids), TOP_K, range(s.start, s.end), width)
+    if out.cand is None:  # width >= 1: never
+        raise RuntimeError("sampled payload: the engine rows carry no draw columns")
+    drawn = drawn_rows(out.cand[0], out.cand[1], options)
+    return sampled_arrays(drawn, out.actual if options.include_sampled else None, s.start)
 
 
 def _arrays_of(out: Any) -> tuple[LogprobArrays, LogprobArrays]:
@@ -252,17 +283,17 @@ def _processor_class() -> type:
         per entry). ``prompt_logprobs`` / ``logprobs`` are :class:`LogprobArrays`."""
 
         def _update_prompt_logprobs(self, prompt_logprobs_tensors: Any) -> None:
-            ids, lps = prompt_logprobs_tensors[0], prompt_logprobs_tensors[1]
+            ids, lps, ranks = prompt_logprobs_tensors[:3]
             if lps.dtype == torch.bfloat16:  # numpy has no bfloat16 (vLLM sends float32)
                 lps = lps.float()
             rows: Any = self.prompt_logprobs  # a LogprobArrays (see processor_for)
             # Views of the received message, no copy; kept until the payload is built.
-            rows.append_chunk(ids.cpu().numpy(), lps.cpu().numpy())
+            rows.append_chunk(ids.cpu().numpy(), lps.cpu().numpy(), ranks.cpu().numpy())
 
         def _update_sample_logprobs(self, logprobs_lists: Any) -> None:
-            ids, lps = logprobs_lists[0], logprobs_lists[1]
+            ids, lps, ranks = logprobs_lists[:3]
             rows: Any = self.logprobs  # a LogprobArrays (see processor_for)
-            rows.append_chunk(ids, lps)
+            rows.append_chunk(ids, lps, ranks)
             for value in lps[:, 0].tolist():  # one per generated token
                 self.cumulative_logprob += value
 
@@ -325,7 +356,7 @@ def _self_check() -> str | None:
     p_lps = -np.sort(rng.random((rows, k + 1)), axis=1).astype(np.float32)
     s_ids = rng.integers(0, 100, (1, k + 3)).astype(np.int32)
     s_lps = -np.sort(rng.random((1, k + 3)), axis=1).astype(np.float32)
-    ranks = np.ones(rows, np.int32)
+    ranks = np.arange(7, 7 + rows, dtype=np.int32)  # distinct: a mix-up shows
     stock: Any = LogprobsProcessor(
         tokenizer=None,
         logprobs=create_sample_logprobs(True),
@@ -339,7 +370,9 @@ def _self_check() -> str | None:
         out = EngineCoreOutput(
             request_id="topk-distill-self-check",
             new_token_ids=[] if sample is None else [int(s_ids[0, 0])],
-            new_logprobs=None if sample is None else LogprobsLists(*sample, np.ones(1, np.int32)),
+            new_logprobs=(
+                None if sample is None else LogprobsLists(*sample, np.full(1, 3, np.int32))
+            ),
             new_prompt_logprobs_tensors=LogprobsTensors(
                 torch.from_numpy(p_ids[lo:hi]),
                 torch.from_numpy(p_lps[lo:hi]),
@@ -350,8 +383,8 @@ def _self_check() -> str | None:
         ours.update_from_output(out)
     flat_p, flat_s = stock.prompt_logprobs, stock.logprobs
     # The stock container starts with an empty row for the first prompt token.
-    want_p = [(flat_p.token_ids[a:b], flat_p.logprobs[a:b]) for a, b in _spans(flat_p)][1:]
-    want_s = [(flat_s.token_ids[a:b], flat_s.logprobs[a:b]) for a, b in _spans(flat_s)]
+    want_p = [_flat_entry(flat_p, a, b) for a, b in _spans(flat_p)][1:]
+    want_s = [_flat_entry(flat_s, a, b) for a, b in _spans(flat_s)]
     got_p = _entries(ours.prompt_logprobs, k)
     got_s = _entries(ours.logprobs, k)
     if want_p != got_p:
@@ -367,11 +400,19 @@ def _spans(flat: Any) -> list[tuple[int, int]]:
     return list(zip(flat.start_indices, flat.end_indices, strict=True))
 
 
-def _entries(arrays: LogprobArrays, k: int) -> list[tuple[list[int], list[float]]]:
+#: One position's entries for the self-check: ids, log-probs, the actual token's rank.
+_Entry = tuple[list[int], list[float], int]
+
+
+def _flat_entry(flat: Any, a: int, b: int) -> _Entry:
+    return flat.token_ids[a:b], flat.logprobs[a:b], flat.ranks[a]
+
+
+def _entries(arrays: LogprobArrays, k: int) -> list[_Entry]:
     return [
-        (i[: k + 1].tolist(), lp[: k + 1].tolist())
-        for ids, lps in arrays.chunks
-        for i, lp in zip(ids, lps, strict=True)
+        (i[: k + 1].tolist(), lp[: k + 1].tolist(), int(r))
+        for ids, lps, ranks in arrays.chunks
+        for i, lp, r in zip(ids, lps, ranks, strict=True)
     ]
 
 

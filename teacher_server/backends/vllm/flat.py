@@ -22,6 +22,7 @@ def flat_to_topk(
     ends: list[int],
     top_k: int,
     position_start: int = 0,
+    ranks: list[int | None] | None = None,
 ) -> SequenceArrays:
     """Convert flat vLLM log-probs of ``P`` positions (from ``position_start``) into
     ``[P, K]`` arrays with numpy.
@@ -29,7 +30,8 @@ def flat_to_topk(
     Every position holds the actual next token first (with its true rank) and then the
     top-K; when the actual token is itself in the top-K, vLLM may have de-duplicated it, so
     a position holds K+1 or K entries. Returns ``ids`` ``[P, K]``, ``logprobs`` ``[P, K]``
-    sorted descending and ``sampled_logprobs`` ``[P]`` (the actual token's).
+    sorted descending, ``sampled_logprobs`` ``[P]`` (the actual token's) and, given the
+    entries' ``ranks`` (vLLM's ``FlatLogprobs.ranks``), ``sampled_ranks`` ``[P]``.
     """
     n = len(starts)
     k = top_k
@@ -47,6 +49,7 @@ def flat_to_topk(
             f"vLLM returned {cnt[bad]} log-prob entries at a position; expected {k} or {k + 1}"
         )
     actual = lp[st]
+    actual_ranks = None if ranks is None else np.asarray(ranks[base : ends[-1]], np.int32)[st]
     # K+1 entries: skip the leading actual-token entry. K entries: it is one of the top-K.
     first = st + (cnt == k + 1)
     cols = first[:, None] + np.arange(k)[None, :]
@@ -58,6 +61,7 @@ def flat_to_topk(
         np.take_along_axis(vals, order, axis=1),
         actual,
         position_start,
+        sampled_ranks=actual_ranks,
     )
 
 
@@ -72,14 +76,21 @@ def flat_payload(
     p_end = min(end, n - 1)
     rows = slice(start + 1, p_end + 1)
     head = flat_to_topk(
-        pl.token_ids, pl.logprobs, pl.start_indices[rows], pl.end_indices[rows], k, start
+        pl.token_ids,
+        pl.logprobs,
+        pl.start_indices[rows],
+        pl.end_indices[rows],
+        k,
+        start,
+        pl.ranks,
     )
     if end < n:
         return head
     # The last position: the generated token's distribution (no next token: NaN).
     gl = out.outputs[0].logprobs
     last = flat_to_topk(
-        gl.token_ids, gl.logprobs, gl.start_indices[:1], gl.end_indices[:1], k, n - 1
+        gl.token_ids, gl.logprobs, gl.start_indices[:1], gl.end_indices[:1], k, n - 1, gl.ranks
     )
     nan = np.full(1, np.nan, np.float32)
-    return SequenceArrays.concat([head, replace(last, sampled_logprobs=nan)])
+    last = replace(last, sampled_logprobs=nan, sampled_ranks=np.zeros(1, np.int32))
+    return SequenceArrays.concat([head, last])

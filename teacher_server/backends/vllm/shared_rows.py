@@ -39,34 +39,11 @@ from teacher_server.backends.vllm.prefix import block_keys
 from teacher_server.validation import ParsedSequence
 from topk_protocol import SequenceArrays
 
-__all__ = ["DEFAULT_SHARED_ROWS_BYTES", "SharedRows", "concat_rows", "row_slice"]
+__all__ = ["DEFAULT_SHARED_ROWS_BYTES", "SharedRows"]
 
 #: Bytes of kept rows by default: about 64 sequences of 2,048 rows at K = 64, or 5,000
 #: at K = 1 (slime's call without top-k).
 DEFAULT_SHARED_ROWS_BYTES = 64 << 20
-
-
-def row_slice(rows: SequenceArrays, start: int, end: int) -> SequenceArrays:
-    """Rows of absolute positions ``[start, end)`` of ``rows`` (views, no copy); top-k
-    rows only (no candidates, no sampled payload)."""
-    a, b = start - rows.position_start, end - rows.position_start
-    sampled = None if rows.sampled_logprobs is None else rows.sampled_logprobs[a:b]
-    return SequenceArrays(rows.ids[a:b], rows.logprobs[a:b], sampled, position_start=start)
-
-
-def concat_rows(head: SequenceArrays, tail: SequenceArrays) -> SequenceArrays:
-    """``head`` then ``tail`` (``tail`` starts where ``head`` ends; both with or both
-    without actual-token log-probs)."""
-    if head.sampled_logprobs is None or tail.sampled_logprobs is None:
-        sampled = None
-    else:
-        sampled = np.concatenate([head.sampled_logprobs, tail.sampled_logprobs])
-    return SequenceArrays(
-        np.concatenate([head.ids, tail.ids]),
-        np.concatenate([head.logprobs, tail.logprobs]),
-        sampled,
-        position_start=head.position_start,
-    )
 
 
 @dataclass(frozen=True)
@@ -178,12 +155,13 @@ class SharedRows:
                 rows = await compute(sequence)
             else:
                 kept, until, within = hit
-                head = row_slice(kept.rows, sequence.start, until)
+                head = kept.rows.positions(sequence.start, until)
                 self._touch(kept)
                 self.rows_shared += until - sequence.start
                 if until == sequence.end:
                     return head  # nothing new to keep
-                rows = concat_rows(head, await compute(replace(sequence, start=until)))
+                tail = await compute(replace(sequence, start=until))
+                rows = SequenceArrays.concat([head, tail])
                 if within:  # the kept answer holds this prefix already (a repeat)
                     return rows
             self._keep(tokens, rows, options, keys)
@@ -203,16 +181,8 @@ class SharedRows:
         options: Hashable,
         keys: list[bytes],
     ) -> None:
-        # Copies: the rows may be views of a larger engine buffer.
-        rows = SequenceArrays(
-            rows.ids.copy(),
-            rows.logprobs.copy(),
-            None if rows.sampled_logprobs is None else rows.sampled_logprobs.copy(),
-            position_start=rows.position_start,
-        )
-        nbytes = tokens.nbytes + rows.ids.nbytes + rows.logprobs.nbytes
-        if rows.sampled_logprobs is not None:
-            nbytes += rows.sampled_logprobs.nbytes
+        rows = rows.copy()  # the rows may be views of a larger engine buffer
+        nbytes = tokens.nbytes + rows.nbytes
         if nbytes > self.max_bytes or not keys:
             return
         kept = _Kept(tokens.copy(), rows, options, tuple(keys), nbytes)

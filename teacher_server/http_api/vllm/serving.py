@@ -21,8 +21,10 @@ backend, metrics, as gRPC ``Score``) and rendered here in a worker thread:
 :mod:`teacher_server.http_api.json_arrays` (no Python object per entry; each log-prob
 the shortest decimal that reads back as the same float32, a ``decoded_token`` from a
 table of the answer's distinct ids). A ``-inf`` log-prob is written -9999.0, as vLLM
-does. The rank of a prompt token outside
-the top K the engine was asked for is K + 1 (the teacher knows only that it is below).
+does. A prompt token's rank is its true rank in the teacher's distribution (the engine
+counts it, as vLLM's does: ``SequenceArrays.sampled_ranks``); where it is also one of the
+top K, its place there, as in vLLM's answer. A backend that does not know it (a replayed
+recording) gives K + 1 for a token outside the top K.
 Refusals: ``/v1/completions`` keeps the shape TRL's client has read since the route
 came (``{"error": message, "code": "<status>"}``); ``/inference/v1/generate`` answers
 vLLM's ``{"error": {"message", "type", "param", "code"}}``.
@@ -94,13 +96,16 @@ class PromptEntries:
 def prompt_entries(tokens: npt.NDArray[np.int32], scored: SequenceArrays, k: int) -> PromptEntries:
     """vLLM's entries of a prompt ``tokens`` ``[L]`` from its scored rows ``[0, L - 1)``
     (``scored``, engine K columns): entry ``p`` = our row ``p - 1``, the prompt token
-    ``x[p]`` first, then the top ``k`` (``k <= K``) without it."""
+    ``x[p]`` first, then the top ``k`` (``k <= K``) without it. The prompt token's rank:
+    its place among the K when it is one of them (vLLM's answer keeps that one), else
+    ``scored.sampled_ranks`` (K + 1 where the backend gave none)."""
     if scored.sampled_logprobs is None:
         raise TeacherError("teacher: the backend gave no actual-token log-probs")
     actual = np.asarray(tokens[1:], dtype=np.int32)[:, None]
     hit = scored.ids == actual
     first = hit.argmax(axis=1) if scored.top_k else np.zeros(len(actual), dtype=np.intp)
-    rank = np.where(hit.any(axis=1), first + 1, scored.top_k + 1)
+    below = scored.top_k + 1 if scored.sampled_ranks is None else scored.sampled_ranks
+    rank = np.where(hit.any(axis=1), first + 1, below)
     top_ids = scored.ids[:, :k]
     rows, width = top_ids.shape
     top_ranks = np.broadcast_to(np.arange(1, width + 1, dtype=np.int32), (rows, width))

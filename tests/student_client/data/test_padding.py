@@ -10,16 +10,16 @@ import torch
 from student_client.data.padding import PayloadBuffers, present_fields
 from student_client.data.payload import PAYLOAD_FIELDS, TeacherPayload
 from topk_protocol import SequenceArrays
-from topk_protocol.arrays import ARRAY_FIELDS
+from topk_protocol.arrays import WIRE_FIELDS
 
 
 def test_table_covers_every_wire_field_with_its_width() -> None:
     table = {f.name: f for f in PAYLOAD_FIELDS}
-    for f in ARRAY_FIELDS:
+    for f in WIRE_FIELDS:
         assert f.name in table, f"{f.name}: a SequenceArrays field missing from PAYLOAD_FIELDS"
         assert table[f.name].width == f.width
         assert table[f.name].optional == f.optional
-    assert set(table) - {f.name for f in ARRAY_FIELDS} == {"mask"}
+    assert set(table) - {f.name for f in WIRE_FIELDS} == {"mask"}
     assert table["candidate_ids"].pad == -1 and math.isnan(table["candidate_logprobs"].pad)
 
 

@@ -1,6 +1,6 @@
 """The one rule for every framework route's body fields (``bodies.FieldRules``), field by
-field, on the parsers of vLLM's ``/v1/completions`` and ``/inference/v1/generate`` and
-SGLang's ``/generate``:
+field, on the parsers of vLLM's ``/v1/completions`` and ``/inference/v1/generate``,
+SGLang's ``/generate`` and TRL 1.10's ``/get_sequence_logprobs/``:
 
 - every field a route ignores is accepted, answered as without it, and reported with
   its label (the field, or ``(undeclared)``);
@@ -10,22 +10,26 @@ SGLang's ``/generate``:
   field by field (imported from the installed vLLM); SGLang's ``GenerateReqInput`` and
   ``SamplingParams`` as of sgl-project/sglang ``python/sglang/srt/managers/io_struct.py``
   and ``python/sglang/srt/sampling/sampling_params.py`` (not installed here: SGLang is
-  a GPU server);
+  a GPU server); TRL 1.10's ``SequenceLogprobsRequest`` read from the pinned release's
+  ``trl/scripts/vllm_serve.py`` (a class defined inside a function: read, not imported);
 - SGLang's ``SamplingParams`` refuses a key it does not declare, so ``/generate`` does too.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Any
 
 import pytest
+from pinned_clients import installed_apart
 
 from teacher_server.http_api.bodies import UNDECLARED, FieldRules
 from teacher_server.http_api.sglang.protocol import (
     GENERATE_RULES as SGLANG_RULES,
 )
 from teacher_server.http_api.sglang.protocol import SAMPLING_RULES, parse_generate
+from teacher_server.http_api.trl import SEQUENCE_RULES, parse_sequence_logprobs
 from teacher_server.http_api.vllm.protocol import (
     COMPLETIONS_RULES,
     GENERATE_RULES,
@@ -45,6 +49,7 @@ TOKEN_GENERATE: dict[str, Any] = {
     "sampling_params": {"max_tokens": 1, "prompt_logprobs": 2},
 }
 SGLANG = {"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 0}
+TRL = {"sequences": [[1, 2, 3]], "prompt_lengths": [1], "top_logprobs": 2}
 #: A value that changes something, for any field (not null, false, [] or {}).
 SOME_VALUE = 7
 
@@ -64,6 +69,10 @@ def _sglang(extra: dict[str, Any], sampling: dict[str, Any] | None = None) -> An
     return parse_generate({**SGLANG, **extra, "sampling_params": sampling or {}}, None, LIMITS)
 
 
+def _trl(extra: dict[str, Any]) -> Any:
+    return parse_sequence_logprobs({**TRL, **extra}, INFO, LIMITS)
+
+
 ROUTES = {
     "completions": (COMPLETIONS_RULES, _completions),
     "token_generate": (GENERATE_RULES, _token_generate),
@@ -73,6 +82,7 @@ ROUTES = {
     ),
     "sglang": (SGLANG_RULES, _sglang),
     "sglang.sampling_params": (SAMPLING_RULES, lambda extra: _sglang({}, extra)),
+    "trl": (SEQUENCE_RULES, _trl),
 }
 PREFIX = {
     "token_generate.sampling_params": "sampling_params.",
@@ -111,7 +121,7 @@ def test_every_refused_field_is_refused_by_name(route: str, name: str) -> None:
     assert parse({name: None}).ignored_fields == ()
 
 
-@pytest.mark.parametrize("route", ["completions", "token_generate", "sglang"])
+@pytest.mark.parametrize("route", ["completions", "token_generate", "sglang", "trl"])
 def test_an_undeclared_field_is_accepted_and_ignored_as_the_stock_server_does(route: str) -> None:
     _, parse = ROUTES[route]
     parsed = parse({"max_new_tokens": 0, "a_field_no_server_has": {"x": 1}})
@@ -179,3 +189,23 @@ SGLANG_SAMPLING_PARAMS = _names(
 )
 def test_sglang_rules_name_every_field_of_its_models(rules: FieldRules, stock: frozenset) -> None:
     assert rules.declared == stock
+
+
+def test_trl_rules_name_every_field_of_trls_sequence_logprobs_request() -> None:
+    """TRL 1.10's own request model, read from the pinned release's source."""
+    trl = installed_apart("trl-1.10.0", ["trl==1.10.0"], "trl/generation/vllm_client.py")
+    tree = ast.parse((trl / "trl" / "scripts" / "vllm_serve.py").read_text())
+    (model,) = [
+        n for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and n.name == "SequenceLogprobsRequest"
+    ]  # fmt: skip
+    declared = {
+        n.target.id
+        for n in model.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    # A pydantic BaseModel with no model_config: extra keys are ignored, not refused.
+    assert [b.id for b in model.bases if isinstance(b, ast.Name)] == ["BaseModel"]
+    assert not any(isinstance(n, ast.Assign) for n in model.body)
+    assert SEQUENCE_RULES.declared == declared
+    assert not SEQUENCE_RULES.refuse_undeclared

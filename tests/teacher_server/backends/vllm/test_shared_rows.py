@@ -12,21 +12,23 @@ import asyncio
 import numpy as np
 import pytest
 
-from teacher_server.backends.vllm.shared_rows import SharedRows, concat_rows, row_slice
+from teacher_server.backends.vllm.shared_rows import SharedRows
 from teacher_server.validation import ParsedSequence
 from topk_protocol import SequenceArrays
 
 BS, K = 4, 3
 
 
-def _row(prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """A row that depends on its prefix only (ids, log-probs, the actual token's)."""
+def _row(prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """A row that depends on its prefix only (ids, log-probs, the actual token's log-prob
+    and rank)."""
     h = int(np.int64(np.sum((prefix[:-1].astype(np.int64) + 1) * 7919)) % 1000)
     ids = (np.arange(K) + h) % 50
     return (
         ids.astype(np.int32),
         -np.arange(1, K + 1, dtype=np.float32) - h / 1000,
         -float(prefix[-1] % 17),
+        int(prefix[-1] % 13) + 1,
     )
 
 
@@ -52,13 +54,15 @@ def whole(seq: ParsedSequence) -> SequenceArrays:
     rows = [_row(x[: t + 2]) if t + 1 < len(x) else _row(np.append(x, 0)) for t in
             range(seq.start, seq.end)]  # fmt: skip
     sampled = np.array([r[2] for r in rows], np.float32)
+    ranks = np.array([r[3] for r in rows], np.int32)
     if seq.end == len(x):
-        sampled[-1] = np.nan
+        sampled[-1], ranks[-1] = np.nan, 0
     return SequenceArrays(
         np.stack([r[0] for r in rows]).reshape(-1, K),
         np.stack([r[1] for r in rows]).reshape(-1, K),
         sampled,
         position_start=seq.start,
+        sampled_ranks=ranks,
     )
 
 
@@ -67,6 +71,7 @@ def _same(got: SequenceArrays, want: SequenceArrays) -> None:
     np.testing.assert_array_equal(got.ids, want.ids)
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
     np.testing.assert_array_equal(got.sampled_logprobs, want.sampled_logprobs)
+    np.testing.assert_array_equal(got.sampled_ranks, want.sampled_ranks)
 
 
 def _group(prompt: int, completion: int, g: int, seed: int = 0) -> list[np.ndarray]:
@@ -152,7 +157,7 @@ def test_other_options_a_short_prefix_or_a_later_kept_start_share_nothing() -> N
 
 def test_kept_bytes_stay_under_the_bound_oldest_out_first() -> None:
     seqs = [_full(_group(2 * BS, 4, 1, seed)[0]) for seed in range(6)]
-    one = 12 * 4 + 12 * K * 8 + 12 * 4  # tokens, ids + log-probs, actual-token log-probs
+    one = 12 * 4 + 12 * K * 8 + 12 * 4 * 2  # tokens, ids + log-probs, actual log-probs + ranks
     rows, engine = SharedRows(BS, 2 * one + 1), Engine()
     for s in seqs:
         asyncio.run(_score_all(rows, engine, [s]))
@@ -166,8 +171,8 @@ def test_kept_bytes_stay_under_the_bound_oldest_out_first() -> None:
 def test_slices_and_concatenation_keep_positions() -> None:
     (seq,) = _group(2 * BS, 4, 1)
     full = whole(ParsedSequence(seq, 0, len(seq)))
-    _same(concat_rows(row_slice(full, 0, 5), row_slice(full, 5, 12)), full)
-    assert row_slice(full, 3, 7).position_start == 3
+    _same(SequenceArrays.concat([full.positions(0, 5), full.positions(5, 12)]), full)
+    assert full.positions(3, 7).position_start == 3
 
 
 def test_bad_sizes_are_refused() -> None:

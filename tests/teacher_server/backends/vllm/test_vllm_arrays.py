@@ -38,7 +38,7 @@ def _gather(dense: torch.Tensor, k: int, token_ids: torch.Tensor) -> LogprobsTen
     return LogprobsTensors(
         torch.cat([token_ids[:, None], top_ids], 1).to(torch.int32),
         torch.cat([token_lp, top_lp], 1),
-        (dense > token_lp).sum(-1),
+        (dense >= token_lp).sum(-1),  # the rank, counted as vLLM's batched_count_greater_than
     )
 
 
@@ -110,8 +110,8 @@ def _front_end(x: np.ndarray, k: int, outputs: list[EngineCoreOutput], arrays: b
 def test_array_path_matches_flat_path_and_reference(
     length: int, k: int, k_max: int, splits: list[int], ranges: list[tuple[int, int]]
 ) -> None:
-    """Bit-identical ids, log-probs and sampled log-probs to today's flat path on the same
-    engine output, for chunked prompts, generated-token rows wider than K + 1, sub-ranges
+    """Bit-identical ids, log-probs, sampled log-probs and ranks to vLLM's flat path on
+    the same engine output, for chunked prompts, generated-token rows wider than K + 1, sub-ranges
     and K = 1 / 8 / 64; and equal to the top-k of the dense log-probs."""
     x = np.random.default_rng(length + k).integers(0, V, length).astype(np.int32)
     dense, outputs = _engine_outputs(x, k, k_max, splits, seed=length * k)
@@ -133,6 +133,9 @@ def test_array_path_matches_flat_path_and_reference(
         np.testing.assert_array_equal(got.ids, ref.ids[a:b])
         np.testing.assert_array_equal(got.logprobs, ref.logprobs[a:b])
         np.testing.assert_array_equal(got.sampled_logprobs, ref.sampled_logprobs[a:b])
+        assert got.sampled_ranks is not None and ref.sampled_ranks is not None
+        np.testing.assert_array_equal(got.sampled_ranks, want.sampled_ranks)  # 0 at L-1
+        np.testing.assert_array_equal(got.sampled_ranks, ref.sampled_ranks[a:b])
 
 
 def test_unsorted_and_tied_rows_are_sorted_like_the_flat_path() -> None:
@@ -143,28 +146,37 @@ def test_unsorted_and_tied_rows_are_sorted_like_the_flat_path() -> None:
     lps = -rng.integers(0, 4, (rows, k + 1)).astype(np.float32)  # many ties, unsorted
     sample_ids = rng.integers(0, V, (1, k + 3)).astype(np.int32)
     sample_lps = -rng.random((1, k + 3)).astype(np.float32)
-    got = va.topk_payload([(ids, lps)], [(sample_ids, sample_lps)], rows + 1, k, 0, rows + 1)
+    ranks = rng.integers(1, V, rows).astype(np.int32)
+    prompt = [(ids, lps, ranks)]
+    got = va.topk_payload(prompt, [(sample_ids, sample_lps, np.ones(1))], rows + 1, k, 0, rows + 1)
     cnt = k + 1
     flat_ids = np.concatenate([ids.ravel(), sample_ids[0, :cnt]]).tolist()
     flat_lps = np.concatenate([lps.ravel(), sample_lps[0, :cnt]]).tolist()
+    flat_ranks = np.repeat(np.append(ranks, 1), cnt).tolist()  # vLLM's: the first entry's
     starts = list(range(0, (rows + 1) * cnt, cnt))
-    want = flat_to_topk(flat_ids, flat_lps, starts, [s + cnt for s in starts], k)
+    ends = [s + cnt for s in starts]
+    want = flat_to_topk(flat_ids, flat_lps, starts, ends, k, ranks=flat_ranks)
     np.testing.assert_array_equal(got.ids, want.ids)
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
     assert got.sampled_logprobs is not None and want.sampled_logprobs is not None
     np.testing.assert_array_equal(got.sampled_logprobs[:-1], want.sampled_logprobs[:-1])
+    assert got.sampled_ranks is not None and want.sampled_ranks is not None
+    np.testing.assert_array_equal(got.sampled_ranks[:-1], want.sampled_ranks[:-1])
+    np.testing.assert_array_equal(got.sampled_ranks[:-1], ranks)
+    assert got.sampled_ranks[-1] == 0  # no next token
     assert np.all(np.diff(got.logprobs, axis=1) <= 0)
 
 
 def test_malformed_rows_are_refused() -> None:
     ids = np.zeros((4, 3), np.int32)
     lps = np.zeros((4, 3), np.float32)
+    ranks = np.ones(4, np.int32)
     with pytest.raises(RuntimeError, match=r"expected \[rows, >= 5\] for K = 4"):
-        va.topk_payload([(ids, lps)], [], 5, 4, 0, 4)
+        va.topk_payload([(ids, lps, ranks)], [], 5, 4, 0, 4)
     with pytest.raises(RuntimeError, match="4 prompt log-prob rows; expected 9"):
-        va.topk_payload([(ids, lps)], [], 10, 2, 0, 4)
+        va.topk_payload([(ids, lps, ranks)], [], 10, 2, 0, 4)
     with pytest.raises(RuntimeError, match="no log-probs for the generated token"):
-        va.topk_payload([(ids, lps)], [], 5, 2, 0, 5)
+        va.topk_payload([(ids, lps, ranks)], [], 5, 2, 0, 5)
 
 
 def test_hook_check_and_path_selection(

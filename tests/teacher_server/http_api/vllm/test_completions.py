@@ -43,12 +43,18 @@ def _want_actual(dense: np.ndarray, seq: list[int]) -> np.ndarray:
     return np.array([dense[p - 1, seq[p]] for p in range(1, len(seq))], np.float32)
 
 
-def _check_entry(entry: dict[str, Any], row: np.ndarray, token: int, k: int) -> None:
+def _check_entry(entry: dict[str, Any], row: np.ndarray, token: int, k: int) -> int:
     """One vLLM prompt log-prob entry against dense row ``row`` (the distribution of
-    ``token``): the prompt token first, its value; the top ``k`` by rank, ids equal where
-    neighbours are apart."""
+    ``token``): the prompt token first, its value and its true rank in the vocabulary
+    (``1 + #{v : row[v] > row[token]}``; entries within rounding of it may count either
+    way); the top ``k`` by rank, ids equal where neighbours are apart. Returns the prompt
+    token's rank."""
     keys = list(entry)
     assert keys[0] == str(token)  # vLLM's order: the prompt token first
+    rank = entry[str(token)]["rank"]
+    surely_above = int(np.count_nonzero(row > row[token] + 2 * TOL))
+    maybe_above = int(np.count_nonzero(row > row[token] - 2 * TOL)) - 1  # not itself
+    assert 1 + surely_above <= rank <= 1 + maybe_above, (rank, surely_above, maybe_above)
     for key, value in entry.items():
         np.testing.assert_allclose(value["logprob"], row[int(key)], rtol=TOL, atol=TOL)
     order = np.argsort(-row, kind="stable")
@@ -60,6 +66,7 @@ def _check_entry(entry: dict[str, Any], row: np.ndarray, token: int, k: int) -> 
         apart_after = sorted_row[r - 1] - sorted_row[r] > 2 * TOL
         if apart_before and apart_after:
             assert t == int(order[r - 1]), (r, t)
+    return int(rank)
 
 
 def test_rllm_compute_logprobs_echo_call(
@@ -136,8 +143,8 @@ def test_openai_client_echo_with_prompt_logprobs(
         entries = (choice.model_extra or {})["prompt_logprobs"]
         assert entries[0] is None and len(entries) == len(tokens)
         dense = dense_logprobs(reference_backend, tokens)
-        for p, entry in enumerate(entries[1:], 1):
-            _check_entry(entry, dense[p - 1], tokens[p], K)
+        ranks = [_check_entry(e, dense[p - 1], tokens[p], K) for p, e in enumerate(entries[1:], 1)]
+        assert max(ranks) > K + 1  # outside the top K: the true rank, not K + 1
         assert choice.text == text
 
 
@@ -216,8 +223,9 @@ def test_prime_rl_token_in_generate(vllm_teacher: ServerProcess, reference_backe
         assert len(flat) == len(seq) and flat[0] == 0.0
         dense = dense_logprobs(reference_backend, seq)
         np.testing.assert_allclose(flat[1:], _want_actual(dense, seq), rtol=TOL, atol=TOL)
-        for p, entry in enumerate(r.json()["prompt_logprobs"][1:], 1):
-            _check_entry(entry, dense[p - 1], seq[p], 1)
+        entries = r.json()["prompt_logprobs"][1:]
+        ranks = [_check_entry(e, dense[p - 1], seq[p], 1) for p, e in enumerate(entries, 1)]
+        assert len(seq) < 60 or max(ranks) > 2  # the true rank, not K + 1
 
 
 def _refused(r: requests.Response, status: int, pattern: str, nested: bool) -> None:

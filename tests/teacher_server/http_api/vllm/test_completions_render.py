@@ -138,6 +138,20 @@ def test_entries_in_vllms_order() -> None:
     ]
 
 
+def test_the_engines_rank_outside_the_top_k() -> None:
+    """With the backend's ``sampled_ranks``, a prompt token outside the top K gets that
+    rank; one inside keeps its place among the K (as in vLLM's answer)."""
+    tokens = np.array([9, 4, 7], np.int32)
+    scored = SequenceArrays(
+        np.array([[3, 4, 5], [1, 2, 3]], np.int32),
+        np.array([[-0.1, -0.2, -0.3], [-0.5, -1.0, -2.0]], np.float32),
+        np.array([-0.2, -6.0], np.float32),
+        sampled_ranks=np.array([3, 117], np.int32),  # the first: a tie counted by the engine
+    )
+    entries = prompt_entries(tokens, scored, 2)
+    assert entries.ranks[:, 0].tolist() == [2, 117]
+
+
 def test_decoded_tokens_table_grows_and_stays_right() -> None:
     """``decoded_token`` from the table of ids seen so far: ids new to it are added (a
     wider token widening it), the ones already there unchanged."""
