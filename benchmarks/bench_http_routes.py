@@ -23,6 +23,10 @@ read from a cache or shared between requests unless the measurement is about tha
 
    Reported: answered positions per second (rows with a distribution, median over reps),
    bytes per answered position of the response bodies, and the ratio to vLLM's server.
+   With ``--before DIR`` (another source tree of this project, e.g. a git worktree of an
+   earlier commit) that tree's server is timed on the same work too, the two servers
+   taking turns rep by rep with the one waiting suspended, and the table adds the ratio
+   to it: the cost of a change, in one run.
 2. **Prefix reuse through ``/generate``**: G = ``--group`` requests sent at once, slime's
    body (``logprob_start_len`` 0: every position), one per completion of one
    ``--prompt``-token prompt with ``--completion`` tokens each, against G distinct
@@ -62,6 +66,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import psutil
 
 from benchmarks.bench_teacher import ROOT, _stop, _wait_http, model_or_tiny
 from devtools.launch import TeacherProcess, free_port, start_teacher
@@ -178,13 +183,41 @@ class Measured:
 Rep = tuple[float, int, int]
 
 
-def _alternating(servers: list[Any], reps: int, one_rep: Any) -> list[Measured]:
+class Turns:
+    """Servers measured together take turns: while one is timed, the others are suspended
+    (SIGSTOP, each with every process of its own): an idle vLLM engine still busy-waits
+    for a while after a request, which would take the timed server's cores."""
+
+    def __init__(self, servers: list[TeacherProcess]) -> None:
+        self._processes = []
+        for server in servers:
+            root = psutil.Process(server.proc.pid)
+            self._processes.append([root, *root.children(recursive=True)])
+
+    def give(self, index: int) -> None:
+        """Server ``index`` runs, every other one is suspended."""
+        for i, processes in enumerate(self._processes):
+            for p in processes:
+                p.resume() if i == index else p.suspend()
+
+    def all_run(self) -> None:
+        for processes in self._processes:
+            for p in processes:
+                p.resume()
+
+
+def _alternating(
+    servers: list[Any], reps: int, one_rep: Any, turns: Turns | None = None
+) -> list[Measured]:
     """``one_rep(server, rep)`` for each server, rep by rep after a warm-up rep 0, the
-    servers' order alternating between reps (a paired comparison); medians per server."""
+    servers' order alternating between reps (a paired comparison), each in its turn
+    (``turns``: the others suspended); medians per server."""
     timed: list[list[Rep]] = [[] for _ in servers]
     for rep in range(reps + 1):
         order = list(range(len(servers)))
         for i in order if rep % 2 else order[::-1]:
+            if turns is not None:
+                turns.give(i)
             got = one_rep(servers[i], rep)
             if rep:
                 timed[i].append(got)
@@ -195,7 +228,13 @@ def _alternating(servers: list[Any], reps: int, one_rep: Any) -> list[Measured]:
 
 
 def http_route(
-    bases: list[str], route: str, k: int, reps: int, batch: int, length: int
+    bases: list[str],
+    route: str,
+    k: int,
+    reps: int,
+    batch: int,
+    length: int,
+    turns: Turns | None = None,
 ) -> list[Measured]:
     """One route at K on each server: ``reps`` reps after a warm-up, ``batch`` requests in
     flight, the servers taking turns (:func:`_alternating`)."""
@@ -215,10 +254,12 @@ def http_route(
             elapsed = time.perf_counter() - t0
             return elapsed, sum(g[0] for g in got), sum(g[1] for g in got)
 
-        return _alternating(bases, reps, one_rep)
+        return _alternating(bases, reps, one_rep, turns)
 
 
-def grpc_stream(targets: list[str], k: int, reps: int, batch: int, length: int) -> list[Measured]:
+def grpc_stream(
+    targets: list[str], k: int, reps: int, batch: int, length: int, turns: Turns | None = None
+) -> list[Measured]:
     """The gRPC ``ScoreStream`` at K on each server, as :func:`http_route` times a route."""
     opts = [("grpc.max_receive_message_length", 256 << 20)]
     channels = [grpc.insecure_channel(t, options=opts) for t in targets]
@@ -236,7 +277,7 @@ def grpc_stream(targets: list[str], k: int, reps: int, batch: int, length: int) 
         return time.perf_counter() - t0, positions, nbytes
 
     try:
-        return _alternating(channels, reps, one_rep)
+        return _alternating(channels, reps, one_rep, turns)
     finally:
         for ch in channels:
             ch.close()
@@ -351,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--before", metavar="DIR",
         help="a source tree of this project (e.g. a git worktree of an earlier commit): its "
         "teacher server is started too and timed on the same throughput work, the two "
-        "servers taking turns rep by rep; the table adds a 'vs before' column",
+        "servers taking turns rep by rep (the one waiting suspended); the table adds a "
+        "'vs before' column",
     )  # fmt: skip
     return ap
 
@@ -410,19 +452,22 @@ def main() -> None:
             servers = [server]
             if a.before:
                 log = tmp / "teacher-before.log"
-                servers.append(start_teacher(teacher_args, log, env=ENV, cwd=a.before))
+                env = {**ENV, "PYTHONPATH": str(Path(a.before).resolve())}
+                servers.append(start_teacher(teacher_args, log, env=env, cwd=tmp))
+            turns = Turns(servers) if len(servers) > 1 else None
             try:
                 for k in a.k:
                     for route in ROUTES:
-                        got = http_route(
-                            [s.http for s in servers], route, k, a.reps, a.batch, a.seq_len
-                        )
+                        bases = [s.http for s in servers]
+                        got = http_route(bases, route, k, a.reps, a.batch, a.seq_len, turns)
                         ours[(route, k)], before[(route, k)] = got[0], got[-1]
                     targets = [s.target for s in servers]
-                    got = grpc_stream(targets, k, a.reps, a.batch, a.seq_len)
+                    got = grpc_stream(targets, k, a.reps, a.batch, a.seq_len, turns)
                     ours[("grpc", k)], before[("grpc", k)] = got[0], got[-1]
                     print(f"# ours, K = {k}: done", flush=True)
             finally:
+                if turns is not None:
+                    turns.all_run()
                 for extra in servers[1:]:
                     extra.stop()
         if a.only in (None, "group"):

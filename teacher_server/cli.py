@@ -26,6 +26,7 @@ from teacher_server.config import ServerConfig
 from teacher_server.flags import DefaultsHelpFormatter, add_flags, flag_fields, from_args
 from teacher_server.http_api.limits import HttpLimits
 from teacher_server.server import run_server
+from teacher_server.student_tokenizers import StudentTokenizers
 
 __all__ = [
     "TOKEN_ENV",
@@ -251,10 +252,11 @@ def serve(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        students = StudentTokenizers(config.student_tokenizer)
         backend = _backend(args, config)
     except ValueError as e:
         raise SystemExit(f"teacher-server: {e}") from None
-    return asyncio.run(run_server(backend, config))
+    return asyncio.run(run_server(backend, config, students))
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

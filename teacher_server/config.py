@@ -25,7 +25,9 @@ __all__ = [
     "DEFAULT_STREAM_MAX_UNSENT_MB",
     "DEFAULT_STREAM_MAX_UNSENT_REQUESTS",
     "MIB",
+    "STUDENT_TOKENIZER_FLAG",
     "ServerConfig",
+    "student_tokenizer_spec",
 ]
 
 MIB = 1024 * 1024
@@ -39,6 +41,24 @@ DEFAULT_STREAM_MAX_UNSENT_MB = 8
 #: ``--stream-max-unsent-requests``: requests of one stream read but not fully answered;
 #: 16 is four times the client's default prefetch depth.
 DEFAULT_STREAM_MAX_UNSENT_REQUESTS = 16
+
+#: The flag naming a student tokenizer (:attr:`ServerConfig.student_tokenizer`).
+STUDENT_TOKENIZER_FLAG = "--student-tokenizer"
+
+
+def student_tokenizer_spec(spec: str) -> tuple[str, Path]:
+    """``NAME=DIR`` -> ``(NAME, DIR)``; ``ValueError`` naming the flag and the value
+    unless ``NAME`` is non-empty and ``DIR`` an existing directory."""
+    name, sep, where = spec.partition("=")
+    name = name.strip()
+    if not sep or not name or not where:
+        raise ValueError(
+            f"{STUDENT_TOKENIZER_FLAG} {spec!r}: expected NAME=DIR (a tokenizer directory)"
+        )
+    path = Path(where).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"{STUDENT_TOKENIZER_FLAG} {spec!r}: {str(path)!r} is not a directory")
+    return name, path
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,10 @@ class ServerConfig:
     """refuse to become ready unless the answers to the canary sequences agree with this
     reference (a fingerprint JSON, another replica's /v1/info JSON, or a recording
     directory) within the engine's drift (docs/fingerprint.md)"""
+    student_tokenizer: tuple[str, ...] = field(default=(), metadata={"metavar": "NAME=DIR"})
+    """a student tokenizer this teacher also answers (repeatable): DIR a tokenizer
+    directory as transformers saves it; a request naming NAME sends and gets that
+    tokenizer's ids (docs/cross_tokenizer.md)"""
 
     def __post_init__(self) -> None:
         for name in ("max_top_k", "max_tokens_per_request", "max_message_mb", "chunk_kb"):
@@ -107,6 +131,14 @@ class ServerConfig:
         for name in ("drain_timeout_s", "memory_trim_idle_s", "max_candidates"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        specs = tuple(self.student_tokenizer)
+        object.__setattr__(self, "student_tokenizer", specs)
+        names = [student_tokenizer_spec(spec)[0] for spec in specs]
+        for spec, name in zip(specs, names, strict=True):
+            if names.count(name) > 1:
+                raise ValueError(
+                    f"{STUDENT_TOKENIZER_FLAG} {spec!r}: the name {name!r} is given twice"
+                )
 
     @property
     def max_message_bytes(self) -> int:

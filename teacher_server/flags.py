@@ -13,7 +13,8 @@ for this (``tyro``, ``simple-parsing``) would be a new server dependency for abo
 lines; vLLM's own parser is still used for its engine flags.
 
 A field's ``metadata`` may set ``type`` (a converter raising ``argparse.ArgumentTypeError``
-or ``ValueError``), ``choices``, ``metavar``, or ``flag=False`` (not a flag).
+or ``ValueError``), ``choices``, ``metavar``, or ``flag=False`` (not a flag). A
+``tuple[X, ...]`` field is a repeatable flag (each use adds one value).
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ def add_flags(
             )
             continue
         kwargs: dict[str, Any] = {"dest": f.name, "help": helptext}
+        if typing.get_origin(typ) is tuple:  # repeatable: absent -> the field's default
+            (item, _) = typing.get_args(typ)
+            kwargs.update(action="append", default=argparse.SUPPRESS)
+            kwargs["type"] = f.metadata.get("type", item)
+            if "metavar" in f.metadata:
+                kwargs["metavar"] = f.metadata["metavar"]
+            target.add_argument(f"--{name}", **kwargs)
+            continue
         kwargs["type"] = f.metadata.get("type", Path if typ is Path else typ)
         for key in ("choices", "metavar"):
             if key in f.metadata:

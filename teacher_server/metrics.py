@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from teacher_server.alignment import RowKind
 from teacher_server.backends.base import ComputeCounts
 
 __all__ = ["ComputeCollector", "TeacherMetrics"]
@@ -116,6 +119,15 @@ class TeacherMetrics:
             registry=self.registry,
         )
         self._noted_fields: set[tuple[str, str]] = set()
+        self.student_rows = Counter(
+            "topk_teacher_student_rows",
+            "Rows answered to a student of another tokenizer (--student-tokenizer), by kind: "
+            "aligned (the teacher's row at the same bytes and the next token's chain-rule "
+            "log-prob), boundary (the row only), masked (none: the prefix ends inside a "
+            "teacher token).",
+            ["kind"],
+            registry=self.registry,
+        )
         self.streams_open = Gauge(
             "topk_teacher_streams_open",
             "ScoreStream calls whose per-stream state (budget, answers not yet sent) is "
@@ -144,6 +156,14 @@ class TeacherMetrics:
             return False
         self._noted_fields.add(key)
         return True
+
+    def count_student_rows(self, kinds: npt.NDArray[np.int8] | None) -> None:
+        """Count a student tokenizer's answer rows by kind (``[S]`` ``RowKind`` values)."""
+        if kinds is None:
+            return
+        counts = np.bincount(kinds, minlength=len(RowKind))
+        for kind in RowKind:
+            self.student_rows.labels(kind.name.lower()).inc(int(counts[kind]))
 
     def set_load(self, in_flight: int, queued: int) -> None:
         """Admission's counts: requests working and requests waiting for a slot."""

@@ -37,6 +37,7 @@ from teacher_server.backends.base import Backend
 from teacher_server.leak_injection import injected_leak_mib, leak_per_request
 from teacher_server.lifecycle import Lifecycle
 from teacher_server.metrics import TeacherMetrics
+from teacher_server.student_tokenizers import StudentTokenizers
 from teacher_server.validation import (
     Limits,
     ParsedRequest,
@@ -130,7 +131,9 @@ class RequestPipeline:
     loading; after: draining; UNAVAILABLE otherwise, which clients retry), each holding
     a slot of ``admission`` while it is scored and answered, every one counted in
     ``metrics`` under its front end's ``method``. :meth:`set_limits` installs the final
-    limits once the backend is loaded (the vocabulary size is known then)."""
+    limits once the backend is loaded (the vocabulary size is known then). A request
+    naming a student tokenizer is checked against that tokenizer's vocabulary and scored
+    through ``students`` (:mod:`teacher_server.student_tokenizers`)."""
 
     def __init__(
         self,
@@ -139,8 +142,11 @@ class RequestPipeline:
         metrics: TeacherMetrics,
         lifecycle: Lifecycle,
         admission: AdmissionQueue,
+        *,
+        students: StudentTokenizers | None = None,
     ) -> None:
         self._backend = backend
+        self._students = students or StudentTokenizers()
         self._limits = limits
         self._metrics = metrics
         self._lifecycle = lifecycle
@@ -151,6 +157,10 @@ class RequestPipeline:
     @property
     def backend(self) -> Backend:
         return self._backend
+
+    @property
+    def students(self) -> StudentTokenizers:
+        return self._students
 
     @property
     def lifecycle(self) -> Lifecycle:
@@ -227,7 +237,10 @@ class RequestPipeline:
         token_bytes = (
             0 if n > THREAD_SEQUENCES else sum(len(s.token_ids) for s in request.sequences)
         )
-        return await _in_thread_if(_is_large(n, token_bytes), parse_request, request, self._limits)
+        limits = self._limits
+        if request.student_tokenizer:  # its ids are the student's
+            limits = self._students.limits(request.student_tokenizer, limits)
+        return await _in_thread_if(_is_large(n, token_bytes), parse_request, request, limits)
 
     async def _admitted(
         self,
@@ -256,11 +269,22 @@ class RequestPipeline:
         check_encoding(parsed.options.encoding, self._backend.supported_encodings)
         options = parsed.options
         k = options.top_k
+        index = {id(seq): i for i, seq in enumerate(parsed.sequences)}
 
         async def one(seq: ParsedSequence) -> SequenceArrays:
             wanted = None if seq.candidate_ids is None else seq.num_candidates
             if seq.start == seq.end:  # nothing asked: no engine call
                 return SequenceArrays.empty(k, seq.start, wanted)
+            if options.student_tokenizer is not None:
+                scored = await self._students.score(
+                    seq,
+                    options,
+                    self._backend.score,
+                    field=f"sequences[{index[id(seq)]}].token_ids",
+                    max_sequence_length=self._limits.max_sequence_length,
+                )
+                self._metrics.count_student_rows(scored.row_kinds)
+                return scored
             scored = await self._backend.score(seq, options)
             if wanted is not None and scored.num_candidates != wanted:
                 raise RuntimeError(

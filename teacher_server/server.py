@@ -41,6 +41,7 @@ from teacher_server.lifecycle import (
 from teacher_server.malloc_trim import trim_when_quiet
 from teacher_server.metrics import TeacherMetrics
 from teacher_server.pipeline import RequestPipeline
+from teacher_server.student_tokenizers import StudentTokenizers
 from teacher_server.validation import Limits
 from topk_protocol import pb
 
@@ -62,9 +63,17 @@ class TeacherServer:
     in the background; ``await wait_ready()``; ``await stop()`` drains within
     ``drain_timeout_s``. Its :class:`Lifecycle` is the one record of the phase."""
 
-    def __init__(self, backend: Backend, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        config: ServerConfig,
+        students: StudentTokenizers | None = None,
+    ) -> None:
         self._backend = backend
         self._config = config
+        # Loaded now (a bad --student-tokenizer fails before the engine starts); paired
+        # with the teacher's tokenizer once the engine is up.
+        self._students = students or StudentTokenizers(config.student_tokenizer)
         self._metrics = TeacherMetrics()
         self._limits = Limits.from_config(config)
         self.lifecycle = Lifecycle()
@@ -75,7 +84,12 @@ class TeacherServer:
             fair=config.admission_order == FAIR,
         )
         self._pipeline = RequestPipeline(
-            backend, self._limits, self._metrics, self.lifecycle, self._admission
+            backend,
+            self._limits,
+            self._metrics,
+            self.lifecycle,
+            self._admission,
+            students=self._students,
         )
         self._servicer = TeacherServicer(
             self._pipeline,
@@ -226,11 +240,12 @@ class TeacherServer:
                     f"serves ({info.max_top_k})"
                 )
             self._pipeline.set_limits(self._limits)
+            await asyncio.to_thread(self._students.pair, self._backend.tokenizer, info.vocab_size)
             if self._config.warmup:
                 await self._backend.warmup()
             await announce_fingerprint(self._backend, self._config.expect_fingerprint)
             _freeze_startup_objects(self)
-            self._info = teacher_info_message(self._backend, self._limits)
+            self._info = teacher_info_message(self._backend, self._limits, self._students)
             if self._config.memory_trim_idle_s > 0:
                 self._trim_task = asyncio.create_task(
                     trim_when_quiet(
@@ -335,9 +350,11 @@ def _tls_files(cfg: ServerConfig) -> tuple[Path, Path] | None:
     return Path(cfg.tls_cert), Path(cfg.tls_key)
 
 
-async def run_server(backend: Backend, config: ServerConfig) -> int:
+async def run_server(
+    backend: Backend, config: ServerConfig, students: StudentTokenizers | None = None
+) -> int:
     """Serve until SIGTERM or SIGINT, then drain and return 0 (1 if the engine failed)."""
-    server = TeacherServer(backend, config)
+    server = TeacherServer(backend, config, students)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

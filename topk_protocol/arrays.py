@@ -12,7 +12,8 @@ answer without further code. A new field goes after ``position_start``, with a d
 The wire fields (:data:`WIRE_FIELDS`) are the ones the codec encodes and a recording
 writes. A field declared ``wire=False`` lives only inside the teacher server, between a
 backend and the front end that renders it (``sampled_ranks``, for the HTTP routes that
-report vLLM's ``rank``): it is cut and joined with the rest, but never sent or recorded.
+report vLLM's ``rank``; ``row_kinds``, for the counts of a cross-tokenizer answer): it is
+cut and joined with the rest, but never sent or recorded.
 
 Candidate fields (``candidate_ids`` / ``candidate_logprobs``, ``[S, C]``) are the teacher's
 log-probs at ids the request named for each row: a column per candidate, not cut by
@@ -96,6 +97,9 @@ class SequenceArrays:
             (entries equal to it count too), 0 at the last position of the sequence;
             None where the backend does not know it (a replayed recording). Not a wire
             field: the teacher's HTTP routes report it, the codec and recordings skip it.
+        row_kinds: a student tokenizer's answer only: ``[S]`` int8, each row's kind
+            (``teacher_server.alignment.RowKind``: 0 masked, 1 boundary, 2 aligned). Not
+            a wire field: the answer reports the counts, the rows carry the mask.
 
     Arrays are converted to their dtypes when built (no copy when they already have
     them) and their shapes checked here, once: a bad one raises ``ValueError`` naming the
@@ -123,6 +127,9 @@ class SequenceArrays:
     )
     sampled_ranks: npt.NDArray[np.int32] | None = field(
         default=None, metadata=_array(np.int32, columns=False, optional=True, wire=False)
+    )
+    row_kinds: npt.NDArray[np.int8] | None = field(
+        default=None, metadata=_array(np.int8, columns=False, optional=True, wire=False)
     )
 
     def __post_init__(self) -> None:

@@ -21,11 +21,14 @@ from topk_protocol.errors import InvalidRequestError, ResourceExhaustedError
 MAX_SAMPLES = 255
 #: Largest ``seed`` of a sampled request (a uint64).
 MAX_SEED = (1 << 64) - 1
+#: Longest name of a student tokenizer (``ScoreRequest.student_tokenizer``).
+MAX_STUDENT_TOKENIZER_NAME = 128
 
 __all__ = [
     "MAX_LOGPROB_BITS",
     "MAX_SAMPLES",
     "MAX_SEED",
+    "MAX_STUDENT_TOKENIZER_NAME",
     "MIN_LOGPROB_BITS",
     "TeacherLimits",
     "check_candidates",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.codec import DTYPE_NAMES, ENCODING_NAMES, SCHEMA_VERSION, dtype_name
@@ -10,7 +10,16 @@ from topk_protocol.errors import TeacherError, TeacherMismatchError, VocabMismat
 from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.temperature import DEFAULT_TEACHER_TEMPERATURE, teacher_temperature
 
-__all__ = ["TeacherInfo"]
+__all__ = ["StudentTokenizerInfo", "TeacherInfo"]
+
+
+@dataclass(frozen=True)
+class StudentTokenizerInfo:
+    """A student tokenizer a teacher serves (``ScoreRequest.student_tokenizer``)."""
+
+    name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,9 @@ class TeacherInfo:
     #: Its answers to the canary sequences (None: an older teacher, or replay;
     #: topk_protocol.fingerprint).
     answer_fingerprint: AnswerFingerprint | None = field(default=None, compare=False)
+    #: The student tokenizers it also answers (docs/cross_tokenizer.md; none: an older
+    #: teacher, or one serving only its own).
+    student_tokenizers: tuple[StudentTokenizerInfo, ...] = ()
 
     @classmethod
     def from_message(cls, msg: pb.TeacherInfo) -> TeacherInfo:
@@ -61,6 +73,30 @@ class TeacherInfo:
             supported_encodings=encodings or ("default",),
             max_samples=int(msg.max_samples),
             answer_fingerprint=AnswerFingerprint.of_info(msg),
+            student_tokenizers=tuple(
+                StudentTokenizerInfo(s.name, int(s.vocab_size), s.tokenizer_fingerprint)
+                for s in msg.student_tokenizers
+            ),
+        )
+
+    def for_student(self, name: str | None) -> TeacherInfo:
+        """This teacher as a student of tokenizer ``name`` sees it: the vocabulary size and
+        fingerprint its ids and answers have are that tokenizer's (None: the teacher's
+        own, unchanged). Raises :class:`TeacherMismatchError` naming
+        ``student_tokenizer`` when the teacher does not serve ``name``."""
+        if name is None:
+            return self
+        for student in self.student_tokenizers:
+            if student.name == name:
+                return replace(
+                    self,
+                    vocab_size=student.vocab_size,
+                    tokenizer_fingerprint=student.tokenizer_fingerprint,
+                )
+        served = ", ".join(repr(s.name) for s in self.student_tokenizers) or "none"
+        raise TeacherMismatchError(
+            f"student_tokenizer: {name!r} is not served by teacher {self.model_name!r} "
+            f"(it serves: {served}; its --student-tokenizer flag adds one)"
         )
 
     def check_schema(self) -> None:

@@ -24,6 +24,7 @@ from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.checks import (
     MAX_SAMPLES,
     MAX_SEED,
+    MAX_STUDENT_TOKENIZER_NAME,
     check_logprob_bits,
 )
 from topk_protocol.codec import (
@@ -117,6 +118,10 @@ class RequestOptions:
         proposal_temperature: with ``samples``: draw from ``q ~ p^(1/tau)`` (tau > 1
             flattens, < 1 sharpens) and carry ``log Z`` of ``q`` per row for the
             importance weights; 1 (the default) draws from the teacher's ``p``.
+        student_tokenizer: the name of a student tokenizer the teacher serves
+            (``TeacherInfo.student_tokenizers``): the request's ids are that tokenizer's
+            and so are the answer's, whose rows that end inside a teacher token are masked
+            (docs/cross_tokenizer.md); None (the default): the teacher's own ids.
 
     Adding an option means a field of ``ScoreRequest`` in ``teacher.proto``, a field
     here (with its lines in :meth:`to_proto` / :meth:`from_proto`), and the backends that
@@ -135,6 +140,7 @@ class RequestOptions:
     samples: int = field(default=0, metadata=RECORDED)
     seed: int | None = field(default=None, metadata=RECORDED)
     proposal_temperature: float = field(default=1.0, metadata=RECORDED)
+    student_tokenizer: str | None = field(default=None, metadata=RECORDED)
 
     def __post_init__(self) -> None:
         k = self.top_k
@@ -164,6 +170,30 @@ class RequestOptions:
                 f"{self.encoding!r}; it applies to encoding 'packed' only"
             )
         self._check_sampling()
+        self._check_student_tokenizer()
+
+    def _check_student_tokenizer(self) -> None:
+        """A student tokenizer's name, and what its answer cannot carry."""
+        name = self.student_tokenizer
+        if name is None:
+            return
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_STUDENT_TOKENIZER_NAME:
+            raise InvalidRequestError(
+                f"student_tokenizer: expected a name of 1..{MAX_STUDENT_TOKENIZER_NAME} "
+                f"characters, got {name!r}"
+            )
+        if self.sampled:
+            raise InvalidRequestError(
+                f"student_tokenizer: {name!r} is served with top-k payloads only (a sampled "
+                "payload draws teacher tokens, which a student row cannot carry); ask "
+                "samples 0"
+            )
+        if self.encoding != "default":
+            raise InvalidRequestError(
+                f"encoding: {self.encoding!r} with student_tokenizer {name!r} is not served "
+                "(a masked row's log-probs are NaN, which the packed grid cannot hold); ask "
+                "encoding 'default'"
+            )
 
     def _check_sampling(self) -> None:
         """The sampled-payload options: N, the seed, the proposal and top_k = N."""
@@ -309,6 +339,8 @@ class RequestOptions:
             request.seed = self.seed
             if self.proposal_temperature != 1.0:
                 request.proposal_temperature = self.proposal_temperature
+        if self.student_tokenizer is not None:
+            request.student_tokenizer = self.student_tokenizer
         return request
 
     @classmethod
@@ -347,6 +379,7 @@ class RequestOptions:
                 if request.HasField("proposal_temperature")
                 else 1.0
             ),
+            student_tokenizer=request.student_tokenizer or None,
         )
 
 

@@ -27,6 +27,7 @@ from collections.abc import (
     Iterable,
     Sequence,
 )
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -97,7 +98,8 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         retries: extra tries after an UNAVAILABLE error or a lost connection.
         backoff_s, max_backoff_s: first and largest wait between tries (doubling).
         expect_vocab_size, expect_tokenizer_fingerprint: checked against ``GetInfo``
-            before the first request to a target; a mismatch raises VocabMismatchError.
+            before the first request to a target (with ``student_tokenizer``: against that
+            tokenizer's); a mismatch raises VocabMismatchError.
         expect_temperature: the teacher temperature the student's loss is set up for,
             checked against ``GetInfo`` the same way (None: any); a teacher serving
             another one raises TeacherMismatchError naming ``teacher_temperature``.
@@ -110,6 +112,12 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             the option before it is sent.
         record_compression: ``"auto"`` (zstd), ``"zstd"``, ``"lz4"`` or ``"none"``.
         record_metadata: extra JSON metadata for the recording's ``metadata.json``.
+        student_tokenizer: the name of a student tokenizer the teacher serves
+            (``info().student_tokenizers``, its ``--student-tokenizer`` flag): every
+            request sends that tokenizer's ids and gets rows in them, a row that ends
+            inside a teacher token masked (docs/cross_tokenizer.md). A teacher that does
+            not serve it raises TeacherMismatchError before the first request. None: the
+            teacher's own tokenizer.
 
     Channels are opened on first use, inside the running event loop.
     """
@@ -132,8 +140,10 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         record_compression: str = "auto",
         record_metadata: dict[str, Any] | None = None,
         expect_temperature: float | None = None,
+        student_tokenizer: str | None = None,
     ) -> None:
         self._timeout_s = positive("timeout_s", timeout_s)
+        self._student_tokenizer = student_tokenizer
         if retries < 0:
             raise ValueError(f"retries: must be >= 0, got {retries}")
         if max_message_mb < 1:
@@ -195,6 +205,9 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             )
             info = TeacherInfo.from_message(msg)
             info.check_schema()  # our schema, and the teacher the student expects
+            if self._student_tokenizer is not None:  # its ids are the student tokenizer's
+                info = info.for_student(self._student_tokenizer)
+                msg = _as_student(msg, info)
             info.check_expected(f"teacher {self.targets[index]}", **self._expect)
             self._agreement.check(index, info)
             self._infos[index] = (info, msg)
@@ -258,6 +271,13 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
         asked = item.request_options(options)
+        if self._student_tokenizer is not None:
+            if asked.student_tokenizer not in (None, self._student_tokenizer):
+                raise ValueError(
+                    f"student_tokenizer: the request names {asked.student_tokenizer!r}, this "
+                    f"client sends {self._student_tokenizer!r} ids"
+                )
+            asked = replace(asked, student_tokenizer=self._student_tokenizer)
         self._recorder.check(asked)  # refused before the teacher works, by name
         request, layout = build_aligned_request(
             item.sequences,
@@ -391,3 +411,13 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         self._recorder.close()
         for channel in self._channels:
             await channel.close()
+
+
+def _as_student(msg: pb.TeacherInfo, info: TeacherInfo) -> pb.TeacherInfo:
+    """``GetInfo`` as a student tokenizer's requests see it (``info``'s vocabulary size
+    and fingerprint), as a recording of its answers stores it."""
+    out = pb.TeacherInfo()
+    out.CopyFrom(msg)
+    out.vocab_size = info.vocab_size
+    out.tokenizer_fingerprint = info.tokenizer_fingerprint
+    return out

@@ -57,6 +57,7 @@ class ClientOptions(ConnectionOptions, total=False):
     record_compression: str
     record_metadata: dict[str, Any] | None
     expect_temperature: float | None
+    student_tokenizer: str | None
 
 
 #: URL schemes people paste by habit; a gRPC target is host:port or a gRPC URI (dns:///...).

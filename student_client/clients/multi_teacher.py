@@ -97,6 +97,9 @@ class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
             against every teacher (and every replica) before its first request.
         record_to: record each teacher's answered rows into ``record_to/<name>``.
         record_compression, record_metadata: as :class:`AsyncTeacherClient`.
+        student_tokenizer: as :class:`AsyncTeacherClient`, for every teacher (a teacher's
+            own dict may name it differently: each teacher's ``--student-tokenizer``
+            names its own).
         **options: :class:`AsyncTeacherClient` options for every teacher (``token``,
             ``tls``, ``timeout_s``, ``retries``, ``backoff_s``, ...); a teacher's own dict
             overrides them.
@@ -112,6 +115,7 @@ class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
         expect_vocab_size: int | None = None,
         expect_tokenizer_fingerprint: str | None = None,
         expect_temperature: float | None = None,
+        student_tokenizer: str | None = None,
         **options: Unpack[ConnectionOptions],
     ) -> None:
         if not isinstance(teachers, Mapping) or not teachers:
@@ -138,7 +142,7 @@ class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
             try:
                 self._clients[name] = AsyncTeacherClient(
                     target,
-                    **{**options, **own, **shared},
+                    **{**options, "student_tokenizer": student_tokenizer, **own, **shared},
                     record_to=recording,
                     record_metadata={**(record_metadata or {}), "teacher": name},
                 )

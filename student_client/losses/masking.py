@@ -24,14 +24,26 @@ __all__ = [
 ]
 
 
-def counted_positions(mask: Tensor | None, n_positions: int, device: torch.device) -> Tensor:
+def counted_positions(
+    mask: Tensor | None,
+    n_positions: int,
+    device: torch.device,
+    teacher_logprobs: Tensor | None = None,
+) -> Tensor:
     """Flat bool mask `[N]` of the positions that count (`mask` None: all of them).
 
-    `mask` has the positions' shape `[...]` (validated by the caller), bool or 0/1.
+    `mask` has the positions' shape `[...]` (validated by the caller), bool or 0/1. A
+    position whose teacher row `teacher_logprobs` `[N, K]` is all NaN never counts: the
+    teacher has no distribution there (a student tokenizer's masked row, a prefix that
+    ends inside a teacher token: docs/cross_tokenizer.md). No host sync.
     """
     if mask is None:
-        return torch.ones(n_positions, dtype=torch.bool, device=device)
-    return mask.reshape(n_positions).to(device=device, dtype=torch.bool)
+        counted = torch.ones(n_positions, dtype=torch.bool, device=device)
+    else:
+        counted = mask.reshape(n_positions).to(device=device, dtype=torch.bool)
+    if teacher_logprobs is not None:
+        counted = counted & ~teacher_logprobs.isnan().all(dim=-1).to(device)
+    return counted
 
 
 def neutralize_uncounted(
@@ -110,20 +122,17 @@ def prepare_teacher_rows(
 
     Returns:
         `(ids [N, K], logprobs [N, K] detached, counted bool [N])`, with placeholder rows
-        where a position does not count.
+        where a position does not count (masked out, or a teacher row of all NaN:
+        :func:`counted_positions`).
     """
     top_k = teacher_ids.shape[-1]
     ids = teacher_ids.reshape(n_positions, top_k)
     logprobs = teacher_logprobs.detach().reshape(n_positions, top_k)
-    counted = counted_positions(mask, n_positions, device)
+    counted = counted_positions(mask, n_positions, device, logprobs)
     if validate:
         check_mask_values(mask)
-        if mask is None:
-            check_teacher_values(ids, logprobs, global_vocab)
-        else:
-            check_teacher_values(ids[counted], logprobs[counted], global_vocab)
-    if mask is not None:
-        ids, logprobs = neutralize_uncounted(ids, logprobs, counted)
+        check_teacher_values(ids[counted], logprobs[counted], global_vocab)
+    ids, logprobs = neutralize_uncounted(ids, logprobs, counted)
     return ids, logprobs, counted
 
 

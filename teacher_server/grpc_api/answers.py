@@ -13,11 +13,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from teacher_server.alignment import RowKind
 from teacher_server.validation import ParsedRequest
 from topk_protocol import RequestOptions, SequenceArrays, encode_sequence, pb
 
 __all__ = [
     "Outgoing",
+    "count_rows",
     "encode_response",
     "encode_scored",
     "encode_stream",
@@ -51,11 +55,22 @@ def encode_scored(
     )
 
 
+def count_rows(msg: pb.ScoreResponse, rows: SequenceArrays) -> None:
+    """Add the rows of a student tokenizer's answer (``rows.row_kinds``) to the message's
+    ``row_counts``; nothing for any other answer."""
+    if rows.row_kinds is None:
+        return
+    counts = np.bincount(rows.row_kinds, minlength=len(RowKind))
+    msg.row_counts.aligned += int(counts[RowKind.ALIGNED])
+    msg.row_counts.boundary += int(counts[RowKind.BOUNDARY])
+    msg.row_counts.masked += int(counts[RowKind.MASKED])
+
+
 def encode_response(
     parsed: ParsedRequest, scored: Sequence[SequenceArrays], teacher_seconds: float
 ) -> bytes:
     """The ``Score`` answer: every sequence of ``parsed`` in one final message."""
-    return pb.ScoreResponse(
+    msg = pb.ScoreResponse(
         request_id=parsed.request_id,
         sequences=[
             encode_scored(s, parsed.options, sequence_index=i, vocab_size=parsed.vocab_size)
@@ -63,7 +78,10 @@ def encode_response(
         ],
         final=True,
         teacher_seconds=teacher_seconds,
-    ).SerializeToString()
+    )
+    for s in scored:
+        count_rows(msg, s)
+    return msg.SerializeToString()
 
 
 def iter_stream_responses(
@@ -90,14 +108,11 @@ def iter_stream_responses(
             fit = 1 if room == chunk_bytes else 0  # a message holds at least one row
             take = min(n - done, max(room // per_row, fit))
             if take > 0 or n == 0:
+                chunk = seq.rows(done, done + take)
                 msg.sequences.append(
-                    encode_scored(
-                        seq.rows(done, done + take),
-                        options,
-                        sequence_index=index,
-                        vocab_size=vocab_size,
-                    )
+                    encode_scored(chunk, options, sequence_index=index, vocab_size=vocab_size)
                 )
+                count_rows(msg, chunk)
             done += take
             room -= take * per_row
             if done >= n:

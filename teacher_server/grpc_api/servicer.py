@@ -26,6 +26,7 @@ from teacher_server.grpc_api.backpressure import (
     StreamBudget,
 )
 from teacher_server.pipeline import Answered, Refused, RequestPipeline
+from teacher_server.student_tokenizers import StudentTokenizers
 from teacher_server.validation import Limits, ParsedRequest, Undecodable
 from topk_protocol import (
     DTYPE_NAMES,
@@ -42,10 +43,13 @@ from topk_protocol.status import REASON_KEY, grpc_code
 __all__ = ["TeacherServicer", "teacher_info_message"]
 
 
-def teacher_info_message(backend: Backend, limits: Limits) -> pb.TeacherInfo:
-    """The ``GetInfo`` answer for a loaded backend."""
+def teacher_info_message(
+    backend: Backend, limits: Limits, students: StudentTokenizers | None = None
+) -> pb.TeacherInfo:
+    """The ``GetInfo`` answer for a loaded backend (and the student tokenizers it serves)."""
     info = backend.info
     return pb.TeacherInfo(
+        student_tokenizers=[] if students is None else students.info(),
         model_name=info.model_name,
         vocab_size=info.vocab_size,
         max_top_k=limits.max_top_k,
@@ -97,7 +101,8 @@ class TeacherServicer(pb_grpc.TeacherServicer):
         refusal = self._pipeline.lifecycle.refusal()
         if refusal is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
-        return teacher_info_message(self._pipeline.backend, self._pipeline.limits)
+        pipeline = self._pipeline
+        return teacher_info_message(pipeline.backend, pipeline.limits, pipeline.students)
 
     async def Score(
         self, request: pb.ScoreRequest | Undecodable, context: grpc.aio.ServicerContext

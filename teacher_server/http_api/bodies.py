@@ -23,6 +23,7 @@ from topk_protocol.checks import check_token_ids, check_total_tokens
 from topk_protocol.errors import InvalidRequestError
 
 __all__ = [
+    "GRPC_ONLY",
     "UNDECLARED",
     "FieldRules",
     "IgnoredField",
@@ -56,6 +57,13 @@ def json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
+#: Fields of this teacher's gRPC protocol that the framework routes do not serve, and why:
+#: refused by name on every route (a client that sends one means it).
+GRPC_ONLY: Mapping[str, str] = {
+    "student_tokenizer": "a student of another tokenizer is served over gRPC, "
+    "ScoreRequest.student_tokenizer: docs/cross_tokenizer.md",
+}
+
 #: The metric label of an ignored field the stock server does not declare either (the
 #: names a client may send are unbounded; the log line names each).
 UNDECLARED = "(undeclared)"
@@ -87,6 +95,9 @@ class FieldRules:
       request dataclass drops them) it is accepted and ignored, labelled
       :data:`UNDECLARED`; where it rejects them (``refuse_undeclared``: SGLang's
       ``SamplingParams``) it is refused by name.
+    - a field of this teacher's own protocol that no framework route serves
+      (:data:`GRPC_ONLY`: ``student_tokenizer``), wherever it appears: refused by name,
+      never ignored, since it would change what the ids mean.
 
     ``stock`` names the stock server's model in messages (``vLLM's CompletionRequest``).
     """
@@ -107,6 +118,9 @@ class FieldRules:
         """Refuse ``data``'s refused fields by name; the fields it ignores."""
         out = []
         for name, value in data.items():
+            if name in GRPC_ONLY and name not in self.read:
+                why = GRPC_ONLY[name]
+                raise invalid(f"{prefix}{name}: {shown(value)} is not served on this route ({why})")
             if name in self.read:
                 continue
             if name in self.refused:

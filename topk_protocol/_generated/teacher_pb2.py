@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtopk_distill/v1/teacher.proto\x12\x0ftopk_distill.v1\"\x10\n\x0eGetInfoRequest\"\x9d\x04\n\x0bTeacherInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tmax_top_k\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x16\n\x0eschema_version\x18\x05 \x01(\r\x12\x37\n\x10supported_dtypes\x18\x06 \x03(\x0e\x32\x1d.topk_distill.v1.LogprobDtype\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x1e\n\x16max_tokens_per_request\x18\x08 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\t \x01(\r\x12\x1b\n\x13max_sequence_length\x18\n \x01(\r\x12\x14\n\x0c\x65ngine_dtype\x18\x0c \x01(\t\x12 \n\x13teacher_temperature\x18\x14 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0emax_candidates\x18\x15 \x01(\r\x12=\n\x13supported_encodings\x18\x16 \x03(\x0e\x32 .topk_distill.v1.PayloadEncoding\x12\x13\n\x0bmax_samples\x18\x18 \x01(\r\x12>\n\x12\x61nswer_fingerprint\x18\x1e \x01(\x0b\x32\".topk_distill.v1.AnswerFingerprintB\x16\n\x14_teacher_temperature\"\x8a\x01\n\x11\x41nswerFingerprint\x12\x0e\n\x06\x63\x61nary\x18\x01 \x01(\t\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\x12\r\n\x05\x64rift\x18\x05 \x01(\x01\x12\x14\n\x0c\x65ngine_dtype\x18\x06 \x01(\t\x12\x12\n\nmodel_name\x18\x07 \x01(\t\"\xaf\x01\n\x0fSequenceRequest\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\x1b\n\x0eposition_start\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cposition_end\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rcandidate_ids\x18\x04 \x01(\x0c\x12\x16\n\x0enum_candidates\x18\x05 \x01(\rB\x11\n\x0f_position_startB\x0f\n\r_position_end\"\xa1\x03\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .topk_distill.v1.SequenceRequest\x12\r\n\x05top_k\x18\x03 \x01(\r\x12,\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1d.topk_distill.v1.LogprobDtype\x12%\n\x18include_sampled_logprobs\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x32\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32 .topk_distill.v1.PayloadEncoding\x12\x19\n\x0clogprob_bits\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07samples\x18\x08 \x01(\r\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12!\n\x14proposal_temperature\x18\n \x01(\x01H\x03\x88\x01\x01\x42\x1b\n\x19_include_sampled_logprobsB\x0f\n\r_logprob_bitsB\x07\n\x05_seedB\x17\n\x15_proposal_temperature\"\xc2\x03\n\x0fSequencePayload\x12\x16\n\x0esequence_index\x18\x01 \x01(\r\x12\x16\n\x0eposition_start\x18\x02 \x01(\r\x12\x15\n\rnum_positions\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12,\n\x05\x64type\x18\x05 \x01(\x0e\x32\x1d.topk_distill.v1.LogprobDtype\x12\x0b\n\x03ids\x18\x06 \x01(\x0c\x12\x10\n\x08logprobs\x18\x07 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x08 \x01(\x0c\x12\x1a\n\x12\x63\x61ndidate_logprobs\x18\t \x01(\x0c\x12\x16\n\x0enum_candidates\x18\n \x01(\r\x12\x32\n\x08\x65ncoding\x18\r \x01(\x0e\x32 .topk_distill.v1.PayloadEncoding\x12\x0f\n\x07id_bits\x18\x0e \x01(\r\x12\x14\n\x0clogprob_bits\x18\x0f \x01(\r\x12\x12\n\npacked_ids\x18\x10 \x01(\x0c\x12\x17\n\x0fpacked_logprobs\x18\x11 \x01(\x0c\x12\x15\n\rsample_counts\x18\x12 \x01(\x0c\x12\x1f\n\x17proposal_log_normalizer\x18\x13 \x01(\x0c\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa7\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .topk_distill.v1.SequencePayload\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x16.topk_distill.v1.Error\x12\x17\n\x0fteacher_seconds\x18\x05 \x01(\x01*?\n\rSchemaVersion\x12\x18\n\x14SCHEMA_VERSION_UNSET\x10\x00\x12\x14\n\x10SCHEMA_VERSION_1\x10\x01*{\n\x0cLogprobDtype\x12\x19\n\x15LOGPROB_DTYPE_DEFAULT\x10\x00\x12\x19\n\x15LOGPROB_DTYPE_FLOAT32\x10\x01\x12\x19\n\x15LOGPROB_DTYPE_FLOAT16\x10\x02\x12\x1a\n\x16LOGPROB_DTYPE_BFLOAT16\x10\x03*L\n\x0fPayloadEncoding\x12\x1c\n\x18PAYLOAD_ENCODING_DEFAULT\x10\x00\x12\x1b\n\x17PAYLOAD_ENCODING_PACKED\x10\x01\x32\xed\x01\n\x07Teacher\x12H\n\x07GetInfo\x12\x1f.topk_distill.v1.GetInfoRequest\x1a\x1c.topk_distill.v1.TeacherInfo\x12\x46\n\x05Score\x12\x1d.topk_distill.v1.ScoreRequest\x1a\x1e.topk_distill.v1.ScoreResponse\x12P\n\x0bScoreStream\x12\x1d.topk_distill.v1.ScoreRequest\x1a\x1e.topk_distill.v1.ScoreResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtopk_distill/v1/teacher.proto\x12\x0ftopk_distill.v1\"\x10\n\x0eGetInfoRequest\"\xe0\x04\n\x0bTeacherInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tmax_top_k\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x16\n\x0eschema_version\x18\x05 \x01(\r\x12\x37\n\x10supported_dtypes\x18\x06 \x03(\x0e\x32\x1d.topk_distill.v1.LogprobDtype\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x1e\n\x16max_tokens_per_request\x18\x08 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\t \x01(\r\x12\x1b\n\x13max_sequence_length\x18\n \x01(\r\x12\x14\n\x0c\x65ngine_dtype\x18\x0c \x01(\t\x12 \n\x13teacher_temperature\x18\x14 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0emax_candidates\x18\x15 \x01(\r\x12=\n\x13supported_encodings\x18\x16 \x03(\x0e\x32 .topk_distill.v1.PayloadEncoding\x12\x13\n\x0bmax_samples\x18\x18 \x01(\r\x12>\n\x12\x61nswer_fingerprint\x18\x1e \x01(\x0b\x32\".topk_distill.v1.AnswerFingerprint\x12\x41\n\x12student_tokenizers\x18\x1f \x03(\x0b\x32%.topk_distill.v1.StudentTokenizerInfoB\x16\n\x14_teacher_temperature\"W\n\x14StudentTokenizerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\"\x8a\x01\n\x11\x41nswerFingerprint\x12\x0e\n\x06\x63\x61nary\x18\x01 \x01(\t\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\x12\r\n\x05\x64rift\x18\x05 \x01(\x01\x12\x14\n\x0c\x65ngine_dtype\x18\x06 \x01(\t\x12\x12\n\nmodel_name\x18\x07 \x01(\t\"\xaf\x01\n\x0fSequenceRequest\x12\x11\n\ttoken_ids\x18\x01 \x01(\x0c\x12\x1b\n\x0eposition_start\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cposition_end\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x15\n\rcandidate_ids\x18\x04 \x01(\x0c\x12\x16\n\x0enum_candidates\x18\x05 \x01(\rB\x11\n\x0f_position_startB\x0f\n\r_position_end\"\xbc\x03\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .topk_distill.v1.SequenceRequest\x12\r\n\x05top_k\x18\x03 \x01(\r\x12,\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1d.topk_distill.v1.LogprobDtype\x12%\n\x18include_sampled_logprobs\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x32\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32 .topk_distill.v1.PayloadEncoding\x12\x19\n\x0clogprob_bits\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x0f\n\x07samples\x18\x08 \x01(\r\x12\x11\n\x04seed\x18\t \x01(\x04H\x02\x88\x01\x01\x12!\n\x14proposal_temperature\x18\n \x01(\x01H\x03\x88\x01\x01\x12\x19\n\x11student_tokenizer\x18\x0b \x01(\tB\x1b\n\x19_include_sampled_logprobsB\x0f\n\r_logprob_bitsB\x07\n\x05_seedB\x17\n\x15_proposal_temperature\"\xc2\x03\n\x0fSequencePayload\x12\x16\n\x0esequence_index\x18\x01 \x01(\r\x12\x16\n\x0eposition_start\x18\x02 \x01(\r\x12\x15\n\rnum_positions\x18\x03 \x01(\r\x12\r\n\x05top_k\x18\x04 \x01(\r\x12,\n\x05\x64type\x18\x05 \x01(\x0e\x32\x1d.topk_distill.v1.LogprobDtype\x12\x0b\n\x03ids\x18\x06 \x01(\x0c\x12\x10\n\x08logprobs\x18\x07 \x01(\x0c\x12\x18\n\x10sampled_logprobs\x18\x08 \x01(\x0c\x12\x1a\n\x12\x63\x61ndidate_logprobs\x18\t \x01(\x0c\x12\x16\n\x0enum_candidates\x18\n \x01(\r\x12\x32\n\x08\x65ncoding\x18\r \x01(\x0e\x32 .topk_distill.v1.PayloadEncoding\x12\x0f\n\x07id_bits\x18\x0e \x01(\r\x12\x14\n\x0clogprob_bits\x18\x0f \x01(\r\x12\x12\n\npacked_ids\x18\x10 \x01(\x0c\x12\x17\n\x0fpacked_logprobs\x18\x11 \x01(\x0c\x12\x15\n\rsample_counts\x18\x12 \x01(\x0c\x12\x1f\n\x17proposal_log_normalizer\x18\x13 \x01(\x0c\"6\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xd7\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\tsequences\x18\x02 \x03(\x0b\x32 .topk_distill.v1.SequencePayload\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x16.topk_distill.v1.Error\x12\x17\n\x0fteacher_seconds\x18\x05 \x01(\x01\x12.\n\nrow_counts\x18\x06 \x01(\x0b\x32\x1a.topk_distill.v1.RowCounts\">\n\tRowCounts\x12\x0f\n\x07\x61ligned\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x04\x12\x0e\n\x06masked\x18\x03 \x01(\x04*?\n\rSchemaVersion\x12\x18\n\x14SCHEMA_VERSION_UNSET\x10\x00\x12\x14\n\x10SCHEMA_VERSION_1\x10\x01*{\n\x0cLogprobDtype\x12\x19\n\x15LOGPROB_DTYPE_DEFAULT\x10\x00\x12\x19\n\x15LOGPROB_DTYPE_FLOAT32\x10\x01\x12\x19\n\x15LOGPROB_DTYPE_FLOAT16\x10\x02\x12\x1a\n\x16LOGPROB_DTYPE_BFLOAT16\x10\x03*L\n\x0fPayloadEncoding\x12\x1c\n\x18PAYLOAD_ENCODING_DEFAULT\x10\x00\x12\x1b\n\x17PAYLOAD_ENCODING_PACKED\x10\x01\x32\xed\x01\n\x07Teacher\x12H\n\x07GetInfo\x12\x1f.topk_distill.v1.GetInfoRequest\x1a\x1c.topk_distill.v1.TeacherInfo\x12\x46\n\x05Score\x12\x1d.topk_distill.v1.ScoreRequest\x1a\x1e.topk_distill.v1.ScoreResponse\x12P\n\x0bScoreStream\x12\x1d.topk_distill.v1.ScoreRequest\x1a\x1e.topk_distill.v1.ScoreResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'topk_distill.v1.teacher_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SCHEMAVERSION']._serialized_start=2030
-  _globals['_SCHEMAVERSION']._serialized_end=2093
-  _globals['_LOGPROBDTYPE']._serialized_start=2095
-  _globals['_LOGPROBDTYPE']._serialized_end=2218
-  _globals['_PAYLOADENCODING']._serialized_start=2220
-  _globals['_PAYLOADENCODING']._serialized_end=2296
+  _globals['_SCHEMAVERSION']._serialized_start=2325
+  _globals['_SCHEMAVERSION']._serialized_end=2388
+  _globals['_LOGPROBDTYPE']._serialized_start=2390
+  _globals['_LOGPROBDTYPE']._serialized_end=2513
+  _globals['_PAYLOADENCODING']._serialized_start=2515
+  _globals['_PAYLOADENCODING']._serialized_end=2591
   _globals['_GETINFOREQUEST']._serialized_start=50
   _globals['_GETINFOREQUEST']._serialized_end=66
   _globals['_TEACHERINFO']._serialized_start=69
-  _globals['_TEACHERINFO']._serialized_end=610
-  _globals['_ANSWERFINGERPRINT']._serialized_start=613
-  _globals['_ANSWERFINGERPRINT']._serialized_end=751
-  _globals['_SEQUENCEREQUEST']._serialized_start=754
-  _globals['_SEQUENCEREQUEST']._serialized_end=929
-  _globals['_SCOREREQUEST']._serialized_start=932
-  _globals['_SCOREREQUEST']._serialized_end=1349
-  _globals['_SEQUENCEPAYLOAD']._serialized_start=1352
-  _globals['_SEQUENCEPAYLOAD']._serialized_end=1802
-  _globals['_ERROR']._serialized_start=1804
-  _globals['_ERROR']._serialized_end=1858
-  _globals['_SCORERESPONSE']._serialized_start=1861
-  _globals['_SCORERESPONSE']._serialized_end=2028
-  _globals['_TEACHER']._serialized_start=2299
-  _globals['_TEACHER']._serialized_end=2536
+  _globals['_TEACHERINFO']._serialized_end=677
+  _globals['_STUDENTTOKENIZERINFO']._serialized_start=679
+  _globals['_STUDENTTOKENIZERINFO']._serialized_end=766
+  _globals['_ANSWERFINGERPRINT']._serialized_start=769
+  _globals['_ANSWERFINGERPRINT']._serialized_end=907
+  _globals['_SEQUENCEREQUEST']._serialized_start=910
+  _globals['_SEQUENCEREQUEST']._serialized_end=1085
+  _globals['_SCOREREQUEST']._serialized_start=1088
+  _globals['_SCOREREQUEST']._serialized_end=1532
+  _globals['_SEQUENCEPAYLOAD']._serialized_start=1535
+  _globals['_SEQUENCEPAYLOAD']._serialized_end=1985
+  _globals['_ERROR']._serialized_start=1987
+  _globals['_ERROR']._serialized_end=2041
+  _globals['_SCORERESPONSE']._serialized_start=2044
+  _globals['_SCORERESPONSE']._serialized_end=2259
+  _globals['_ROWCOUNTS']._serialized_start=2261
+  _globals['_ROWCOUNTS']._serialized_end=2323
+  _globals['_TEACHER']._serialized_start=2594
+  _globals['_TEACHER']._serialized_end=2831
 # @@protoc_insertion_point(module_scope)

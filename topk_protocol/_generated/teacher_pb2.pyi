@@ -38,7 +38,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature", "max_candidates", "supported_encodings", "max_samples", "answer_fingerprint")
+    __slots__ = ("model_name", "vocab_size", "max_top_k", "tokenizer_fingerprint", "schema_version", "supported_dtypes", "backend", "max_tokens_per_request", "max_message_bytes", "max_sequence_length", "engine_dtype", "teacher_temperature", "max_candidates", "supported_encodings", "max_samples", "answer_fingerprint", "student_tokenizers")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class TeacherInfo(_message.Message):
     SUPPORTED_ENCODINGS_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_TOKENIZERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_top_k: int
@@ -71,7 +72,18 @@ class TeacherInfo(_message.Message):
     supported_encodings: _containers.RepeatedScalarFieldContainer[PayloadEncoding]
     max_samples: int
     answer_fingerprint: AnswerFingerprint
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ..., max_candidates: _Optional[int] = ..., supported_encodings: _Optional[_Iterable[_Union[PayloadEncoding, str]]] = ..., max_samples: _Optional[int] = ..., answer_fingerprint: _Optional[_Union[AnswerFingerprint, _Mapping]] = ...) -> None: ...
+    student_tokenizers: _containers.RepeatedCompositeFieldContainer[StudentTokenizerInfo]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_top_k: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., schema_version: _Optional[int] = ..., supported_dtypes: _Optional[_Iterable[_Union[LogprobDtype, str]]] = ..., backend: _Optional[str] = ..., max_tokens_per_request: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., engine_dtype: _Optional[str] = ..., teacher_temperature: _Optional[float] = ..., max_candidates: _Optional[int] = ..., supported_encodings: _Optional[_Iterable[_Union[PayloadEncoding, str]]] = ..., max_samples: _Optional[int] = ..., answer_fingerprint: _Optional[_Union[AnswerFingerprint, _Mapping]] = ..., student_tokenizers: _Optional[_Iterable[_Union[StudentTokenizerInfo, _Mapping]]] = ...) -> None: ...
+
+class StudentTokenizerInfo(_message.Message):
+    __slots__ = ("name", "vocab_size", "tokenizer_fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class AnswerFingerprint(_message.Message):
     __slots__ = ("canary", "top_k", "ids", "logprobs", "drift", "engine_dtype", "model_name")
@@ -106,7 +118,7 @@ class SequenceRequest(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., position_start: _Optional[int] = ..., position_end: _Optional[int] = ..., candidate_ids: _Optional[bytes] = ..., num_candidates: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "top_k", "dtype", "include_sampled_logprobs", "encoding", "logprob_bits", "samples", "seed", "proposal_temperature")
+    __slots__ = ("request_id", "sequences", "top_k", "dtype", "include_sampled_logprobs", "encoding", "logprob_bits", "samples", "seed", "proposal_temperature", "student_tokenizer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +129,7 @@ class ScoreRequest(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceRequest]
     top_k: int
@@ -127,7 +140,8 @@ class ScoreRequest(_message.Message):
     samples: int
     seed: int
     proposal_temperature: float
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., include_sampled_logprobs: _Optional[bool] = ..., encoding: _Optional[_Union[PayloadEncoding, str]] = ..., logprob_bits: _Optional[int] = ..., samples: _Optional[int] = ..., seed: _Optional[int] = ..., proposal_temperature: _Optional[float] = ...) -> None: ...
+    student_tokenizer: str
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequenceRequest, _Mapping]]] = ..., top_k: _Optional[int] = ..., dtype: _Optional[_Union[LogprobDtype, str]] = ..., include_sampled_logprobs: _Optional[bool] = ..., encoding: _Optional[_Union[PayloadEncoding, str]] = ..., logprob_bits: _Optional[int] = ..., samples: _Optional[int] = ..., seed: _Optional[int] = ..., proposal_temperature: _Optional[float] = ..., student_tokenizer: _Optional[str] = ...) -> None: ...
 
 class SequencePayload(_message.Message):
     __slots__ = ("sequence_index", "position_start", "num_positions", "top_k", "dtype", "ids", "logprobs", "sampled_logprobs", "candidate_logprobs", "num_candidates", "encoding", "id_bits", "logprob_bits", "packed_ids", "packed_logprobs", "sample_counts", "proposal_log_normalizer")
@@ -178,15 +192,27 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "sequences", "final", "error", "teacher_seconds")
+    __slots__ = ("request_id", "sequences", "final", "error", "teacher_seconds", "row_counts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TEACHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[SequencePayload]
     final: bool
     error: Error
     teacher_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequencePayload, _Mapping]]] = ..., final: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., teacher_seconds: _Optional[float] = ...) -> None: ...
+    row_counts: RowCounts
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[SequencePayload, _Mapping]]] = ..., final: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., teacher_seconds: _Optional[float] = ..., row_counts: _Optional[_Union[RowCounts, _Mapping]] = ...) -> None: ...
+
+class RowCounts(_message.Message):
+    __slots__ = ("aligned", "boundary", "masked")
+    ALIGNED_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
+    aligned: int
+    boundary: int
+    masked: int
+    def __init__(self, aligned: _Optional[int] = ..., boundary: _Optional[int] = ..., masked: _Optional[int] = ...) -> None: ...

@@ -209,3 +209,13 @@ def test_trl_rules_name_every_field_of_trls_sequence_logprobs_request() -> None:
     assert not any(isinstance(n, ast.Assign) for n in model.body)
     assert SEQUENCE_RULES.declared == declared
     assert not SEQUENCE_RULES.refuse_undeclared
+
+
+@pytest.mark.parametrize("route", ["completions", "token_generate", "sglang", "trl"])
+def test_a_student_tokenizer_is_refused_by_name_on_every_route(route: str) -> None:
+    """``student_tokenizer`` would change what the ids mean: never ignored."""
+    _, parse = ROUTES[route]
+    with pytest.raises(
+        InvalidRequestError, match=r'^student_tokenizer: "qwen" is not served on this route'
+    ):
+        parse({"student_tokenizer": "qwen"})
