@@ -12,7 +12,8 @@ tokens; the same texts in the teacher's tokens. Per rep, alternating which goes 
   ``student_tokenizer`` (alignment, the teacher's forward of its own tokens, projection,
   chains), at K.
 
-Both float16, every answer decoded to numpy. Reported: medians over ``--reps`` (after a
+Both float16, every answer decoded to numpy; vLLM's prefix cache off, so that each
+request computes every position it asks for. Reported: medians over ``--reps`` (after a
 warm-up) of the seconds, answered positions per second, the paired time ratio (student /
 teacher tokens; the goal: at most 1.3x) and the share of masked rows.
 
@@ -37,7 +38,12 @@ from devtools.tiny_model import train_bpe_tokenizer, write_tiny_model
 from examples.data import load_stdlib_corpus, split_documents
 from topk_protocol import decode_sequence, encode_token_ids, pb, pb_grpc
 
-ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--max-num-batched-tokens", "16384"]
+#: As ``bench_teacher``'s: prefix caching off, so every rep computes every position (the
+#: same texts are sent again and again; with the cache on, rows would be shared).
+ENGINE_ARGS = [
+    "--dtype", "float32", "--max-model-len", "4096", "--max-num-batched-tokens", "16384",
+    "--no-enable-prefix-caching",
+]  # fmt: skip
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 
 

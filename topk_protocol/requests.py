@@ -92,6 +92,7 @@ class RequestKeywords(TypedDict, total=False):
     samples: int
     seed: int | None
     proposal_temperature: float
+    student_tokenizer: str | None
 
 
 @dataclass(frozen=True)

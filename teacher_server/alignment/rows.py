@@ -101,7 +101,7 @@ def student_rows(
         >>> lps = np.log(np.array([[0.5, 0.25]] * 5))
         >>> sampled = np.log(np.array([0.5, 0.5, 0.5, 0.25, np.nan]))
         >>> rows = student_rows(a, 0, 5, (ids, lps, sampled), 0, vmap, np.arange(5) + 5)
-        >>> rows.kinds.tolist(), np.exp(rows.sampled_logprobs[0]).round(3)
+        >>> rows.kinds.tolist(), round(float(np.exp(rows.sampled_logprobs[0])), 3)
         ([2, 1, 0, 0, 1], 0.125)
         >>> bool(np.isnan(rows.logprobs[2]).all())
         True

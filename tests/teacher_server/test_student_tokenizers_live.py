@@ -376,3 +376,60 @@ def test_refusals_name_the_field_and_the_server_keeps_serving(
     client = TeacherClient(byte_teacher.target, student_tokenizer="other")
     with client, pytest.raises(Exception, match="student_tokenizer: 'other' is not served"):
         client.info()
+
+
+def test_a_recording_of_a_student_tokenizers_answers_replays(
+    byte_teacher: ServerProcess, student_dir: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Recorded with the student tokenizer's vocabulary and fingerprint, at that request
+    option: replay answers the same rows (masked ones NaN as sent), refuses a request in
+    the teacher's own ids and a student expecting the teacher's tokenizer, by name."""
+    from student_client.offline.replay_client import ReplayClient
+    from teacher_server.backends.base import tokenizer_fingerprint
+    from topk_protocol.errors import NotRecordedError, VocabMismatchError
+
+    student_tok = _tokenizer(student_dir)
+    seqs = _student_batch(student_tok)
+    recording = tmp_path / "recording"
+    with TeacherClient(byte_teacher.target, student_tokenizer="bpe", record_to=recording) as c:
+        live = c.score(seqs, K, dtype="float32")
+    fingerprint = tokenizer_fingerprint(student_tok)
+    with ReplayClient(
+        recording, expect_vocab_size=len(student_tok), expect_tokenizer_fingerprint=fingerprint
+    ) as replay:
+        again = replay.score(seqs, K, dtype="float32", student_tokenizer="bpe")
+        torch.testing.assert_close(again.logprobs, live.logprobs, equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(again.ids, live.ids, rtol=0, atol=0)
+        with pytest.raises(NotRecordedError, match="student_tokenizer: the recording was made"):
+            replay.score(seqs, K, dtype="float32")
+    teacher_fp = tokenizer_fingerprint(_tokenizer(tiny_model_dir))
+    with pytest.raises(VocabMismatchError, match="tokenizer_fingerprint"):
+        ReplayClient(recording, expect_tokenizer_fingerprint=teacher_fp)
+
+
+def test_the_async_and_multi_teacher_clients_send_it_too(
+    byte_teacher: ServerProcess, student_dir: Path
+) -> None:
+    """The same batch through the blocking, asyncio and multi-teacher clients made with
+    ``student_tokenizer``: the same rows (the multi-teacher one routes to one name)."""
+    import asyncio
+
+    from student_client import AsyncTeacherClient, MultiTeacherClient
+
+    seqs = _student_batch(_tokenizer(student_dir))
+    with TeacherClient(byte_teacher.target, student_tokenizer="bpe") as client:
+        want = client.score(seqs, K, dtype="float32")
+
+    async def scored() -> Any:
+        async with AsyncTeacherClient(byte_teacher.target, student_tokenizer="bpe") as aio:
+            return await aio.score(seqs, K, dtype="float32")
+
+    multi = MultiTeacherClient({"byte": byte_teacher.target}, student_tokenizer="bpe")
+    with multi:
+        routed = multi.score(seqs, K, dtype="float32", teacher=["byte"] * len(seqs))
+    for got in (asyncio.run(scored()), routed):
+        torch.testing.assert_close(got.ids, want.ids, rtol=0, atol=0)
+        torch.testing.assert_close(got.logprobs, want.logprobs, equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(
+            got.sampled_logprobs, want.sampled_logprobs, equal_nan=True, rtol=0, atol=0
+        )
