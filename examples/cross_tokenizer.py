@@ -1,15 +1,21 @@
 """Distil a student whose tokenizer is not the teacher's (docs/cross_tokenizer.md).
 
-The teacher (the byte-level teacher of ``examples.teacher_pretrain``) serves a BPE
-tokenizer learned from the same training files as a student tokenizer::
+The teacher (a BPE teacher of ``examples.teacher_pretrain``, 512 ids) serves another BPE,
+of 400 ids learned from the same training files, as a student tokenizer::
 
+    python -m examples.teacher_pretrain --tokenizer bpe --vocab-size 512 --out runs/t
     python -m examples.cross_tokenizer --write-tokenizer runs/student-tok
-    teacher-server serve --backend vllm --model TEACHER_DIR \\
+    teacher-server serve --backend vllm --model runs/t \\
         --student-tokenizer code=runs/student-tok
     python -m examples.cross_tokenizer --teacher 127.0.0.1:50051 \\
         --student-tokenizer code --tokenizer-dir runs/student-tok [--steps 60]
 
-The student, a fresh Qwen2 of the BPE's vocabulary, reads windows of the training files
+Tokenizers of a like grain share most token ends, so most rows are exact; a student much
+finer or coarser than its teacher gets a target of another event at every row (a byte
+teacher's "the next token is h" given to a student's one-byte token ``h``), which lowers
+the distillation loss while its own cross-entropy may rise (docs/cross_tokenizer.md).
+
+The student, a fresh Qwen2 of its BPE's vocabulary, reads windows of the training files
 in its own tokens; ``TeacherClient(..., student_tokenizer="code")`` sends those ids and
 gets the teacher's rows in them (rows that end inside a teacher token come back masked
 and the loss skips them). It minimises the tail-aware top-k KL (``topk_kl_loss``). Before
@@ -37,7 +43,7 @@ from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 __all__ = ["main", "write_student_tokenizer"]
 
 
-def write_student_tokenizer(path: str | Path, vocab_size: int = 512) -> Path:
+def write_student_tokenizer(path: str | Path, vocab_size: int = 400) -> Path:
     """A byte-level BPE of ``vocab_size`` ids learned from the corpus's training files,
     saved to ``path`` (what ``--student-tokenizer NAME=path`` loads)."""
     from devtools.tiny_model import train_bpe_tokenizer
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         after = evaluate(model, held, opts)
     result = {
         "before": before,

@@ -40,7 +40,7 @@ from teacher_server.alignment import (
     build_vocab_map,
     token_bytes,
 )
-from teacher_server.alignment.rows import student_rows, teacher_span
+from teacher_server.alignment.rows import student_rows, teacher_candidates, teacher_span
 from teacher_server.backends.base import tokenizer_fingerprint
 from teacher_server.config import STUDENT_TOKENIZER_FLAG, student_tokenizer_spec
 from teacher_server.validation import Limits, ParsedSequence
@@ -58,13 +58,16 @@ ScoreFn = Callable[[ParsedSequence, RequestOptions], Awaitable[SequenceArrays]]
 @dataclass(frozen=True, eq=False)
 class StudentTokenizer:
     """One served student tokenizer: its name, ``transformers`` tokenizer, fingerprint
-    and byte table; ``vocab_map`` (teacher ids -> its ids) once paired with the teacher."""
+    and byte table; once paired with the teacher, ``vocab_map`` (teacher ids -> its ids)
+    and ``to_teacher`` (``[Vs]``: the teacher id of each of its ids, -1 where its bytes
+    are not one teacher token)."""
 
     name: str
     tokenizer: Any
     fingerprint: str
     table: TokenBytes
     vocab_map: VocabMap | None = None
+    to_teacher: npt.NDArray[np.int32] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -176,12 +179,15 @@ class StudentTokenizers:
             if student.fingerprint == own:
                 # The teacher's own tokenizer: every id is itself, the model's ids beyond
                 # the tokenizer's included (they have no bytes to match by).
-                same = replace(student, table=table)
+                student = replace(student, table=table)
                 identity = np.arange(table.vocab_size, dtype=np.int32)
-                self._students[name] = replace(same, vocab_map=VocabMap(identity, table.vocab_size))
+                vocab_map = VocabMap(identity, table.vocab_size)
             else:
                 vocab_map = build_vocab_map(table, student.table)
-                self._students[name] = replace(student, vocab_map=vocab_map)
+            to_teacher = np.full(student.vocab_size, -1, dtype=np.int32)
+            mapped = np.flatnonzero(vocab_map.teacher_to_student >= 0)
+            to_teacher[vocab_map.teacher_to_student[mapped]] = mapped
+            self._students[name] = replace(student, vocab_map=vocab_map, to_teacher=to_teacher)
 
     def info(self) -> list[pb.StudentTokenizerInfo]:
         """``TeacherInfo.student_tokenizers``, by name."""
@@ -257,11 +263,6 @@ class StudentTokenizers:
         name = options.student_tokenizer
         if name is None:
             raise ValueError("options.student_tokenizer: None (not a student's request)")
-        if sequence.candidate_ids is not None:
-            raise InvalidRequestError(
-                f"{field.rsplit('.', 1)[0]}.candidate_ids: not served with student_tokenizer "
-                f"{name!r} (candidates name teacher rows)"
-            )
         aligned = await asyncio.to_thread(self.align, name, sequence.token_ids, field)
         n = len(aligned.teacher_ids)
         if max_sequence_length and n > max_sequence_length:
@@ -271,13 +272,18 @@ class StudentTokenizers:
             )
         ts, te = teacher_span(aligned.alignment, sequence.start, sequence.end)
         teacher_options = replace(options, student_tokenizer=None, include_sampled=True)
+        student = self.get(name)
+        asked = self._candidates(student, aligned, sequence, field)
         if ts < te:
-            rows = await score(ParsedSequence(aligned.teacher_ids, ts, te), teacher_options)
+            parsed = ParsedSequence(
+                aligned.teacher_ids, ts, te, None if asked is None else asked[0]
+            )
+            rows = await score(parsed, teacher_options)
         else:  # every asked row is masked: nothing for the engine to do
-            rows = SequenceArrays.empty(options.top_k, ts)
+            rows = SequenceArrays.empty(options.top_k, ts, None if asked is None else 0)
         if rows.sampled_logprobs is None:
             raise RuntimeError("the backend gave no actual-token log-probs")
-        vocab_map = self.get(name).vocab_map
+        vocab_map = student.vocab_map
         if vocab_map is None:
             raise RuntimeError("student tokenizers: pair() was not called")
         got = await asyncio.to_thread(
@@ -290,9 +296,52 @@ class StudentTokenizers:
             vocab_map,
             aligned.teacher_ids,
         )
+        candidate_logprobs = None
+        if asked is not None:
+            index, teacher_lps = asked[1], rows.candidate_logprobs
+            shape = (len(index), asked[0].shape[1])  # [S, C]
+            candidate_logprobs = np.full(shape, np.nan, np.float32)
+            if teacher_lps is not None:
+                read = index >= 0
+                candidate_logprobs[read] = teacher_lps[index[read]]
         return SequenceArrays(
-            got.ids, got.logprobs, got.sampled_logprobs, sequence.start, row_kinds=got.kinds
+            got.ids,
+            got.logprobs,
+            got.sampled_logprobs,
+            sequence.start,
+            candidate_ids=sequence.candidate_ids,
+            candidate_logprobs=candidate_logprobs,
+            row_kinds=got.kinds,
         )
+
+    @staticmethod
+    def _candidates(
+        student: StudentTokenizer,
+        aligned: AlignedSequence,
+        sequence: ParsedSequence,
+        field: str,
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]] | None:
+        """The request's candidate ids as the teacher rows ask for them, and each student
+        row's index into those (:func:`~teacher_server.alignment.rows.teacher_candidates`);
+        None without candidates. ``InvalidRequestError`` naming the candidate otherwise."""
+        if sequence.candidate_ids is None:
+            return None
+        if student.to_teacher is None:
+            raise RuntimeError("student tokenizers: pair() was not called")
+        name = f"{field.rsplit('.', 1)[0]}.candidate_ids"
+        try:
+            return teacher_candidates(
+                aligned.alignment,
+                sequence.start,
+                sequence.end,
+                sequence.candidate_ids,
+                student.to_teacher,
+            )
+        except ValueError as e:
+            where = str(e)
+            raise InvalidRequestError(
+                f"{name}{where}" if where.startswith("[") else f"{name}: {where}"
+            ) from None
 
     def _paired(self) -> _Teacher:
         if self._teacher is None:

@@ -30,7 +30,7 @@ from teacher_server.alignment.boundaries import Alignment, RowKind
 from teacher_server.alignment.chain import chain_logprobs
 from teacher_server.alignment.vocab_map import UNMAPPED, VocabMap, project_topk
 
-__all__ = ["StudentRows", "student_rows", "teacher_span"]
+__all__ = ["StudentRows", "student_rows", "teacher_candidates", "teacher_span"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +64,45 @@ def teacher_span(alignment: Alignment, start: int, end: int) -> tuple[int, int]:
     stops = alignment.chain_stop[start:end]
     last = max(int(read.max()) + 1, int(stops.max()))
     return int(read.min()), last
+
+
+def teacher_candidates(
+    alignment: Alignment,
+    start: int,
+    end: int,
+    student_candidates: npt.NDArray[np.integer],
+    student_to_teacher: npt.NDArray[np.integer],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """Student rows ``[start, end)``'s candidate ids (``[S, C]`` student ids, ``-1``
+    padding) as the teacher rows they read ask for them: ``([te - ts, C]`` teacher ids,
+    ``-1`` where no boundary row reads the teacher row or the column pads, ``[S]`` each
+    student row's index into it or -1 for a masked row). ``(ts, te)`` is
+    :func:`teacher_span`'s.
+
+    Raises:
+        ValueError: a candidate whose bytes are not exactly one teacher token (no teacher
+            row holds its log-prob), naming its ``[row][column]`` and id; or two student
+            rows that read one teacher row with different candidates.
+    """
+    cand = np.asarray(student_candidates, dtype=np.int64)
+    ts, te = teacher_span(alignment, start, end)
+    mapped = np.where(cand >= 0, np.asarray(student_to_teacher)[np.clip(cand, 0, None)], -1)
+    missing = np.argwhere((cand >= 0) & (mapped < 0))
+    if missing.size:
+        r, c = (int(v) for v in missing[0])
+        raise ValueError(
+            f"[{r}][{c}]: student id {int(cand[r, c])} is not one teacher token (the teacher "
+            "spells its bytes with several tokens, or has no token of them), so no teacher "
+            f"row holds its log-prob ({len(missing)} such in all)"
+        )
+    rows = alignment.teacher_row[start:end]
+    index = np.where(rows >= 0, rows - ts, -1)
+    out = np.full((max(te - ts, 0), cand.shape[1]), -1, dtype=np.int32)
+    read = index >= 0
+    out[index[read]] = mapped[read]
+    if not np.array_equal(out[index[read]], mapped[read]):
+        raise ValueError("two student rows read one teacher row with different candidate ids")
+    return out, index
 
 
 def student_rows(

@@ -1,7 +1,7 @@
-"""``examples/cross_tokenizer.py``, short: a byte-level teacher (briefly pretrained, as
-the distillation example's) serves a BPE student tokenizer learned from the same files;
-a fresh student of that tokenizer, distilled through ``TeacherClient(...,
-student_tokenizer=...)``, lowers its held-out distillation loss and cross-entropy."""
+"""``examples/cross_tokenizer.py``, short: a BPE teacher of 512 ids (briefly pretrained)
+serves a BPE student tokenizer of 400 ids learned from the same files; a fresh student of
+that tokenizer, distilled through ``TeacherClient(..., student_tokenizer=...)``, lowers
+its held-out distillation loss and its own cross-entropy."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = PretrainConfig(
-        train_seconds=0, max_steps=80, batch_size=8, seq_len=128, eval_windows=8, warmup_steps=5
-    )
+        tokenizer="bpe", vocab_size=512, train_seconds=0, max_steps=80, batch_size=8,
+        seq_len=128, eval_windows=8, warmup_steps=5, corpus_max_bytes=2_000_000,
+    )  # fmt: skip
     return build_default_teacher(tmp_path_factory.mktemp("teacher") / "t", config=config)
 
 

@@ -90,6 +90,11 @@ def test_pairing_and_info(dirs: dict[str, Path]) -> None:
     vocab_map = students.get("self").vocab_map
     assert vocab_map is not None
     np.testing.assert_array_equal(vocab_map.teacher_to_student, np.arange(300))
+    np.testing.assert_array_equal(students.get("self").to_teacher, np.arange(300))
+    # a BPE student's byte ids are the byte-level teacher's; its merges are no one token
+    to_teacher = students.get("bpe").to_teacher
+    assert to_teacher is not None
+    assert to_teacher[:256].tolist() == list(range(256)) and (to_teacher[258:] == -1).all()
     with pytest.raises(InvalidRequestError, match=r"^student_tokenizer: 'x' is not served here"):
         students.get("x")
 

@@ -219,15 +219,20 @@ def _tokenizer(path: Path) -> Any:
 
 
 def _score(server: ServerProcess, seqs: list[list[int]], **fields: Any) -> pb.ScoreResponse:
-    """One raw ``Score`` call (K, float32 unless ``fields`` say otherwise)."""
+    """One raw ``Score`` call (K, float32 unless ``fields`` say otherwise; ``spans`` and
+    ``candidates``, ``[S, C]`` per sequence, go to the sequences)."""
     request = pb.ScoreRequest(request_id="t", top_k=K, dtype=pb.LOGPROB_DTYPE_FLOAT32)
     spans = fields.pop("spans", None)
+    candidates = fields.pop("candidates", None)
     for f, v in fields.items():
         setattr(request, f, v)
     for i, s in enumerate(seqs):
         seq = request.sequences.add(token_ids=encode_token_ids(np.asarray(s, np.int32)))
         if spans is not None:
             seq.position_start, seq.position_end = spans[i]
+        if candidates is not None:
+            seq.candidate_ids = np.asarray(candidates[i], "<i4").tobytes()
+            seq.num_candidates = np.shape(candidates[i])[1]
     with grpc.insecure_channel(server.target) as channel:
         return pb_grpc.TeacherStub(channel).Score(request, timeout=120)
 
@@ -393,6 +398,8 @@ def test_a_recording_of_a_student_tokenizers_answers_replays(
     recording = tmp_path / "recording"
     with TeacherClient(byte_teacher.target, student_tokenizer="bpe", record_to=recording) as c:
         live = c.score(seqs, K, dtype="float32")
+        with pytest.raises(Exception, match=r"sequences\[0\]\.token_ids\[0\]: 290 is outside"):
+            c.score([[290, *seqs[0]]], K, dtype="float32")  # refused: nothing recorded lost
     fingerprint = tokenizer_fingerprint(student_tok)
     with ReplayClient(
         recording, expect_vocab_size=len(student_tok), expect_tokenizer_fingerprint=fingerprint
@@ -433,3 +440,59 @@ def test_the_async_and_multi_teacher_clients_send_it_too(
         torch.testing.assert_close(
             got.sampled_logprobs, want.sampled_logprobs, equal_nan=True, rtol=0, atol=0
         )
+
+
+def test_candidates_that_are_one_teacher_token(
+    bpe_teacher: ServerProcess, bpe_teacher_dir: Path, student_dir: Path
+) -> None:
+    """Student candidate ids whose bytes are one teacher token: the teacher's log-prob of
+    that token at each boundary row (the dense reference), NaN on masked rows and on -1;
+    one whose bytes the teacher spells otherwise is refused naming it."""
+    student_tok, teacher_tok = _tokenizer(student_dir), _tokenizer(bpe_teacher_dir)
+    oracle = Oracle(_model(bpe_teacher_dir), teacher_tok, student_tok, 512)
+    teacher_id = {}
+    for i in sorted(range(len(oracle.t_pieces)), reverse=True):  # the lowest id wins
+        if oracle.t_pieces[i]:
+            teacher_id[(oracle.t_special[i], oracle.t_pieces[i])] = i
+    one = [i for i in range(258, len(student_tok)) if (False, oracle.s_pieces[i]) in teacher_id]
+    several = next(
+        i for i in range(258, len(student_tok)) if (False, oracle.s_pieces[i]) not in teacher_id
+    )
+    seq = _encode(student_tok, "héllohéllo wörld the teacher")
+    columns = [ord("h"), ord("w"), -1, one[0], one[-1]]
+    cand = np.tile(np.asarray(columns, np.int32), (len(seq), 1))
+    answer = _score(bpe_teacher, [seq], student_tokenizer="bpe", candidates=[cand])
+    got = decode_sequence(answer.sequences[0], cand)
+    assert got.candidate_logprobs is not None
+    want = oracle.rows(seq)
+    with torch.inference_mode():
+        t_ids = _encode(teacher_tok, "héllohéllo wörld the teacher")
+        logits = oracle.model(input_ids=torch.tensor([t_ids])).logits[0]
+    dense = torch.log_softmax(logits.double(), -1).numpy()
+    t_end, pos = {}, 0
+    for j, i in enumerate(t_ids):
+        pos += len(oracle.t_pieces[i])
+        t_end[pos] = j
+    pos = 0
+    for r, sid in enumerate(seq):
+        pos += len(oracle.s_pieces[sid])
+        if want[r]["kind"] == "masked":
+            assert np.isnan(got.candidate_logprobs[r]).all()
+            continue
+        j = t_end[pos]
+        for c, student_id in enumerate(columns):
+            value = got.candidate_logprobs[r, c]
+            if student_id < 0:
+                assert np.isnan(value)
+                continue
+            t = teacher_id[(False, oracle.s_pieces[student_id])]
+            np.testing.assert_allclose(value, dense[j, t], rtol=0, atol=TOL)
+    bad = cand.copy()
+    bad[3, 2] = several
+    with pytest.raises(grpc.RpcError) as err:
+        _score(bpe_teacher, [seq], student_tokenizer="bpe", candidates=[bad])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(
+        rf"^sequences\[0\]\.candidate_ids\[3\]\[2\]: student id {several} is not one teacher token",
+        err.value.details() or "",
+    ), err.value.details()

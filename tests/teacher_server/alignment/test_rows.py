@@ -124,3 +124,21 @@ def test_every_row_masked_needs_no_teacher_row() -> None:
     vmap = VocabMap(np.arange(VT, dtype=np.int32), VT)
     got = student_rows(alignment, 0, 3, empty, 0, vmap, np.array([7]))
     assert got.kinds.tolist() == [0, 0, 0] and np.isnan(got.logprobs).all()
+
+
+def test_candidates_by_the_teacher_rows_that_read_them() -> None:
+    """The module doc's example: student rows 0, 1, 4 read teacher rows 0, 3, 4; rows 2,
+    3 are masked. Candidates travel to those teacher rows in teacher ids; a candidate
+    with no single teacher token is refused naming it."""
+    from teacher_server.alignment.rows import teacher_candidates
+
+    alignment = align_lengths([1, 3, 1, 1, 1], [1, 1, 1, 1, 3])
+    to_teacher = np.array([10, 11, -1, 13, 14])  # student id 2: no single teacher token
+    cand = np.array([[0, -1], [1, 3], [4, 4], [0, 0], [3, -1]])
+    out, index = teacher_candidates(alignment, 0, 5, cand, to_teacher)
+    assert index.tolist() == [0, 3, -1, -1, 4]
+    assert out.tolist() == [[10, -1], [-1, -1], [-1, -1], [11, 13], [13, -1]]
+    out, index = teacher_candidates(alignment, 1, 3, cand[1:3], to_teacher)  # rows 3..3
+    assert index.tolist() == [0, -1] and out.tolist() == [[11, 13]]
+    with pytest.raises(ValueError, match=r"^\[1\]\[0\]: student id 2 is not one teacher token"):
+        teacher_candidates(alignment, 0, 5, np.array([[0], [2], [0], [0], [0]]), to_teacher)
