@@ -49,7 +49,7 @@ from topk_protocol.errors import InvalidRequestError
 
 __all__ = ["AlignedSequence", "StudentTokenizer", "StudentTokenizers"]
 
-FLAG = STUDENT_TOKENIZER_FLAG
+FLAG = STUDENT_TOKENIZER_FLAG  # in messages
 
 #: How the teacher scores a sequence of its own tokens.
 ScoreFn = Callable[[ParsedSequence, RequestOptions], Awaitable[SequenceArrays]]
@@ -139,10 +139,10 @@ class StudentTokenizers:
 
     Args:
         specs: ``NAME=DIR`` each (:func:`~teacher_server.config.student_tokenizer_spec`);
-            each tokenizer is loaded and its
-            byte table built now. ``ValueError`` naming the flag and the value for a
-            missing directory, a directory without a tokenizer, an unsupported tokenizer
-            (its bytes cannot be known, e.g. WordPiece) or a name given twice.
+            each tokenizer is loaded and its byte table built now. ``ValueError`` naming
+            the flag and the value for a missing directory, a directory without a
+            tokenizer, an unsupported tokenizer (its bytes cannot be known, e.g.
+            WordPiece) or a name given twice.
     """
 
     def __init__(self, specs: Iterable[str] = ()) -> None:
@@ -224,16 +224,9 @@ class StudentTokenizers:
             ) from None
         body = np.asarray(_encode(teacher.tokenizer, text), dtype=np.int32)
         t_bytes = teacher.table.join(body)
-        offset = len(t_bytes) - len(s_bytes)
-        if (
-            offset not in (0, 1)
-            or t_bytes[offset:] != s_bytes
-            or t_bytes[:offset]
-            not in (
-                b"",
-                b" ",
-            )
-        ):
+        offset = len(t_bytes) - len(s_bytes)  # 1: a space the tokenizer prepends
+        prepended = t_bytes[: max(offset, 0)]
+        if offset not in (0, 1) or prepended not in (b"", b" ") or t_bytes[offset:] != s_bytes:
             raise InvalidRequestError(
                 f"{field}: the teacher's tokenizer does not reproduce the student's "
                 f"{len(s_bytes)} bytes (it spells {len(t_bytes)}, first difference at byte "

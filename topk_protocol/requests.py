@@ -192,8 +192,8 @@ class RequestOptions:
         if self.encoding != "default":
             raise InvalidRequestError(
                 f"encoding: {self.encoding!r} with student_tokenizer {name!r} is not served "
-                "(a masked row's log-probs are NaN, which the packed grid cannot hold); ask "
-                "encoding 'default'"
+                "(the packed grid holds finite log-probs only: a masked row's are NaN, a "
+                "row's padding columns -inf); ask encoding 'default'"
             )
 
     def _check_sampling(self) -> None:

@@ -31,7 +31,9 @@ def topk_kl_reference(
     *,
     dtype: torch.dtype = torch.float64,
 ) -> RowTerms:
-    """Per-position terms computed densely (no validation, no masking, no reduction).
+    """Per-position terms computed densely (no validation, no masking, no reduction; a
+    teacher row of all NaN, which the teacher has no distribution for, gives zero terms
+    and no gradient, as the other losses skip it).
 
     Args:
         logits: student logits `[..., V]`.
@@ -66,12 +68,14 @@ def topk_kl_reference(
     )
     device = logits.device
     ids, logprobs, given = ids.to(device), logprobs.to(device=device, dtype=dtype), given.to(device)
+    unknown = teacher_logprobs.reshape(n_rows, -1).isnan().all(-1).to(device)
     if mode == "tail_actual":
         assert sampled_ids is not None and sampled_logprobs is not None
         actual_logprob = sampled_logprobs.reshape(n_rows, 1).to(device=device, dtype=dtype)
         ids = torch.cat([ids, sampled_ids.reshape(n_rows, 1).to(device).long()], dim=-1)
         logprobs = torch.cat([logprobs, actual_logprob], dim=-1)
         given = torch.cat([given, actual_logprob.isfinite()], dim=-1)
+    given = given & ~unknown.unsqueeze(-1)  # a row without a distribution: no category
 
     # Category of each vocabulary column: the first column of the row that names it
     # (written last), or the tail (-1).
@@ -134,7 +138,7 @@ def topk_kl_reference(
         q_hat[:, 1 : 1 + named].detach().sum(-1),
         overlap,
     )
-    return RowTerms(*(term.reshape(positions) for term in terms))
+    return RowTerms(*(torch.where(unknown, zero, t).reshape(positions) for t in terms))
 
 
 def _columns(

@@ -205,3 +205,28 @@ def test_on_policy_estimators_skip_rows_without_a_teacher_value() -> None:
     for name in ("k1", "k3"):
         _close(getattr(got, name)[keep], getattr(want, name))
         assert not getattr(got, name)[~keep].any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_dense_reference(mode: str) -> None:
+    """``topk_kl_reference`` reduces and masks nothing: its terms at the other rows are
+    those of the payload with the masked rows removed, and so is the gradient of their
+    sum; a masked row's terms are 0, with no gradient."""
+    from student_client.losses import topk_kl_reference
+
+    p = _payload(5)
+    keep = ~p["masked"]
+    logits = torch.randn(B, T, V, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    whole = logits.clone().requires_grad_(True)
+    part = logits[keep].clone().requires_grad_(True)
+    opts = LossOptions(mode=mode)
+    got = topk_kl_reference(whole, _teacher(p), opts)
+    want = topk_kl_reference(part, _teacher(p, keep), opts)
+    for name in ("loss", "head", "tail", "teacher_mass", "student_mass"):
+        _close(getattr(got, name)[keep], getattr(want, name))
+        assert not getattr(got, name)[~keep].any(), name
+    got.loss.sum().backward()
+    want.loss.sum().backward()
+    assert whole.grad is not None and part.grad is not None
+    _close(whole.grad[keep], part.grad)
+    assert not whole.grad[~keep].any()
