@@ -117,7 +117,12 @@ def test_requests_round_trip_and_unsampled_ones_stay_byte_identical() -> None:
     sampled = build_request(seqs, 16, samples=16, seed=2**64 - 1, proposal_temperature=0.7)
     back = RequestOptions.from_proto(pb.ScoreRequest.FromString(sampled.SerializeToString()))
     assert back == RequestOptions(16, samples=16, seed=2**64 - 1, proposal_temperature=0.7)
-    assert back.recorded() == {"samples": 16, "seed": 2**64 - 1, "proposal_temperature": 0.7}
+    assert back.recorded() == {
+        "samples": 16,
+        "seed": 2**64 - 1,
+        "proposal_temperature": 0.7,
+        "student_tokenizer": None,
+    }
 
 
 def test_codec_carries_counts_and_normalizer() -> None:
