@@ -22,9 +22,8 @@ from typing import Any, NoReturn
 from teacher_server import log_filters
 from teacher_server.backends.base import Backend
 from teacher_server.backends.registry import BACKENDS, backend_class
-from teacher_server.config import ServerConfig
+from teacher_server.config import HttpLimits, ServerConfig
 from teacher_server.flags import DefaultsHelpFormatter, add_flags, flag_fields, from_args
-from teacher_server.http_api.limits import HttpLimits
 from teacher_server.server import run_server
 from teacher_server.student_tokenizers import StudentTokenizers
 

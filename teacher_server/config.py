@@ -11,21 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from teacher_server.fair_share import ADMISSION_ORDERS, FAIR
 from teacher_server.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from teacher_server.malloc_trim import DEFAULT_MEMORY_TRIM_IDLE_S
 from topk_protocol import DEFAULT_MAX_MESSAGE_MB
 
-if TYPE_CHECKING:  # the HTTP stack is imported by the server, not by every user of this
-    from teacher_server.http_api.limits import HttpLimits
-
 __all__ = [
     "DEFAULT_STREAM_MAX_UNSENT_MB",
     "DEFAULT_STREAM_MAX_UNSENT_REQUESTS",
     "MIB",
     "STUDENT_TOKENIZER_FLAG",
+    "HttpLimits",
     "ServerConfig",
     "student_tokenizer_spec",
 ]
@@ -59,6 +56,34 @@ def student_tokenizer_spec(spec: str) -> tuple[str, Path]:
     if not path.is_dir():
         raise ValueError(f"{STUDENT_TOKENIZER_FLAG} {spec!r}: {str(path)!r} is not a directory")
     return name, path
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The HTTP side's limits (``teacher-server serve --http-*`` flags).
+
+    ``max_header_bytes``: largest request head (request line + headers), 431 above it.
+    ``max_body_bytes``: largest request body, 413 above it.
+    ``header_timeout_s``: a request head must arrive within this (else the connection
+    is closed); ``body_timeout_s``: a request body within this (else 408).
+    ``max_connections``: connections and requests at once (uvicorn ``limit_concurrency``;
+    503 above it). ``keep_alive_s``: an idle kept-alive connection is closed after this.
+    """
+
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 64 * MIB
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 1024
+    keep_alive_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"http {name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"http {name}: must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

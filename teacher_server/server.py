@@ -21,13 +21,13 @@ from grpc_reflection.v1alpha import reflection
 from teacher_server.admission import AdmissionQueue
 from teacher_server.answer_fingerprint import announce_fingerprint
 from teacher_server.backends.base import Backend
-from teacher_server.config import MIB, ServerConfig
+from teacher_server.config import MIB, HttpLimits, ServerConfig
 from teacher_server.fair_share import FAIR
 from teacher_server.grpc_api.auth import BearerTokenInterceptor
 from teacher_server.grpc_api.handlers import SERVICE_NAME, teacher_rpc_handler
 from teacher_server.grpc_api.servicer import TeacherServicer, teacher_info_message
 from teacher_server.http_api.app import build_http_app
-from teacher_server.http_api.limits import BodyLimitMiddleware, HttpLimits
+from teacher_server.http_api.limits import BodyLimitMiddleware, uvicorn_kwargs
 from teacher_server.http_api.sglang.serving import SGLangEndpoints
 from teacher_server.http_api.thread import HttpThread, ProbeFront
 from teacher_server.http_api.trl import TRLEndpoints
@@ -215,7 +215,7 @@ class TeacherServer:
             # carries the bearer token.
             ssl_certfile=str(tls[0]) if tls else None,
             ssl_keyfile=str(tls[1]) if tls else None,
-            **limits.uvicorn_kwargs(),
+            **uvicorn_kwargs(limits),
         )
         self._http = HttpThread(ucfg)
         self.http_port = await self._http.start()

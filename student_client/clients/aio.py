@@ -16,37 +16,31 @@ facade that runs it on a background event loop.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import uuid
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
-    Awaitable,
-    Callable,
     Iterable,
     Sequence,
 )
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import torch
 from typing_extensions import Unpack
 
-from student_client.clients.agreement import ReplicaAgreement, ReplicaDisagreesError
 from student_client.clients.answer_recorder import AnswerRecorder
 from student_client.clients.channels import (
-    backoff_s,
     channel_credentials,
     clean_token,
-    give_up,
-    open_channel,
     parse_targets,
     positive,
 )
-from student_client.clients.stream_loop import run_stream
+from student_client.clients.stream_loop import StreamLoop
+from student_client.clients.targets import Connecting, RetryPolicy, TargetSet
 from student_client.clients.window import Answer, DecodedStream, Outgoing, as_async
 from student_client.data.alignment import align, build_aligned_request
 from student_client.data.assembler import ResponseAssembler
@@ -65,7 +59,6 @@ from topk_protocol import (
     check_temperature,
     fits_one_message,
     pb,
-    pb_grpc,
     response_bytes,
 )
 from topk_protocol._closeable import AsyncCloseable
@@ -74,11 +67,8 @@ from topk_protocol.errors import (
     ResourceExhaustedError,
     TeacherError,
 )
-from topk_protocol.status import error_from_rpc
 
 __all__ = ["AsyncTeacherClient"]
-
-T = TypeVar("T")
 
 
 class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
@@ -148,14 +138,19 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             raise ValueError(f"retries: must be >= 0, got {retries}")
         if max_message_mb < 1:
             raise ValueError(f"max_message_mb: must be >= 1, got {max_message_mb}")
-        self.targets = parse_targets(target)
         token = clean_token(token)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._credentials = channel_credentials(tls)
-        self._tls_server_name = tls_server_name
         self._max_message_bytes = int(max_message_mb) * 1024 * 1024
-        self._tries = int(retries) + 1
-        self._backoff = (float(backoff_s), float(max_backoff_s))
+        connecting = Connecting(
+            credentials=channel_credentials(tls),
+            tls_server_name=tls_server_name,
+            max_message_bytes=self._max_message_bytes,
+            metadata=(("authorization", f"Bearer {token}"),) if token else (),
+            timeout_s=self._timeout_s,
+        )
+        retry = RetryPolicy(int(retries) + 1, float(backoff_s), float(max_backoff_s))
+        self._targets = TargetSet(parse_targets(target), connecting, retry, self._check_info)
+        self.targets = self._targets.targets
+        self._stream_loop = StreamLoop(self._targets, self._record_answer)
         self._expect: dict[str, Any] = {  # TeacherInfo.check_expected's keywords
             "vocab_size": expect_vocab_size,
             "tokenizer_fingerprint": expect_tokenizer_fingerprint,
@@ -164,13 +159,6 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             else check_temperature(expect_temperature, "expect_temperature"),
         }
         self._recorder = AnswerRecorder(record_to, record_compression, record_metadata)
-        self._channels: list[Any] = []
-        self._stubs: list[pb_grpc.TeacherStub] = []
-        self._infos: dict[int, tuple[TeacherInfo, pb.TeacherInfo]] = {}
-        self._agreement = ReplicaAgreement(self.targets)  # replicas that answer alike
-        self._vetting = asyncio.Lock()
-        self._current = 0
-        self._rr = itertools.count()
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._closed = False
 
@@ -184,85 +172,28 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
     @property
     def current_target(self) -> str:
         """The target the latest call went to."""
-        return self.targets[self._current]
+        return self.targets[self._targets.current]
 
-    def _stub(self, index: int) -> pb_grpc.TeacherStub:
-        if self._closed:
-            raise TeacherError("client: already closed")
-        if not self._stubs:
-            for t in self.targets:
-                ch = open_channel(
-                    t, self._credentials, self._max_message_bytes, self._tls_server_name
-                )
-                self._channels.append(ch)
-                self._stubs.append(pb_grpc.TeacherStub(ch))
-        return self._stubs[index]
-
-    async def _fetch_info(self, index: int) -> TeacherInfo:
-        if index not in self._infos:
-            msg = await self._stub(index).GetInfo(
-                pb.GetInfoRequest(), timeout=self._timeout_s, metadata=self._metadata
-            )
-            info = TeacherInfo.from_message(msg)
-            info.check_schema()  # our schema, and the teacher the student expects
-            if self._student_tokenizer is not None:  # its ids are the student tokenizer's
-                info = info.for_student(self._student_tokenizer)
-                msg = _as_student(msg, info)
-            info.check_expected(f"teacher {self.targets[index]}", **self._expect)
-            self._agreement.check(index, info)
-            self._infos[index] = (info, msg)
-        return self._infos[index][0]
-
-    async def _pick(self, index: int) -> int:
-        """``index``, or the next target whose answers agree with the other replicas'
-        (:mod:`student_client.clients.agreement`; the first call asks every target)."""
-        async with self._vetting:
-            if not self._agreement.decided:
-                answers = await asyncio.gather(
-                    *(
-                        self._stub(i).GetInfo(
-                            pb.GetInfoRequest(), timeout=self._timeout_s, metadata=self._metadata
-                        )
-                        for i in range(len(self.targets))
-                    ),
-                    return_exceptions=True,
-                )
-                self._agreement.decide(
-                    {
-                        i: TeacherInfo.from_message(m)
-                        for i, m in enumerate(answers)
-                        if isinstance(m, pb.TeacherInfo)
-                    }
-                )
-        return self._agreement.usable(index)
-
-    def _wait(self, failures: int) -> float:
-        """Seconds to wait after ``failures`` failed tries (exponential, with jitter)."""
-        return backoff_s(failures, *self._backoff)
-
-    async def _call(self, fn: Callable[[int], Awaitable[T]], index: int) -> T:
-        """Run ``fn(target_index)`` with retries on UNAVAILABLE, moving between targets."""
-        failures = 0
-        while True:
-            self._current = index = await self._pick(index)
-            try:
-                return await fn(index)
-            except ReplicaDisagreesError:
-                continue  # refused now: _pick moves on
-            except grpc.RpcError as e:
-                failures += 1
-                give_up(failures, self._tries, error_from_rpc(e), self.targets)
-            await asyncio.sleep(self._wait(failures))
-            index = (index + 1) % len(self.targets)
+    def _check_info(self, target: str, msg: pb.TeacherInfo) -> tuple[TeacherInfo, pb.TeacherInfo]:
+        """A target's ``GetInfo`` checked (our schema, the teacher the student expects;
+        with a student tokenizer: as its requests see it), and as its answers are
+        recorded with."""
+        info = TeacherInfo.from_message(msg)
+        info.check_schema()
+        if self._student_tokenizer is not None:  # its ids are the student tokenizer's
+            info = info.for_student(self._student_tokenizer)
+            msg = _as_student(msg, info)
+        info.check_expected(f"teacher {target}", **self._expect)
+        return info, msg
 
     async def info(self) -> TeacherInfo:
         """The teacher's ``GetInfo`` (checked against the expected vocabulary)."""
-        return await self._call(self._fetch_info, self._current)
+        return await self._targets.call(self._targets.fetch_info, self._targets.current)
 
     # -- recording ----------------------------------------------------------------------
     def _record_answer(self, index: int, asm: ResponseAssembler) -> None:
         """Write one answered request to the recording (when recording)."""
-        self._recorder.write(asm, self._infos[index][1], self.targets)
+        self._recorder.write(asm, self._targets.info_message(index), self.targets)
 
     # -- score --------------------------------------------------------------------------
     def _request(self, batch: Any, options: RequestOptions) -> Outgoing:
@@ -345,26 +276,27 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         timeout = self._deadline(call.timeout_s)
         request, layout, asked = self._request(call.batch, RequestOptions.of(top_k, **call.options))
 
+        targets = self._targets
+
         async def unary(index: int) -> Answer:
-            await self._fetch_info(index)
+            await targets.fetch_info(index)
             asm = ResponseAssembler(request, asked)
-            asm.add(
-                await self._stub(index).Score(request, timeout=timeout, metadata=self._metadata)
-            )
+            metadata = targets.connecting.metadata
+            asm.add(await targets.stub(index).Score(request, timeout=timeout, metadata=metadata))
             self._record_answer(index, asm)
             return Answer(asm, layout)
 
-        info = await self._call(self._fetch_info, next(self._rr) % len(self.targets))
+        info = await targets.call(targets.fetch_info, targets.next_index())
         limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
         if not fits_one_message(
             response_bytes(request, info.vocab_size, asked), len(request.sequences), limit
         ):
-            gen = run_stream(self, as_async([(request, layout, asked)]), 0, timeout)
+            gen = self._stream_loop.run(as_async([(request, layout, asked)]), 0, timeout)
             try:
                 return self.decode(await anext(gen), call.device)
             finally:
                 await gen.aclose()
-        return self.decode(await self._call(unary, self._current), call.device)
+        return self.decode(await targets.call(unary, targets.current), call.device)
 
     # -- stream -------------------------------------------------------------------------
     def stream_answers(
@@ -400,7 +332,7 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
                 except TeacherError as e:  # raised when the caller reaches this batch
                     yield e
 
-        return run_stream(self, requests(), call.depth, timeout)
+        return self._stream_loop.run(requests(), call.depth, timeout)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def close(self) -> None:
@@ -409,8 +341,7 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             return
         self._closed = True
         self._recorder.close()
-        for channel in self._channels:
-            await channel.close()
+        await self._targets.close()
 
 
 def _as_student(msg: pb.TeacherInfo, info: TeacherInfo) -> pb.TeacherInfo:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from student_client.losses import TeacherTargets, lm_head_topk_kl_loss, topk_kl_loss
-from student_client.losses.lm_head import causal_lm_loss_and_head
+from student_client.losses.causal_lm_topk_kl import causal_lm_loss_and_head
 from student_client.losses.types import TopKKLStats
 
 if TYPE_CHECKING:

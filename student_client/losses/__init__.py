@@ -20,18 +20,18 @@ More in the submodules: `onpolicy` (the per-token on-policy signal on sampled to
 (`sampled_target_weights`).
 """
 
-from student_client.losses.api import topk_kl_loss
-from student_client.losses.divergences import DIVERGENCES, Divergence, get_divergence
-from student_client.losses.lm_head import (
+from student_client.losses.causal_lm_topk_kl import (
     LMHeadInputs,
     causal_lm_hidden_and_head,
     causal_lm_topk_kl_loss,
 )
-from student_client.losses.module import TopKKLLoss
+from student_client.losses.divergences import DIVERGENCES, Divergence, get_divergence
+from student_client.losses.lm_head_topk_kl import lm_head_topk_kl_loss, local_vocab_shard
 from student_client.losses.options import LossOptions
 from student_client.losses.reference import topk_kl_reference
-from student_client.losses.sharded_head import lm_head_topk_kl_loss, local_vocab_shard
 from student_client.losses.teacher import TeacherTargets
+from student_client.losses.topk_kl import topk_kl_loss
+from student_client.losses.topk_kl_module import TopKKLLoss
 from student_client.losses.types import RowTerms, TopKKLStats
 
 __all__ = [

@@ -47,58 +47,117 @@ def topk_kl_reference(
         `RowTerms` of `[...]` tensors in `dtype`; `loss` carries the autograd graph.
         `overlap` is NaN for support "student" and for a sampled teacher (no teacher
         top-k among the categories).
+
+    Example:
+        >>> import torch
+        >>> from student_client.losses import TeacherTargets, topk_kl_loss, topk_kl_reference
+        >>> logits = torch.randn(2, 3, 10)
+        >>> teacher = TeacherTargets(  # the teacher's top-2 at each of 2 x 3 positions
+        ...     ids=torch.tensor([0, 1]).repeat(2, 3, 1),
+        ...     logprobs=torch.tensor([0.5, 0.25]).log().repeat(2, 3, 1),
+        ... )
+        >>> terms = topk_kl_reference(logits, teacher)  # float64, per position
+        >>> terms.loss.shape
+        torch.Size([2, 3])
+        >>> loss, _ = topk_kl_loss(logits, teacher)
+        >>> torch.allclose(loss.double(), terms.loss.mean(), rtol=1e-5)
+        True
     """
     opts = loss_options(options)
     if teacher.is_sampled:
         return _sampled_reference(logits, teacher, opts.temperature, dtype)
-    mode, support, temperature = opts.mode, opts.support, opts.temperature
-    tail_mass_eps, divergence = opts.tail_mass_eps, opts.divergence
-    teacher_ids, teacher_logprobs = teacher.ids, teacher.logprobs
-    candidate_ids, candidate_logprobs = teacher.candidate_ids, teacher.candidate_logprobs
-    sampled_ids, sampled_logprobs = teacher.sampled_ids, teacher.sampled_logprobs
-    resolved = get_divergence(divergence)
     positions = logits.shape[:-1]
     vocab = logits.shape[-1]
     n_rows = math.prod(positions)
-    log_q = torch.log_softmax(logits.to(dtype).reshape(n_rows, vocab) / temperature, dim=-1)
-    q = log_q.exp()
-
-    ids, logprobs, given, named = _columns(
-        teacher_ids, teacher_logprobs, support, candidate_ids, candidate_logprobs, n_rows
-    )
+    log_q = torch.log_softmax(logits.to(dtype).reshape(n_rows, vocab) / opts.temperature, dim=-1)
     device = logits.device
+    ids, logprobs, given, named = _categories_given(teacher, opts, n_rows, device, dtype)
+    unknown = teacher.logprobs.reshape(n_rows, -1).isnan().all(-1).to(device)
+    given = given & ~unknown.unsqueeze(-1)  # a row without a distribution: no category
+    present, q_hat = _student_masses(ids, given, log_q.exp())
+
+    zero = torch.zeros((), dtype=dtype, device=device)
+    p_named = torch.where(present, logprobs.exp(), zero)
+    rows = _coarse_rows(p_named, logprobs, present, q_hat, opts.tail_mass_eps)
+    values, _ = get_divergence(opts.divergence).terms(rows)
+    values = torch.where(
+        torch.cat([present.new_ones((present.shape[0], 1)), present], -1), values, zero
+    )
+    head = values[:, 1 : 1 + named].sum(-1)
+    tail = values[:, 0] + values[:, 1 + named :].sum(-1)
+    loss = head.clone() if opts.mode == "truncated" else head + tail
+
+    teacher_columns = teacher.ids.shape[-1] if opts.support != "student" else 0
+    terms = (
+        loss,
+        head.detach(),
+        tail.detach(),
+        p_named[:, :named].sum(-1),
+        q_hat[:, 1 : 1 + named].detach().sum(-1),
+        _overlap(ids[:, :teacher_columns], log_q.detach()),
+    )
+    return RowTerms(*(torch.where(unknown, zero, t).reshape(positions) for t in terms))
+
+
+def _categories_given(
+    teacher: TeacherTargets,
+    opts: LossOptions,
+    n_rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The support's columns `[n_rows, M]` on `device`: ids, teacher log-probs (`dtype`),
+    which are given, and how many are named by the support (the rest: mode
+    "tail_actual"'s actual token, in a column of its own)."""
+    ids, logprobs, given, named = _columns(
+        teacher.ids,
+        teacher.logprobs,
+        opts.support,
+        teacher.candidate_ids,
+        teacher.candidate_logprobs,
+        n_rows,
+    )
     ids, logprobs, given = ids.to(device), logprobs.to(device=device, dtype=dtype), given.to(device)
-    unknown = teacher_logprobs.reshape(n_rows, -1).isnan().all(-1).to(device)
-    if mode == "tail_actual":
-        assert sampled_ids is not None and sampled_logprobs is not None
-        actual_logprob = sampled_logprobs.reshape(n_rows, 1).to(device=device, dtype=dtype)
-        ids = torch.cat([ids, sampled_ids.reshape(n_rows, 1).to(device).long()], dim=-1)
+    if opts.mode == "tail_actual":
+        assert teacher.sampled_ids is not None and teacher.sampled_logprobs is not None
+        actual_logprob = teacher.sampled_logprobs.reshape(n_rows, 1).to(device=device, dtype=dtype)
+        ids = torch.cat([ids, teacher.sampled_ids.reshape(n_rows, 1).to(device).long()], dim=-1)
         logprobs = torch.cat([logprobs, actual_logprob], dim=-1)
         given = torch.cat([given, actual_logprob.isfinite()], dim=-1)
-    given = given & ~unknown.unsqueeze(-1)  # a row without a distribution: no category
+    return ids, logprobs, given, named
 
-    # Category of each vocabulary column: the first column of the row that names it
-    # (written last), or the tail (-1).
-    owner = torch.full((n_rows, vocab), -1, dtype=torch.long, device=device)
+
+def _student_masses(ids: Tensor, given: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """Each vocabulary column of `q` `[n, V]` put in its category, literally: the first
+    given column of the row that names it (written last), or the tail. Returns which
+    columns `[n, M]` are categories (`present`: given, and their id's first column) and
+    the student's mass of each category `[n, 1 + M]` (the tail's first)."""
+    n_rows, vocab = q.shape
+    owner = torch.full((n_rows, vocab), -1, dtype=torch.long, device=q.device)
     for column in reversed(range(ids.shape[1])):
         index = torch.where(given[:, column], ids[:, column], 0).unsqueeze(-1)
         kept = owner.gather(1, index)
         mine = torch.full_like(kept, column)
         owner.scatter_(1, index, torch.where(given[:, column : column + 1], mine, kept))
-    columns = torch.arange(ids.shape[1], device=device)
+    columns = torch.arange(ids.shape[1], device=q.device)
     present = given & (owner.gather(1, torch.where(given, ids, 0)) == columns)
+    q_hat = torch.zeros(n_rows, ids.shape[1] + 1, dtype=q.dtype, device=q.device)
+    return present, q_hat.scatter_add(1, owner + 1, q)
 
-    q_hat = torch.zeros(n_rows, ids.shape[1] + 1, dtype=dtype, device=device)
-    q_hat = q_hat.scatter_add(1, owner + 1, q)
-    zero = torch.zeros((), dtype=dtype, device=device)
-    p_named = torch.where(present, logprobs.exp(), zero)
+
+def _coarse_rows(
+    p_named: Tensor, logprobs: Tensor, present: Tensor, q_hat: Tensor, tail_mass_eps: float
+) -> CoarseRows:
+    """The coarse-grained distributions `[n, 1 + M]` (the tail first, then each column;
+    a column that is no category gets a neutral 1 / 0) the divergence compares."""
+    dtype, device = q_hat.dtype, q_hat.device
     p_tail = (1.0 - p_named.sum(-1)).clamp_min(0.0)
     q_tail = q_hat[:, 0]
     guard = q_tail < tail_mass_eps
     q_tail = torch.where(guard, q_tail.detach(), q_tail)  # held constant below the guard
-
+    zero = torch.zeros((), dtype=dtype, device=device)
     one = torch.ones((), dtype=dtype, device=device)
-    rows = CoarseRows(
+    return CoarseRows(
         teacher_probs=torch.cat([p_tail.unsqueeze(-1), torch.where(present, p_named, one)], -1),
         teacher_logprobs=torch.cat(
             [p_tail.log().unsqueeze(-1), torch.where(present, logprobs, zero)], -1
@@ -115,30 +174,15 @@ def topk_kl_reference(
         ),
         tail_mass_eps=tail_mass_eps,
     )
-    values, _ = resolved.terms(rows)
-    values = torch.where(
-        torch.cat([present.new_ones((present.shape[0], 1)), present], -1), values, zero
-    )
-    head = values[:, 1 : 1 + named].sum(-1)
-    tail = values[:, 0] + values[:, 1 + named :].sum(-1)
-    loss = head.clone() if mode == "truncated" else head + tail
 
-    teacher_columns = teacher_ids.shape[-1] if support != "student" else 0
-    if teacher_columns:
-        student_top = torch.topk(log_q.detach(), teacher_columns, dim=-1).indices
-        top = ids[:, :teacher_columns]
-        overlap = (top.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1).to(dtype).mean(-1)
-    else:
-        overlap = torch.full((n_rows,), math.nan, dtype=dtype, device=device)
-    terms = (
-        loss,
-        head.detach(),
-        tail.detach(),
-        p_named[:, :named].sum(-1),
-        q_hat[:, 1 : 1 + named].detach().sum(-1),
-        overlap,
-    )
-    return RowTerms(*(torch.where(unknown, zero, t).reshape(positions) for t in terms))
+
+def _overlap(top: Tensor, log_q: Tensor) -> Tensor:
+    """Share of the teacher's top-k ids `top` `[n, K]` among the student's top-K of
+    `log_q` `[n, V]`, `[n]` (NaN for K = 0: no teacher top-k among the categories)."""
+    if not top.shape[1]:
+        return torch.full((top.shape[0],), math.nan, dtype=log_q.dtype, device=log_q.device)
+    student_top = torch.topk(log_q, top.shape[1], dim=-1).indices
+    return (top.unsqueeze(-1) == student_top.unsqueeze(-2)).any(-1).to(log_q.dtype).mean(-1)
 
 
 def _columns(

@@ -9,7 +9,7 @@ payload's.
 
 A plain class, not a dataclass or a tuple: FSDP's forward hooks look into those and cast
 their float tensors under a mixed-precision policy, and the teacher's log-probs must
-reach the loss as given (`sharded_head.py`).
+reach the loss as given (`lm_head_topk_kl.py`).
 """
 
 from __future__ import annotations

@@ -20,52 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["BodyLimitMiddleware", "HttpLimits", "LimitedH11Protocol"]
+from teacher_server.config import HttpLimits
 
-_MIB = 1024 * 1024
+__all__ = ["BodyLimitMiddleware", "LimitedH11Protocol", "uvicorn_kwargs"]
 
 
-@dataclass(frozen=True)
-class HttpLimits:
-    """The HTTP side's limits (``teacher-server serve --http-*`` flags).
-
-    ``max_header_bytes``: largest request head (request line + headers), 431 above it.
-    ``max_body_bytes``: largest request body, 413 above it.
-    ``header_timeout_s``: a request head must arrive within this (else the connection
-    is closed); ``body_timeout_s``: a request body within this (else 408).
-    ``max_connections``: connections and requests at once (uvicorn ``limit_concurrency``;
-    503 above it). ``keep_alive_s``: an idle kept-alive connection is closed after this.
-    """
-
-    max_header_bytes: int = 64 * 1024
-    max_body_bytes: int = 64 * _MIB
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    max_connections: int = 1024
-    keep_alive_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_body_bytes", "max_connections"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"http {name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"http {name}: must be > 0, got {getattr(self, name)}")
-
-    def uvicorn_kwargs(self) -> dict[str, Any]:
-        """The ``uvicorn.Config`` arguments these limits set."""
-        return {
-            "http": configure_header_timeout(self.header_timeout_s),
-            "h11_max_incomplete_event_size": self.max_header_bytes,
-            "limit_concurrency": self.max_connections,
-            "timeout_keep_alive": self.keep_alive_s,
-        }
+def uvicorn_kwargs(limits: HttpLimits) -> dict[str, Any]:
+    """The ``uvicorn.Config`` arguments ``limits`` set."""
+    return {
+        "http": configure_header_timeout(limits.header_timeout_s),
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+        "limit_concurrency": limits.max_connections,
+        "timeout_keep_alive": limits.keep_alive_s,
+    }
 
 
 class LimitedH11Protocol(H11Protocol):

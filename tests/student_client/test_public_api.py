@@ -26,8 +26,8 @@ def test_public_names_at_the_top() -> None:
     assert TeacherClient.__module__ == "student_client.clients.blocking"
     assert AsyncTeacherClient.__module__ == "student_client.clients.aio"
     assert ReplayClient.__module__ == "student_client.offline.replay_client"
-    assert topk_kl_loss.__module__ == "student_client.losses.api"
-    assert lm_head_topk_kl_loss.__module__ == "student_client.losses.sharded_head"
+    assert topk_kl_loss.__module__ == "student_client.losses.topk_kl"
+    assert lm_head_topk_kl_loss.__module__ == "student_client.losses.lm_head_topk_kl"
     assert LossOptions.__module__ == "student_client.losses.options"
     assert TeacherTargets.__module__ == "student_client.losses.teacher"
     for name in student_client.__all__:

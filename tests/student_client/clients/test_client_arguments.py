@@ -31,7 +31,7 @@ def test_token_from_a_file_loses_its_newline_with_a_warning() -> None:
     with pytest.warns(UserWarning, match="token: removed surrounding whitespace"):
         client = TeacherClient("127.0.0.1:1", token="s3cret\n")
     with client:
-        assert client._aio._metadata == (("authorization", "Bearer s3cret"),)
+        assert client._aio._targets.connecting.metadata == (("authorization", "Bearer s3cret"),)
     assert clean_token("abc") == "abc" and clean_token(None) is None
     with pytest.raises(ValueError, match="token: holds whitespace"):
         clean_token("abc def")

@@ -10,7 +10,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import TeacherClient
 from student_client.clients.multi_teacher import AsyncMultiTeacherClient, MultiTeacherClient
 from student_client.clients.routing import check_agreement
+from student_client.clients.targets import RetryPolicy
 from student_client.data.batch import ScoreBatch
 from student_client.data.payload import TeacherPayload
 from student_client.offline.dataset import PayloadDataset, collate_payloads
@@ -39,6 +40,7 @@ from topk_protocol import RequestOptions, TeacherInfo
 from topk_protocol.errors import (
     InvalidRequestError,
     NotRecordedError,
+    TeacherError,
     TeacherMismatchError,
     TeacherUnavailableError,
     VocabMismatchError,
@@ -308,7 +310,7 @@ def test_replica_sigkilled_mid_stream(
     spare = teacher_factory(_other_args(other_model))
     spans: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
     retries: list[str] = []
-    score, wait = AsyncTeacherClient.score, AsyncTeacherClient._wait
+    score, give_up = AsyncTeacherClient.score, RetryPolicy.give_up
 
     async def timed(self: AsyncTeacherClient, *args: Any, **kwargs: Any) -> TeacherPayload:
         t0 = time.monotonic()
@@ -316,14 +318,16 @@ def test_replica_sigkilled_mid_stream(
         spans["a" if len(self.targets) == 2 else "b"].append((t0, time.monotonic()))
         return out
 
-    def counted(self: AsyncTeacherClient, failures: int) -> float:
-        # Which teacher's client retried (a's has two replicas). Not the target: the
-        # fail-over may already have moved to the surviving replica when it waits.
-        retries.append("a" if len(self.targets) == 2 else "b")
-        return wait(self, failures)
+    def counted(
+        self: RetryPolicy, failures: int, last: TeacherError, targets: Sequence[str]
+    ) -> None:
+        # Which teacher's client failed a try (a's has two replicas). Not the target: the
+        # fail-over may already have moved to the surviving replica.
+        retries.append("a" if len(targets) == 2 else "b")
+        give_up(self, failures, last, targets)
 
     monkeypatch.setattr(AsyncTeacherClient, "score", timed)
-    monkeypatch.setattr(AsyncTeacherClient, "_wait", counted)
+    monkeypatch.setattr(RetryPolicy, "give_up", counted)
     batches = _heavy_batches(3, 16)
     retry_s = 1.0  # backoff_s: the first retry waits 0.5-1 s
     targets = {"a": [other_teacher.target, spare.target], "b": vllm_teacher.target}

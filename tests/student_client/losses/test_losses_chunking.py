@@ -7,7 +7,7 @@ import torch
 from losses_oracle import make_case, oracle_loss
 
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
-from student_client.losses.chunked import ChunkedSettings, chunked_topk_kl_rows
+from student_client.losses.kernels.chunked import ChunkedSettings, chunked_topk_kl_rows
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import LossMode, Reduction

@@ -21,7 +21,7 @@ from student_client.losses import (
     lm_head_topk_kl_loss,
     topk_kl_loss,
 )
-from student_client.losses.split_columns import (
+from student_client.losses.kernels.split_columns import (
     add_column_sums_,
     column_entries,
     column_sums,

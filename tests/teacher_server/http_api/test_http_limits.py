@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from recording_fakes import INFO, K, teacher_answer
 
-from teacher_server.http_api.limits import BodyLimitMiddleware, HttpLimits
+from teacher_server.config import HttpLimits
+from teacher_server.http_api.limits import BodyLimitMiddleware
 from topk_protocol.recording import RecordingWriter
 
 #: The server's ``--http-header-timeout-s`` in these tests.

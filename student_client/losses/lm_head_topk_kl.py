@@ -35,8 +35,8 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from student_client.losses.api import linear_topk_kl_loss
 from student_client.losses.input_checks import dtensor_type
+from student_client.losses.linear_topk_kl import linear_topk_kl_loss
 from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.teacher import TeacherTargets
 from student_client.losses.types import TopKKLStats
@@ -192,7 +192,7 @@ def lm_head_topk_kl_loss(
     """`topk_kl_loss(hidden @ weight.T + bias, teacher, options)` without ever forming the
     logits: the same math, options, validation, statistics and return value, with the
     logits computed chunk by chunk and multiplied straight into the gradients of
-    `hidden`, `weight` and `bias` (`fused.py`).
+    `hidden`, `weight` and `bias` (`kernels/fused.py`).
 
     Args:
         head: the lm_head: a linear layer (`weight` `[V, H]`, optional `bias` `[V]`),
@@ -228,6 +228,23 @@ def lm_head_topk_kl_loss(
         ValueError: naming the argument, for any invalid input; a sharded weight this
             cannot use (no TP group; FSDP on an ancestor module only, so the head's
             forward does not unshard it), naming the fix.
+
+    Example:
+        >>> import torch
+        >>> from student_client.losses import TeacherTargets, lm_head_topk_kl_loss
+        >>> head = torch.nn.Linear(4, 10, bias=False)  # hidden size 4, vocabulary 10
+        >>> _ = torch.nn.init.zeros_(head.weight)  # logits 0: q uniform
+        >>> hidden = torch.randn(2, 3, 4, requires_grad=True)  # [B, T, H]
+        >>> teacher = TeacherTargets(  # the teacher's top-2 at each of 2 x 3 positions
+        ...     ids=torch.tensor([0, 1]).repeat(2, 3, 1),
+        ...     logprobs=torch.tensor([0.5, 0.25]).log().repeat(2, 3, 1),
+        ... )
+        >>> loss, stats = lm_head_topk_kl_loss(head, hidden, teacher)
+        >>> round(loss.item(), 4)  # as topk_kl_loss on the logits it never formed
+        0.743
+        >>> loss.backward()
+        >>> head.weight.grad.shape, hidden.grad.shape
+        (torch.Size([10, 4]), torch.Size([2, 3, 4]))
     """
     opts = loss_options(options)
     if isinstance(head, nn.Module):

@@ -13,15 +13,13 @@ Peak extra memory: the gradient buffer (1x the logits) plus one fp32 chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from student_client.losses.divergences import Divergence
-from student_client.losses.divergences.forward_kl import ForwardKL
-from student_client.losses.functional import (
+from student_client.losses.kernels.functional import (
     GradientCoefficients,
     TeacherMass,
     VocabReductions,
@@ -29,11 +27,12 @@ from student_client.losses.functional import (
     teacher_column_gradient,
     teacher_mass,
 )
+from student_client.losses.kernels.settings import ChunkedSettings
 from student_client.losses.parallel import VocabShard, gather_columns, put_columns
 from student_client.losses.types import RowTerms
 
-# What users call lives in `sizing.py` (chunk sizes) and `api.py`; everything here (settings,
-# the autograd function, the per-chunk kernels that `fused.py` and `api.py` import by name)
+# What users call lives in `sizing.py` (chunk sizes) and `topk_kl.py`; everything here (the
+# autograd function, the per-chunk kernels that `fused.py` and the entry points import by name)
 # is this package's internals.
 __all__: list[str] = []
 
@@ -46,31 +45,6 @@ def working_dtype(dtype: torch.dtype) -> torch.dtype:
 def statistics_dtype(device: torch.device) -> torch.dtype:
     """Dtype of the per-position `[N]` / `[N, K]` math: float64 (float32 on MPS, which has none)."""
     return torch.float32 if device.type == "mps" else torch.float64
-
-
-@dataclass(frozen=True)
-class ChunkedSettings:
-    """Fixed parameters of one chunked loss call (validated by the caller).
-
-    `tail_mode`: the tail category counts (False: mode "truncated"); `actual_token`: the
-    last teacher column is the actual token's (mode "tail_actual"); `teacher_columns`: how
-    many leading columns are the teacher's top-k (the overlap statistic's; None: all the
-    support's columns).
-    """
-
-    tail_mode: bool
-    temperature: float
-    tail_mass_eps: float
-    chunk_rows: int
-    shard: VocabShard
-    overlap: bool = False
-    divergence: Divergence = field(default_factory=ForwardKL)
-    actual_token: bool = False
-    teacher_columns: int | None = None
-
-    @property
-    def inv_temperature(self) -> float:
-        return 1.0 / self.temperature
 
 
 @dataclass(frozen=True)

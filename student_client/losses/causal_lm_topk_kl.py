@@ -19,8 +19,8 @@ from typing import Any, NamedTuple, cast
 
 from torch import Tensor, nn
 
+from student_client.losses.lm_head_topk_kl import HeadCall, head_topk_kl_loss, in_fsdp_forward
 from student_client.losses.options import LossOptions, loss_options
-from student_client.losses.sharded_head import HeadCall, head_topk_kl_loss, in_fsdp_forward
 from student_client.losses.teacher import TeacherTargets
 from student_client.losses.types import TopKKLStats
 
@@ -92,6 +92,22 @@ def causal_lm_topk_kl_loss(
 
     Raises:
         ValueError: as :func:`causal_lm_hidden_and_head`.
+
+    Example:
+        >>> import torch, transformers
+        >>> from student_client.losses import TeacherTargets, causal_lm_topk_kl_loss, topk_kl_loss
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        ...     vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=2))
+        >>> inputs = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]])}
+        >>> teacher = TeacherTargets(  # the teacher's top-2 at each of 2 x 3 positions
+        ...     ids=torch.tensor([0, 1]).repeat(2, 3, 1),
+        ...     logprobs=torch.tensor([0.5, 0.25]).log().repeat(2, 3, 1),
+        ... )
+        >>> loss, stats = causal_lm_topk_kl_loss(model, inputs, teacher)
+        >>> dense, _ = topk_kl_loss(model(**inputs).logits, teacher)  # with the logits
+        >>> torch.allclose(loss, dense, rtol=1e-4)
+        True
     """
     loss, stats, _ = causal_lm_loss_and_head(model, inputs, teacher, options)
     return loss, stats

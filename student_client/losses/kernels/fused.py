@@ -37,8 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from student_client.losses.chunked import (
-    ChunkedSettings,
+from student_client.losses.kernels.chunked import (
     TeacherColumns,
     chunk_bounds,
     logit_gradient_,
@@ -47,32 +46,12 @@ from student_client.losses.chunked import (
     terms_from_reductions,
     working_dtype,
 )
-from student_client.losses.functional import GradientCoefficients, TeacherMass, teacher_mass
-from student_client.losses.gradient_sink import GradientSink
+from student_client.losses.kernels.functional import GradientCoefficients, TeacherMass, teacher_mass
+from student_client.losses.kernels.gradient_sink import GradientSink
+from student_client.losses.kernels.settings import FusedSettings
 from student_client.losses.masking import reduce_positions
-from student_client.losses.types import GradAccumulation, Reduction
 
-__all__ = ["FusedLinearTopKKLFunction", "FusedSettings"]
-
-
-@dataclass(frozen=True)
-class FusedSettings:
-    """Fixed parameters of one fused call (validated by the caller).
-
-    - `loss`: the loss math's settings; its `chunk_rows` is the fp32 sub-block's rows.
-    - `chunk_rows`: rows per chunk (one logits block, one pass of the three matmuls).
-    - `clamp_min`, `reduction`: as in `topk_kl_loss`.
-    - `grad_in_forward`: compute the gradients in forward (reductions "mean" / "sum").
-    - `needs_grad`: which of hidden, weight, bias need a gradient.
-    """
-
-    loss: ChunkedSettings
-    chunk_rows: int
-    clamp_min: float | None
-    reduction: Reduction
-    grad_in_forward: bool
-    needs_grad: tuple[bool, bool, bool]
-    accumulation: GradAccumulation = "weight"
+__all__ = ["FusedLinearTopKKLFunction"]
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
@@ -119,6 +98,18 @@ def _buffers(n_rows: int, weight: Tensor, settings: FusedSettings) -> tuple[Tens
     return block, block.new_empty((sub_rows, weight.shape[0]), dtype=work_dtype)
 
 
+def _saved_rows(n_rows: int, teacher: TeacherColumns, factory: dict[str, Any]) -> dict[str, Tensor]:
+    """What backward needs of each row, filled chunk by chunk: `[N]` row max, total,
+    coefficients, and the teacher's probabilities `[N, K']`."""
+    saved = {name: torch.empty(n_rows, **factory) for name in _SAVED[:-1]}
+    saved["teacher_probs"] = torch.empty(teacher.index.shape, **factory)
+    return saved
+
+
+#: The rows' values backward reads; the last one `[N, K']`, the others `[N]`.
+_SAVED = ("row_max", "total", "outside", "inside_extra", "teacher_probs")
+
+
 def _forward_chunks(
     hidden: Tensor,
     weight: Tensor,
@@ -139,15 +130,7 @@ def _forward_chunks(
     factory: dict[str, Any] = {"dtype": work_dtype, "device": hidden.device}
     columns = [torch.empty(n_rows, **factory) for _ in range(6)]
     clamped = torch.zeros(n_rows, dtype=torch.bool, device=hidden.device)
-    saved: dict[str, Tensor] = {}
-    if keep_for_backward:
-        saved = {
-            "row_max": torch.empty(n_rows, **factory),
-            "total": torch.empty(n_rows, **factory),
-            "outside": torch.empty(n_rows, **factory),
-            "inside_extra": torch.empty(n_rows, **factory),
-            "teacher_probs": torch.empty(teacher.index.shape, **factory),
-        }
+    saved = _saved_rows(n_rows, teacher, factory) if keep_for_backward else {}
     masses = teacher_mass(teacher.logprobs)  # once: it depends on the teacher only
     unit = torch.ones((), **factory)
     divisor = counted.sum().clamp_min(1)
@@ -182,11 +165,9 @@ def _forward_chunks(
                 inside_extra=coefficients.inside_extra.to(work_dtype),
             )
             if saved:
-                saved["row_max"][part] = chunk_pass.row_max
-                saved["total"][part] = total
-                saved["outside"][part] = coefficients_w.outside
-                saved["inside_extra"][part] = coefficients_w.inside_extra
-                saved["teacher_probs"][part] = teacher_probs
+                kept = (chunk_pass.row_max, total, *coefficients_w, teacher_probs)
+                for name, value in zip(_SAVED, kept, strict=True):
+                    saved[name][part] = value
             if sink is None:
                 continue
             logit_gradient_(

@@ -127,20 +127,15 @@ def row_terms(
         `(terms, coefficients, pull)`: `RowTerms` of `[N]` tensors (no autograd graph), the
         `GradientCoefficients` `a`, `b` and `pull` `[N, K']` (see module doc).
 
-    `1 - Q` is the sum of the student's exponentials outside the columns divided by the
-    total, so it is never formed as `1 - sum(q)` and keeps full relative precision when
-    `Q -> 1`.
+    `1 - Q` is the student's exponentials outside the columns over the total: never
+    `1 - sum(q)`, so it keeps full relative precision when `Q -> 1`.
     """
     named = teacher_logprobs.shape[-1] - (1 if actual_token else 0)
     total = reductions.sum_outside + reductions.sum_inside
-    log_student_q = reductions.teacher_logits - total.log().unsqueeze(-1)
+    log_student_q, student_q = _student_columns(reductions, total, present)
     student_tail = reductions.sum_outside / total
-    student_q = log_student_q.exp()
     probs = teacher.probs
     zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
-    if present is not None:
-        student_q = torch.where(present, student_q, zero)
-        log_student_q = torch.where(present, log_student_q, -math.inf)
     if actual_token:
         student_mass = student_q[:, :named].sum(-1)
         mass = probs[:, :named].sum(-1)
@@ -158,29 +153,17 @@ def row_terms(
         ),
         tail_mass_eps=tail_mass_eps,
     )
-    values, grad_log = divergence.terms(rows)
-    if present is not None:
-        present_columns = torch.cat([present.new_ones((present.shape[0], 1)), present], dim=-1)
-        values = torch.where(present_columns, values, zero)
-        grad_log = torch.where(present_columns, grad_log, zero)
+    values, grad_log = _category_terms(divergence, rows, present)
     frozen_tail = guard_active if tail_mode else torch.ones_like(guard_active)
     grad_log[:, TAIL] = torch.where(frozen_tail, zero, grad_log[:, TAIL])
 
     head = values[:, 1 : 1 + named].sum(-1)
     tail = values[:, TAIL] + values[:, 1 + named :].sum(-1)
-    loss = (
-        head + tail if tail_mode else head.clone()
-    )  # a tensor of its own: only `loss` carries a gradient
+    loss = head + tail if tail_mode else head.clone()  # only `loss` carries a gradient
     inside_extra = torch.where(frozen_tail, zero, -grad_log[:, TAIL] / student_tail)
     outside = -inside_extra - grad_log.sum(-1)
 
-    overlap_columns = named if teacher_columns is None else teacher_columns
-    if reductions.kth_largest is None or overlap_columns == 0:
-        overlap = torch.full_like(head, math.nan)
-    else:
-        top = reductions.teacher_logits[:, :overlap_columns]
-        inside_top = top >= reductions.kth_largest.unsqueeze(-1)
-        overlap = inside_top.to(probs.dtype).mean(-1)
+    overlap = _overlap(reductions, named if teacher_columns is None else teacher_columns, head)
     terms = RowTerms(
         loss=loss,
         head=head,
@@ -191,6 +174,42 @@ def row_terms(
     )
     coefficients = GradientCoefficients(outside=outside, inside_extra=inside_extra)
     return terms, coefficients, -grad_log[:, 1:]
+
+
+def _category_terms(
+    divergence: Divergence, rows: CoarseRows, present: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The divergence's terms and gradient w.r.t. the student's log-probs, `[N, 1 + K']`
+    each (the tail first), zero at the columns that are no category (`present` False)."""
+    values, grad_log = divergence.terms(rows)
+    if present is None:
+        return values, grad_log
+    present_columns = torch.cat([present.new_ones((present.shape[0], 1)), present], dim=-1)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return torch.where(present_columns, values, zero), torch.where(present_columns, grad_log, zero)
+
+
+def _student_columns(
+    reductions: VocabReductions, total: Tensor, present: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The student's `log q_c` and `q_c` `[N, K']` at the columns (`-inf` / 0 where a
+    column is no category), from the reductions and the row's `total` `[N]`."""
+    log_student_q = reductions.teacher_logits - total.log().unsqueeze(-1)
+    student_q = log_student_q.exp()
+    if present is not None:
+        student_q = torch.where(present, student_q, torch.zeros_like(student_q))
+        log_student_q = torch.where(present, log_student_q, -math.inf)
+    return log_student_q, student_q
+
+
+def _overlap(reductions: VocabReductions, columns: int, like: Tensor) -> Tensor:
+    """Share of the first `columns` columns (the teacher's top-k) among the student's
+    top-`columns` ids, `[N]` like `like`; NaN where unknown (no k-th largest logit
+    reduced, or no teacher columns)."""
+    if reductions.kth_largest is None or columns == 0:
+        return torch.full_like(like, math.nan)
+    top = reductions.teacher_logits[:, :columns]
+    return (top >= reductions.kth_largest.unsqueeze(-1)).to(like.dtype).mean(-1)
 
 
 def teacher_column_gradient(

@@ -3,18 +3,18 @@ chunk by chunk (docs/lm_head_loss.md, "Weight-gradient accumulation")."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from student_client.losses.chunked import chunk_bounds, working_dtype
+from student_client.losses.kernels.chunked import chunk_bounds, working_dtype
+from student_client.losses.kernels.settings import FusedSettings
+from student_client.losses.kernels.split_columns import (
+    add_column_sums_,
+    column_entries,
+    zero_columns_,
+)
 from student_client.losses.parallel import gather_columns
 from student_client.losses.sizing import FUSED_WEIGHT_SLICE_BYTES, column_batch_entries
-from student_client.losses.split_columns import add_column_sums_, column_entries, zero_columns_
-
-if TYPE_CHECKING:
-    from student_client.losses.fused import FusedSettings
 
 __all__ = ["GradientSink"]
 

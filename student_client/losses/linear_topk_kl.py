@@ -1,0 +1,90 @@
+"""`linear_topk_kl_loss`: the loss on `hidden @ weight.T + bias` without forming the
+logits (`kernels/fused.py`); the lm_head path's kernel call (`lm_head_topk_kl_loss`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from student_client.losses.input_checks import check_linear
+from student_client.losses.kernels.chunked import localized_columns, statistics_dtype
+from student_client.losses.kernels.fused import FusedLinearTopKKLFunction
+from student_client.losses.kernels.settings import FusedSettings, chunked_settings
+from student_client.losses.masking import reduce_positions, summarize
+from student_client.losses.options import LossOptions
+from student_client.losses.parallel import VocabShard
+from student_client.losses.sizing import fused_chunks
+from student_client.losses.support import TeacherRows
+from student_client.losses.teacher import TeacherTargets
+from student_client.losses.teacher_rows import teacher_rows
+from student_client.losses.types import RowTerms, TopKKLStats
+
+__all__ = ["linear_topk_kl_loss"]
+
+
+def linear_topk_kl_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    teacher: TeacherTargets,
+    opts: LossOptions,
+) -> tuple[Tensor, TopKKLStats]:
+    """`topk_kl_loss(hidden @ weight.T + bias, teacher, opts)` without ever forming the
+    logits (`kernels/fused.py`): `hidden` `[..., H]`, `weight` `[V_local, H]` (this rank's
+    vocabulary shard under `process_group`), `bias` `[V_local]` or None. The lm_head
+    path's kernel (`lm_head_topk_kl_loss`)."""
+    if not isinstance(hidden, Tensor):
+        raise ValueError(f"hidden: must be a torch.Tensor, got {type(hidden).__name__}")
+    check_linear(hidden, weight, bias)
+    shard = VocabShard.from_group(opts.process_group, weight.shape[0])
+    opts, rows = teacher_rows(hidden, teacher, opts, shard, _HIDDEN)
+    return fused_loss(hidden, weight, bias, rows, opts, shard)
+
+
+_HIDDEN = {"student_name": "hidden", "last_dim": "H"}
+
+
+def fused_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    rows_in: TeacherRows,
+    opts: LossOptions,
+    shard: VocabShard,
+) -> tuple[Tensor, TopKKLStats]:
+    """The fused kernel, reduction and statistics of validated inputs (`hidden`
+    `[..., H]`) of `linear_topk_kl_loss`, top-k or sampled."""
+    positions_shape = hidden.shape[:-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    counted = rows_in.counted
+    teacher = localized_columns(
+        rows_in.ids, rows_in.logprobs, rows_in.present, shard, statistics_dtype(hidden.device)
+    )
+    chunks = fused_chunks(
+        flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
+    )
+    grad_enabled = torch.is_grad_enabled()
+    settings = FusedSettings(
+        loss=chunked_settings(opts, shard, chunks.work_rows, rows_in.teacher_columns),
+        chunk_rows=chunks.block_rows,
+        clamp_min=opts.clamp_min,
+        reduction=opts.reduction,
+        grad_in_forward=opts.grad_in_forward,
+        accumulation=opts.grad_weight_accumulation,
+        needs_grad=(
+            grad_enabled and hidden.requires_grad,
+            grad_enabled and weight.requires_grad,
+            grad_enabled and bias is not None and bias.requires_grad,
+        ),
+    )
+    outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
+    loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
+    rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
+    if opts.reduction == "none":
+        loss = loss.reshape(positions_shape)
+    if rows_in.offset is not None:
+        offset = rows_in.offset.to(per_position.dtype)
+        per_position = per_position + offset
+        loss = loss + reduce_positions(offset, counted, opts.reduction, positions_shape)
+    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
+    return loss, stats

@@ -1,0 +1,104 @@
+"""The house rules a newcomer relies on, checked on the code itself: no import circle in
+the project's packages (type-checking imports included), and no production function over
+80 lines (docs/design.md, "House rules")."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+
+import grimp
+
+from tests.conftest import ROOT
+
+PACKAGES = ("student_client", "teacher_server", "topk_protocol", "topk_ray")
+MAX_FUNCTION_LINES = 80
+
+
+def import_circles(imports: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The import circles of a module graph (``imports[m]``: what ``m`` imports
+    directly): each strongly connected set of more than one module, or a module that
+    imports itself, sorted (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    circles: list[list[str]] = []
+    for root in sorted(imports):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(imports[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(imports.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1 or node in imports.get(node, ()):
+                    circles.append(sorted(members))
+    return sorted(circles)
+
+
+def test_the_circle_finder_finds_circles_and_nothing_else() -> None:
+    graph = {
+        "a": ["b"],
+        "b": ["c"],
+        "c": ["a", "d"],
+        "d": [],
+        "e": ["e"],
+        "f": ["d", "g"],
+        "g": ["f"],
+    }
+    assert import_circles(graph) == [["a", "b", "c"], ["e"], ["f", "g"]]
+    assert import_circles({"a": ["b"], "b": ["c"], "c": []}) == []
+
+
+def test_no_import_circle_in_the_packages() -> None:
+    """Every import counts, those under ``if TYPE_CHECKING:`` and inside functions too: a
+    circle is one either way for a reader who follows it."""
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=False)
+    imports = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    assert imports["student_client.clients.aio"]  # the graph holds the imports
+    assert import_circles(imports) == []
+
+
+def _functions(tree: ast.AST) -> Iterable[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def test_no_production_function_is_over_80_lines() -> None:
+    """Counted from ``def`` to the last line, docstring included."""
+    long = []
+    files = [f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))]
+    assert len(files) > 100
+    for path in files:
+        if "_generated" in path.parts:
+            continue
+        for fn in _functions(ast.parse(path.read_text(), str(path))):
+            assert fn.end_lineno is not None
+            lines = fn.end_lineno - fn.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {lines} lines")
+    assert long == []
