@@ -25,7 +25,6 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,12 +32,8 @@ import torch
 from typing_extensions import Unpack
 
 from student_client.clients.answer_recorder import AnswerRecorder
-from student_client.clients.channels import (
-    channel_credentials,
-    clean_token,
-    parse_targets,
-    positive,
-)
+from student_client.clients.channels import channel_credentials, parse_targets, positive
+from student_client.clients.client_options import ClientOptions, ClientSettings
 from student_client.clients.stream_loop import StreamLoop
 from student_client.clients.targets import Connecting, RetryPolicy, TargetSet
 from student_client.clients.window import Answer, DecodedStream, Outgoing, as_async
@@ -53,10 +48,8 @@ from student_client.data.batch import (
 )
 from student_client.data.payload import TeacherPayload
 from topk_protocol import (
-    DEFAULT_MAX_MESSAGE_MB,
     RequestOptions,
     TeacherInfo,
-    check_temperature,
     fits_one_message,
     pb,
     response_bytes,
@@ -109,56 +102,31 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             not serve it raises TeacherMismatchError before the first request. None: the
             teacher's own tokenizer.
 
-    Channels are opened on first use, inside the running event loop.
+    The options are held checked in :attr:`settings` (a
+    :class:`~student_client.clients.client_options.ClientSettings`, where their defaults
+    are written). Channels are opened on first use, inside the running event loop.
     """
 
-    def __init__(
-        self,
-        target: str | Sequence[str],
-        *,
-        token: str | None = None,
-        tls: bool | bytes | str | Path | None = None,
-        tls_server_name: str | None = None,
-        timeout_s: float = 120.0,
-        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
-        retries: int = 4,
-        backoff_s: float = 0.2,
-        max_backoff_s: float = 5.0,
-        expect_vocab_size: int | None = None,
-        expect_tokenizer_fingerprint: str | None = None,
-        record_to: str | Path | None = None,
-        record_compression: str = "auto",
-        record_metadata: dict[str, Any] | None = None,
-        expect_temperature: float | None = None,
-        student_tokenizer: str | None = None,
-    ) -> None:
-        self._timeout_s = positive("timeout_s", timeout_s)
-        self._student_tokenizer = student_tokenizer
-        if retries < 0:
-            raise ValueError(f"retries: must be >= 0, got {retries}")
-        if max_message_mb < 1:
-            raise ValueError(f"max_message_mb: must be >= 1, got {max_message_mb}")
-        token = clean_token(token)
-        self._max_message_bytes = int(max_message_mb) * 1024 * 1024
+    def __init__(self, target: str | Sequence[str], **options: Unpack[ClientOptions]) -> None:
+        self.settings = settings = ClientSettings(**options)
+        self._timeout_s = settings.timeout_s
+        self._student_tokenizer = settings.student_tokenizer
+        self._max_message_bytes = settings.max_message_bytes
+        token = settings.token
         connecting = Connecting(
-            credentials=channel_credentials(tls),
-            tls_server_name=tls_server_name,
+            credentials=channel_credentials(settings.tls),
+            tls_server_name=settings.tls_server_name,
             max_message_bytes=self._max_message_bytes,
             metadata=(("authorization", f"Bearer {token}"),) if token else (),
             timeout_s=self._timeout_s,
         )
-        retry = RetryPolicy(int(retries) + 1, float(backoff_s), float(max_backoff_s))
+        retry = RetryPolicy(settings.retries + 1, settings.backoff_s, settings.max_backoff_s)
         self._targets = TargetSet(parse_targets(target), connecting, retry, self._check_info)
         self.targets = self._targets.targets
         self._stream_loop = StreamLoop(self._targets, self._record_answer)
-        self._expect: dict[str, Any] = {  # TeacherInfo.check_expected's keywords
-            "vocab_size": expect_vocab_size,
-            "tokenizer_fingerprint": expect_tokenizer_fingerprint,
-            "temperature": None
-            if expect_temperature is None
-            else check_temperature(expect_temperature, "expect_temperature"),
-        }
-        self._recorder = AnswerRecorder(record_to, record_compression, record_metadata)
+        self._recorder = AnswerRecorder(
+            settings.record_to, settings.record_compression, settings.record_metadata
+        )
         self._ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
         self._closed = False
 
@@ -183,7 +151,7 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         if self._student_tokenizer is not None:  # its ids are the student tokenizer's
             info = info.for_student(self._student_tokenizer)
             msg = _as_student(msg, info)
-        info.check_expected(f"teacher {target}", **self._expect)
+        info.check_expected(f"teacher {target}", **self.settings.expected)
         return info, msg
 
     async def info(self) -> TeacherInfo:

@@ -28,7 +28,7 @@ import torch
 from typing_extensions import Unpack
 
 from student_client.clients.aio import AsyncTeacherClient
-from student_client.clients.channels import ClientOptions
+from student_client.clients.client_options import ClientOptions
 from student_client.clients.window import Answer
 from student_client.data.batch import (
     AnswerKeywords,

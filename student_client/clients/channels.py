@@ -9,7 +9,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import grpc
 
@@ -19,8 +19,6 @@ from topk_protocol.errors import (
 )
 
 __all__ = [
-    "ClientOptions",
-    "ConnectionOptions",
     "backoff_s",
     "channel_credentials",
     "clean_token",
@@ -30,34 +28,6 @@ __all__ = [
     "parse_targets",
     "positive",
 ]
-
-
-class ConnectionOptions(TypedDict, total=False):
-    """How :class:`AsyncTeacherClient` connects and retries (see there): the keywords a
-    multi-teacher client hands to each of its teachers."""
-
-    token: str | None
-    tls: bool | bytes | str | Path | None
-    tls_server_name: str | None
-    timeout_s: float
-    max_message_mb: int
-    retries: int
-    backoff_s: float
-    max_backoff_s: float
-
-
-class ClientOptions(ConnectionOptions, total=False):
-    """The keyword arguments of :class:`AsyncTeacherClient` besides ``target`` (see there),
-    which the blocking client passes on (``**options: Unpack[ClientOptions]``: listed by
-    an IDE, checked by a type checker)."""
-
-    expect_vocab_size: int | None
-    expect_tokenizer_fingerprint: str | None
-    record_to: str | Path | None
-    record_compression: str
-    record_metadata: dict[str, Any] | None
-    expect_temperature: float | None
-    student_tokenizer: str | None
 
 
 #: URL schemes people paste by habit; a gRPC target is host:port or a gRPC URI (dns:///...).

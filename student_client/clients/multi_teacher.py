@@ -32,8 +32,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from typing_extensions import Unpack
 
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.blocking import BlockingFacade
-from student_client.clients.channels import ClientOptions, ConnectionOptions
+from student_client.clients.client_options import ClientOptions, ClientSettings
 from student_client.clients.routing import check_agreement, merge_payloads, name_error, plan_routes
 from student_client.clients.window import DecodedStream, as_async
 from student_client.data.batch import (
@@ -106,27 +105,13 @@ class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
     """
 
     def __init__(
-        self,
-        teachers: Mapping[str, TeacherSpec],
-        *,
-        record_to: str | Path | None = None,
-        record_compression: str = "auto",
-        record_metadata: dict[str, Any] | None = None,
-        expect_vocab_size: int | None = None,
-        expect_tokenizer_fingerprint: str | None = None,
-        expect_temperature: float | None = None,
-        student_tokenizer: str | None = None,
-        **options: Unpack[ConnectionOptions],
+        self, teachers: Mapping[str, TeacherSpec], **options: Unpack[ClientOptions]
     ) -> None:
         if not isinstance(teachers, Mapping) or not teachers:
             raise ValueError("teachers: expected a non-empty {name: target} mapping")
         self.names = [check_teacher_name(n) for n in teachers]
-        shared = {
-            "expect_vocab_size": expect_vocab_size,
-            "expect_tokenizer_fingerprint": expect_tokenizer_fingerprint,
-            "expect_temperature": expect_temperature,
-            "record_compression": record_compression,
-        }
+        settings = ClientSettings(**options)  # checked once, for every teacher
+        record_to = settings.record_to
         self._clients: dict[str, AsyncTeacherClient] = {}
         for name, spec in teachers.items():
             own: dict[str, Any] = dict(spec) if isinstance(spec, Mapping) else {"target": spec}
@@ -140,12 +125,13 @@ class AsyncMultiTeacherClient(AsyncCloseable, DecodedStream[RoutedAnswer]):
             target = own.pop("target")
             recording = None if record_to is None else teacher_recording_path(record_to, name)
             try:
-                self._clients[name] = AsyncTeacherClient(
-                    target,
-                    **{**options, "student_tokenizer": student_tokenizer, **own, **shared},
+                teacher = replace(
+                    settings,
+                    **own,
                     record_to=recording,
-                    record_metadata={**(record_metadata or {}), "teacher": name},
+                    record_metadata={**(settings.record_metadata or {}), "teacher": name},
                 )
+                self._clients[name] = AsyncTeacherClient(target, **teacher.keywords())
             except ValueError as e:
                 raise ValueError(f"teachers[{name!r}]: {e}") from None
         if record_to is not None:

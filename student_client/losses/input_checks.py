@@ -16,6 +16,7 @@ __all__ = [
     "LOGPROB_TOLERANCE",
     "check_candidate_values",
     "check_candidates",
+    "check_counted_values",
     "check_linear",
     "check_local_tensor",
     "check_mask_values",
@@ -272,6 +273,27 @@ def check_candidates(
     assert candidate_logprobs is not None  # checked just above
     _check_int("candidate_ids", candidate_ids)
     _check_float("candidate_logprobs", candidate_logprobs)
+
+
+def check_counted_values(
+    mask: Tensor | None,
+    counted: Tensor,
+    teacher: tuple[Tensor, Tensor],
+    *,
+    candidates: tuple[Tensor, Tensor] | None,
+    actual: tuple[Tensor, Tensor] | None,
+    global_vocab: int,
+) -> None:
+    """Every value a loss reads, once: the `mask`'s, and at the counted positions
+    (`counted` bool `[N]`) the teacher's top-k `[N, K]`, the candidates `[N, C]` and the
+    actual token `[N, 1]` (each `(ids, logprobs)`; None: not used). Host syncs: the caller
+    skips this under `validate=False`."""
+    check_mask_values(mask)
+    check_teacher_values(teacher[0][counted], teacher[1][counted], global_vocab)
+    if candidates is not None:
+        check_candidate_values(candidates[0][counted], candidates[1][counted], global_vocab)
+    if actual is not None:
+        check_sampled_values(actual[0][counted], actual[1][counted], global_vocab)
 
 
 def check_candidate_values(

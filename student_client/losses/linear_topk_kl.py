@@ -9,8 +9,8 @@ from torch import Tensor
 from student_client.losses.input_checks import check_linear
 from student_client.losses.kernels.chunked import localized_columns, statistics_dtype
 from student_client.losses.kernels.fused import FusedLinearTopKKLFunction
-from student_client.losses.kernels.settings import FusedSettings, chunked_settings
-from student_client.losses.masking import reduce_positions, summarize
+from student_client.losses.kernels.settings import ChunkedSettings, FusedSettings
+from student_client.losses.masking import finish_loss
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import fused_chunks
@@ -52,8 +52,9 @@ def fused_loss(
     opts: LossOptions,
     shard: VocabShard,
 ) -> tuple[Tensor, TopKKLStats]:
-    """The fused kernel, reduction and statistics of validated inputs (`hidden`
-    `[..., H]`) of `linear_topk_kl_loss`, top-k or sampled."""
+    """The fused kernel on validated inputs (`hidden` `[..., H]`; it reduces the loss
+    itself, to compute the gradients in forward) and the step after the kernel
+    (`masking.finish_loss`); top-k or sampled."""
     positions_shape = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     counted = rows_in.counted
@@ -65,12 +66,8 @@ def fused_loss(
     )
     grad_enabled = torch.is_grad_enabled()
     settings = FusedSettings(
-        loss=chunked_settings(opts, shard, chunks.work_rows, rows_in.teacher_columns),
+        loss=ChunkedSettings(opts, shard, chunks.work_rows, rows_in.teacher_columns),
         chunk_rows=chunks.block_rows,
-        clamp_min=opts.clamp_min,
-        reduction=opts.reduction,
-        grad_in_forward=opts.grad_in_forward,
-        accumulation=opts.grad_weight_accumulation,
         needs_grad=(
             grad_enabled and hidden.requires_grad,
             grad_enabled and weight.requires_grad,
@@ -80,11 +77,12 @@ def fused_loss(
     outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
     loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
     rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
-    if opts.reduction == "none":
-        loss = loss.reshape(positions_shape)
-    if rows_in.offset is not None:
-        offset = rows_in.offset.to(per_position.dtype)
-        per_position = per_position + offset
-        loss = loss + reduce_positions(offset, counted, opts.reduction, positions_shape)
-    stats = summarize(rows, per_position, clamped, counted, overlap=opts.overlap)
-    return loss, stats
+    return finish_loss(
+        loss.reshape(positions_shape) if opts.reduction == "none" else loss,
+        rows,
+        clamped,
+        rows_in,
+        reduction=opts.reduction,
+        positions_shape=positions_shape,
+        overlap=opts.overlap,
+    )

@@ -11,14 +11,14 @@ import math
 import torch
 from torch import Tensor
 
-from student_client.losses.input_checks import check_mask_values, check_teacher_values
+from student_client.losses.support import TeacherRows
 from student_client.losses.types import STAT_FIELDS, Reduction, RowTerms, TopKKLStats
 
 __all__ = [
     "counted_positions",
+    "finish_loss",
     "masked_mean",
     "neutralize_uncounted",
-    "prepare_teacher_rows",
     "reduce_positions",
     "summarize",
 ]
@@ -99,41 +99,35 @@ def masked_mean(values: Tensor, counted: Tensor) -> Tensor:
     return kept.sum(0) / counted.sum().clamp_min(1).to(kept.dtype)
 
 
-def prepare_teacher_rows(
-    teacher_ids: Tensor,
-    teacher_logprobs: Tensor,
-    mask: Tensor | None,
+def finish_loss(
+    reduced: Tensor,
+    rows: RowTerms,
+    clamped: Tensor,
+    teacher: TeacherRows,
     *,
-    n_positions: int,
-    device: torch.device,
-    global_vocab: int,
-    validate: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Flat teacher rows ready for the kernels, and the counted positions.
+    reduction: Reduction,
+    positions_shape: torch.Size,
+    overlap: bool,
+) -> tuple[Tensor, TopKKLStats]:
+    """The step after either kernel, the same for both: the teacher's per-row offset (a
+    sampled teacher's loss value) added, and the statistics.
 
     Args:
-        teacher_ids, teacher_logprobs: `[..., K]` (shapes checked by the caller).
-        mask: `[...]` or None.
-        n_positions: `N`, the number of positions.
-        device: the student's device.
-        global_vocab: vocabulary size over all shards.
-        validate: check the values of the counted rows and of the mask (host syncs);
-            False skips them and nothing here waits for the device.
-
-    Returns:
-        `(ids [N, K], logprobs [N, K] detached, counted bool [N])`, with placeholder rows
-        where a position does not count (masked out, or a teacher row of all NaN:
-        :func:`counted_positions`).
+        reduced: the kernel rows' loss reduced over the counted positions as
+            `reduce_positions` gives it (a scalar, or `positions_shape` for "none").
+        rows: the kernel's `RowTerms` `[N]`, `loss` already clamped (inside the kernel).
+        clamped: bool `[N]`, the rows the kernel clamped.
+        teacher: the `TeacherRows` the kernel ran on (its `counted`, its `offset`).
+        reduction, positions_shape, overlap: as in `LossOptions`, the positions' shape.
     """
-    top_k = teacher_ids.shape[-1]
-    ids = teacher_ids.reshape(n_positions, top_k)
-    logprobs = teacher_logprobs.detach().reshape(n_positions, top_k)
-    counted = counted_positions(mask, n_positions, device, logprobs)
-    if validate:
-        check_mask_values(mask)
-        check_teacher_values(ids[counted], logprobs[counted], global_vocab)
-    ids, logprobs = neutralize_uncounted(ids, logprobs, counted)
-    return ids, logprobs, counted
+    per_position = rows.loss.detach()
+    loss = reduced
+    if teacher.offset is not None:
+        offset = teacher.offset.to(per_position.dtype)
+        per_position = per_position + offset
+        loss = loss + reduce_positions(offset, teacher.counted, reduction, positions_shape)
+    stats = summarize(rows, per_position, clamped, teacher.counted, overlap=overlap)
+    return loss, stats
 
 
 def summarize(

@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from student_client.losses.input_checks import check_candidate_values, check_sampled_values
 from student_client.losses.types import Support
 
 __all__ = ["TeacherRows", "first_occurrences", "support_columns"]
@@ -69,38 +68,32 @@ def support_columns(
     support: Support,
     candidates: tuple[Tensor, Tensor] | None,
     actual: tuple[Tensor, Tensor] | None,
-    global_vocab: int,
-    validate: bool,
 ) -> TeacherRows:
     """The columns of `support` (and of the actual token) for the kernels.
 
     Args:
-        teacher_ids, teacher_logprobs: the prepared teacher rows `[N, K]`
-            (`masking.prepare_teacher_rows`: placeholders where a position does not count).
+        teacher_ids, teacher_logprobs: the teacher rows `[N, K]`, placeholders where a
+            position does not count (`masking.neutralize_uncounted`).
         counted: bool `[N]`, the positions that count.
         support: "teacher", "student" or "union".
-        candidates: `(candidate_ids, candidate_logprobs)` `[..., C]` (ids -1 pad a row;
-            log-probs NaN there) for supports "student" / "union", else None.
-        actual: mode "tail_actual": `(sampled_ids, sampled_logprobs)` `[...]` (NaN: no next
-            token), else None.
-        global_vocab: vocabulary size over all shards.
-        validate: check the counted rows' candidate / actual values (host syncs).
+        candidates: `(candidate_ids, candidate_logprobs)` `[N, C]` on the rows' device
+            (ids -1 pad a row; log-probs NaN there) for supports "student" / "union", else
+            None.
+        actual: mode "tail_actual": `(sampled_ids, sampled_logprobs)` `[N, 1]` (NaN: no
+            next token), else None.
+
+    The values are checked before (`input_checks.check_counted_values`).
     """
-    n_rows = teacher_ids.shape[0]
     device = teacher_ids.device
     parts: list[tuple[Tensor, Tensor, Tensor | None]] = []
     if support != "student":
         parts.append((teacher_ids, teacher_logprobs, None))
     if support != "teacher":
-        assert candidates is not None  # validation.check_candidates
-        ids, logprobs = _flat(candidates, n_rows, candidates[0].shape[-1], device)
-        if validate:
-            check_candidate_values(ids[counted], logprobs[counted], global_vocab)
+        assert candidates is not None  # input_checks.check_candidates
+        ids, logprobs = candidates
         parts.append((ids, logprobs, (ids >= 0) & counted.unsqueeze(-1)))
     if actual is not None:
-        ids, logprobs = _flat(actual, n_rows, 1, device)
-        if validate:
-            check_sampled_values(ids[counted], logprobs[counted], global_vocab)
+        ids, logprobs = actual
         parts.append((ids, logprobs, logprobs.isfinite() & counted.unsqueeze(-1)))
     teacher_columns = teacher_ids.shape[1] if support != "student" else 0
     if len(parts) == 1 and parts[0][2] is None:
@@ -129,16 +122,4 @@ def support_columns(
         counted=counted,
         present=present,
         teacher_columns=teacher_columns,
-    )
-
-
-def _flat(
-    pair: tuple[Tensor, Tensor], n_rows: int, width: int, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """`(ids, logprobs)` `[..., width]` (or `[...]` for width 1) -> `[N, width]` on
-    `device`; the log-probs detached."""
-    ids, logprobs = pair
-    return (
-        ids.reshape(n_rows, width).to(device=device),
-        logprobs.detach().reshape(n_rows, width).to(device=device),
     )

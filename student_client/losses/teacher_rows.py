@@ -1,13 +1,22 @@
 """The teacher's rows a kernel sees: `teacher_rows` checks a `TeacherTargets` against the
-student once, then builds the loss's columns `[N, M]` (`support.py`; a sampled teacher:
-`sampled.py`). Shared by the logits path and the lm_head path."""
+student (shapes, then the counted rows' values: `input_checks.py`, once), then builds the
+loss's columns `[N, M]` (`support.py`; a sampled teacher: `sampled.py`). Shared by the
+logits path and the lm_head path."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 from torch import Tensor
 
-from student_client.losses.input_checks import check_candidates, check_sampled, check_tensors
-from student_client.losses.masking import prepare_teacher_rows
+from student_client.losses.input_checks import (
+    check_candidates,
+    check_counted_values,
+    check_sampled,
+    check_tensors,
+)
+from student_client.losses.masking import counted_positions, neutralize_uncounted
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sampled import sampled_options, sampled_rows
@@ -50,31 +59,67 @@ def teacher_rows(
         opts.support, teacher.candidate_ids, teacher.candidate_logprobs, positions, device
     )
     n_positions = student[..., 0].numel() if student.dim() else 0
-    ids, logprobs, counted = prepare_teacher_rows(
-        teacher.ids,
-        teacher.logprobs,
-        teacher.mask,
-        n_positions=n_positions,
-        device=student.device,
-        global_vocab=shard.global_vocab,
-        validate=opts.validate,
-    )
-    candidates = None
-    if opts.support != "teacher":
-        assert teacher.candidate_ids is not None and teacher.candidate_logprobs is not None
-        candidates = (teacher.candidate_ids, teacher.candidate_logprobs)
-    actual = None
-    if opts.mode == "tail_actual":
-        assert teacher.sampled_ids is not None and teacher.sampled_logprobs is not None
-        actual = (teacher.sampled_ids, teacher.sampled_logprobs)
+    flat = _flat_rows(teacher, opts, n_positions, device)
+    if opts.validate:  # the values, once, before any row is built
+        check_counted_values(
+            teacher.mask,
+            flat.counted,
+            (flat.ids, flat.logprobs),
+            candidates=flat.candidates,
+            actual=flat.actual,
+            global_vocab=shard.global_vocab,
+        )
+    ids, logprobs = neutralize_uncounted(flat.ids, flat.logprobs, flat.counted)
     rows = support_columns(
         ids,
         logprobs,
-        counted,
+        flat.counted,
         support=opts.support,
-        candidates=candidates,
-        actual=actual,
-        global_vocab=shard.global_vocab,
-        validate=opts.validate,
+        candidates=flat.candidates,
+        actual=flat.actual,
     )
     return opts, rows
+
+
+class _FlatRows(NamedTuple):
+    """A teacher value's rows as `[N, ...]` tensors on the student's device (the log-probs
+    detached), and the positions that count (`masking.counted_positions`)."""
+
+    ids: Tensor  # [N, K]
+    logprobs: Tensor  # [N, K]
+    counted: Tensor  # bool [N]
+    candidates: tuple[Tensor, Tensor] | None  # [N, C] ids and log-probs
+    actual: tuple[Tensor, Tensor] | None  # [N, 1] the actual token's id and log-prob
+
+
+def _flat_rows(
+    teacher: TeacherTargets, opts: LossOptions, n_positions: int, device: torch.device
+) -> _FlatRows:
+    """`teacher`'s rows flattened to `n_positions` (shapes checked), with the candidates
+    of supports "student" / "union" and mode "tail_actual"'s actual token."""
+    top_k = teacher.ids.shape[-1]
+    ids = teacher.ids.reshape(n_positions, top_k)
+    logprobs = teacher.logprobs.detach().reshape(n_positions, top_k)
+    candidates = None
+    if opts.support != "teacher":
+        assert teacher.candidate_ids is not None and teacher.candidate_logprobs is not None
+        pair = (teacher.candidate_ids, teacher.candidate_logprobs)
+        candidates = _flat(pair, n_positions, teacher.candidate_ids.shape[-1], device)
+    actual = None
+    if opts.mode == "tail_actual":
+        assert teacher.sampled_ids is not None and teacher.sampled_logprobs is not None
+        actual = _flat((teacher.sampled_ids, teacher.sampled_logprobs), n_positions, 1, device)
+    counted = counted_positions(teacher.mask, n_positions, device, logprobs)
+    return _FlatRows(ids, logprobs, counted, candidates, actual)
+
+
+def _flat(
+    pair: tuple[Tensor, Tensor], n_rows: int, width: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """`(ids, logprobs)` `[..., width]` (or `[...]` for width 1) -> `[N, width]` on
+    `device`; the log-probs detached."""
+    ids, logprobs = pair
+    return (
+        ids.reshape(n_rows, width).to(device=device),
+        logprobs.detach().reshape(n_rows, width).to(device=device),
+    )

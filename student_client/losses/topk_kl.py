@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from student_client.losses.kernels.chunked import chunked_topk_kl_rows
-from student_client.losses.kernels.settings import chunked_settings
-from student_client.losses.masking import reduce_positions, summarize
+from student_client.losses.kernels.settings import ChunkedSettings
+from student_client.losses.masking import finish_loss, reduce_positions
 from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import auto_chunk_rows
@@ -104,25 +103,23 @@ def topk_kl_loss(
 def chunked_loss(
     logits: Tensor, teacher: TeacherRows, opts: LossOptions, shard: VocabShard
 ) -> tuple[Tensor, TopKKLStats]:
-    """The chunked kernel, clamping, reduction and statistics of validated inputs
-    (`logits` `[..., V_local]`); shared by `topk_kl_loss` and the sampled loss."""
+    """The chunked kernel on validated inputs (`logits` `[..., V_local]`), the reduction,
+    and the step after the kernel (`masking.finish_loss`); top-k or sampled."""
     positions_shape = logits.shape[:-1]
     local_vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, local_vocab)
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
-    settings = chunked_settings(opts, shard, chunk_rows, teacher.teacher_columns)
-    rows = chunked_topk_kl_rows(
+    settings = ChunkedSettings(opts, shard, chunk_rows, teacher.teacher_columns)
+    rows, clamped = chunked_topk_kl_rows(
         flat_logits, teacher.ids, teacher.logprobs, settings, teacher.present
     )
-
-    per_position = rows.loss
-    clamped = torch.zeros_like(per_position, dtype=torch.bool)
-    if opts.clamp_min is not None:
-        clamped = per_position.detach() < opts.clamp_min
-        per_position = per_position.clamp_min(opts.clamp_min)
-    if teacher.offset is not None:
-        per_position = per_position + teacher.offset.to(per_position.dtype)
-
-    loss = reduce_positions(per_position, teacher.counted, opts.reduction, positions_shape)
-    stats = summarize(rows, per_position.detach(), clamped, teacher.counted, overlap=opts.overlap)
-    return loss, stats
+    reduced = reduce_positions(rows.loss, teacher.counted, opts.reduction, positions_shape)
+    return finish_loss(
+        reduced,
+        rows,
+        clamped,
+        teacher,
+        reduction=opts.reduction,
+        positions_shape=positions_shape,
+        overlap=opts.overlap,
+    )

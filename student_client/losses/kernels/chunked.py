@@ -312,7 +312,9 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
     """Per-position top-k KL terms with a chunked analytic backward.
 
     `apply(logits, teacher, settings)`: `logits` `[N, V_local]`; returns the six `[N]`
-    tensors of `RowTerms` in field order. Only the first (`loss`) is differentiable.
+    tensors of `RowTerms` in field order, `loss` clamped below at `settings.clamp_min`,
+    then which rows were clamped (bool `[N]`, no gradient flows through them). Only the
+    first (`loss`) is differentiable.
     """
 
     @staticmethod
@@ -344,6 +346,7 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
         terms, coefficients, teacher_probs = terms_from_reductions(
             teacher.logprobs, reductions, settings, present=teacher.present
         )
+        loss, clamped = clamp_rows(terms.loss, settings.clamp_min)
         ctx.save_for_backward(
             logits,
             teacher.index,
@@ -353,9 +356,10 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
             sum_outside + sum_inside,
             coefficients.outside.to(work_dtype),
             coefficients.inside_extra.to(work_dtype),
+            clamped,
         )
         ctx.settings = settings
-        outputs = tuple(term.to(work_dtype) for term in terms)
+        outputs = (*(term.to(work_dtype) for term in terms._replace(loss=loss)), clamped)
         ctx.mark_non_differentiable(*outputs[1:])  # only `loss` is differentiable
         return outputs
 
@@ -370,8 +374,10 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
             total,
             outside,
             inside_extra,
+            clamped,
         ) = ctx.saved_tensors
         grad_logits = None
+        grad_loss = torch.where(clamped, 0.0, grad_loss)  # a clamped row: no gradient
         if ctx.needs_input_grad[0]:
             grad_logits = _chunked_gradient(
                 logits,
@@ -407,13 +413,21 @@ def localized_columns(
     return TeacherColumns(index, owned, teacher_logprobs.to(dtype), present)
 
 
+def clamp_rows(loss: Tensor, clamp_min: float | None) -> tuple[Tensor, Tensor]:
+    """`loss` `[n]` clamped below at `clamp_min` (None: as is), and which rows were
+    (bool `[n]`; a row at the bound is not)."""
+    if clamp_min is None:
+        return loss, torch.zeros_like(loss, dtype=torch.bool)
+    return loss.clamp_min(clamp_min), loss < clamp_min
+
+
 def chunked_topk_kl_rows(
     logits: Tensor,
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
     settings: ChunkedSettings,
     present: Tensor | None = None,
-) -> RowTerms:
+) -> tuple[RowTerms, Tensor]:
     """Per-position top-k terms of already validated inputs (no masking, no reduction).
 
     Args:
@@ -426,10 +440,12 @@ def chunked_topk_kl_rows(
             repeated candidate, an actual token inside the support or unknown are absent.
 
     Returns:
-        `RowTerms` of `[N]` tensors in the working dtype; `loss` is differentiable.
+        `(rows, clamped)`: `RowTerms` of `[N]` tensors in the working dtype, `loss`
+        clamped below at `settings.clamp_min` and differentiable; which rows were clamped
+        (bool `[N]`).
     """
     teacher = localized_columns(
         teacher_ids, teacher_logprobs, present, settings.shard, statistics_dtype(logits.device)
     )
-    outputs = ChunkedTopKKLFunction.apply(logits, teacher, settings)
-    return RowTerms(*outputs)
+    *terms, clamped = ChunkedTopKKLFunction.apply(logits, teacher, settings)
+    return RowTerms(*terms), clamped

@@ -40,6 +40,7 @@ from torch import Tensor
 from student_client.losses.kernels.chunked import (
     TeacherColumns,
     chunk_bounds,
+    clamp_rows,
     logit_gradient_,
     recompute_logit_gradient_,
     reduce_chunk,
@@ -151,10 +152,7 @@ def _forward_chunks(
                 TeacherMass(*(value[part] for value in masses)),
                 present=chunk_teacher.present,
             )
-            loss = terms.loss
-            if settings.clamp_min is not None:
-                clamped[part] = loss < settings.clamp_min
-                loss = loss.clamp_min(settings.clamp_min)
+            loss, clamped[part] = clamp_rows(terms.loss, settings.loss.clamp_min)
             values = (loss, *terms[1:])
             for column, value in zip(columns, values, strict=True):
                 column[part] = value

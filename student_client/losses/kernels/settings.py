@@ -1,78 +1,90 @@
 """The fixed parameters of one kernel call: `ChunkedSettings` (the loss math, both paths)
-and `FusedSettings` (the lm_head path's chunks, reduction and gradients), both built from
-a checked `LossOptions` by `chunked_settings` / the lm_head path."""
+and `FusedSettings` (the lm_head path's chunks and gradients). Both hold the call's one
+checked `LossOptions` and read every option from it; they add only what the call itself
+decides (the vocabulary shard, chunk sizes, columns, which inputs need a gradient)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from student_client.losses.divergences import Divergence
-from student_client.losses.divergences.forward_kl import ForwardKL
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.types import GradAccumulation, Reduction
 
-__all__ = ["ChunkedSettings", "FusedSettings", "chunked_settings"]
+__all__ = ["ChunkedSettings", "FusedSettings"]
 
 
 @dataclass(frozen=True)
 class ChunkedSettings:
-    """Fixed parameters of one chunked loss call (validated by the caller).
+    """One chunked pass of the loss math: the call's checked `options` (the only copy of
+    them: mode, temperature, guard, divergence and the rest are read from it), this
+    rank's vocabulary `shard`, `chunk_rows` rows per fp32 block, and how many leading
+    columns are the teacher's top-k (`teacher_columns`, the overlap statistic's; None: all
+    the support's columns)."""
 
-    `tail_mode`: the tail category counts (False: mode "truncated"); `actual_token`: the
-    last teacher column is the actual token's (mode "tail_actual"); `teacher_columns`: how
-    many leading columns are the teacher's top-k (the overlap statistic's; None: all the
-    support's columns).
-    """
-
-    tail_mode: bool
-    temperature: float
-    tail_mass_eps: float
-    chunk_rows: int
+    options: LossOptions
     shard: VocabShard
-    overlap: bool = False
-    divergence: Divergence = field(default_factory=ForwardKL)
-    actual_token: bool = False
+    chunk_rows: int
     teacher_columns: int | None = None
+
+    @property
+    def tail_mode(self) -> bool:
+        """The tail category counts (False: mode "truncated")."""
+        return self.options.mode != "truncated"
+
+    @property
+    def actual_token(self) -> bool:
+        """The last column is the actual token's (mode "tail_actual")."""
+        return self.options.mode == "tail_actual"
+
+    @property
+    def temperature(self) -> float:
+        return float(self.options.temperature)
 
     @property
     def inv_temperature(self) -> float:
         return 1.0 / self.temperature
 
+    @property
+    def tail_mass_eps(self) -> float:
+        return float(self.options.tail_mass_eps)
+
+    @property
+    def overlap(self) -> bool:
+        return self.options.overlap
+
+    @property
+    def divergence(self) -> Divergence:
+        return self.options.resolved_divergence
+
+    @property
+    def clamp_min(self) -> float | None:
+        """Each row's loss is clamped below at this inside the kernel (no gradient
+        where it is), on both paths."""
+        return self.options.clamp_min
+
 
 @dataclass(frozen=True)
 class FusedSettings:
-    """Fixed parameters of one fused call (validated by the caller).
-
-    - `loss`: the loss math's settings; its `chunk_rows` is the fp32 sub-block's rows.
-    - `chunk_rows`: rows per chunk (one logits block, one pass of the three matmuls).
-    - `clamp_min`, `reduction`: as in `topk_kl_loss`.
-    - `grad_in_forward`: compute the gradients in forward (reductions "mean" / "sum").
-    - `needs_grad`: which of hidden, weight, bias need a gradient.
-    """
+    """One fused call: the loss math's settings `loss` (its `chunk_rows` the fp32
+    sub-block's rows; its `options` the call's, read for the clamp, the reduction and
+    the gradients' handling), `chunk_rows` rows per logits block (one pass of the three
+    matmuls), and which of hidden, weight, bias need a gradient (`needs_grad`)."""
 
     loss: ChunkedSettings
     chunk_rows: int
-    clamp_min: float | None
-    reduction: Reduction
-    grad_in_forward: bool
     needs_grad: tuple[bool, bool, bool]
-    accumulation: GradAccumulation = "weight"
 
+    @property
+    def reduction(self) -> Reduction:
+        return self.loss.options.reduction
 
-def chunked_settings(
-    opts: LossOptions, shard: VocabShard, chunk_rows: int, teacher_columns: int | None
-) -> ChunkedSettings:
-    """The loss math's settings for `opts` with `chunk_rows` rows per fp32 block, the
-    first `teacher_columns` columns the teacher's top-k (None: all)."""
-    return ChunkedSettings(
-        tail_mode=opts.mode != "truncated",
-        temperature=float(opts.temperature),
-        tail_mass_eps=float(opts.tail_mass_eps),
-        chunk_rows=chunk_rows,
-        shard=shard,
-        overlap=opts.overlap,
-        divergence=opts.resolved_divergence,
-        actual_token=opts.mode == "tail_actual",
-        teacher_columns=teacher_columns,
-    )
+    @property
+    def grad_in_forward(self) -> bool:
+        """Compute the gradients in forward (reductions "mean" / "sum")."""
+        return self.loss.options.grad_in_forward
+
+    @property
+    def accumulation(self) -> GradAccumulation:
+        return self.loss.options.grad_weight_accumulation

@@ -7,7 +7,8 @@ import torch
 from losses_oracle import make_case, oracle_loss
 
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
-from student_client.losses.kernels.chunked import ChunkedSettings, chunked_topk_kl_rows
+from student_client.losses.kernels.chunked import chunked_topk_kl_rows
+from student_client.losses.kernels.settings import ChunkedSettings
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import LossMode, Reduction
@@ -133,15 +134,10 @@ def test_gradient_has_logits_dtype_and_no_graph_through_vocab() -> None:
 
 def test_rows_function_returns_per_position_terms() -> None:
     case = make_case((6,), 30, 3, seed=14)
-    settings = ChunkedSettings(
-        tail_mode=True,
-        temperature=1.0,
-        tail_mass_eps=1e-6,
-        chunk_rows=4,
-        shard=VocabShard.from_group(None, 30),
-    )
-    rows = chunked_topk_kl_rows(case.logits, case.ids, case.logprobs, settings)
+    settings = ChunkedSettings(LossOptions(), VocabShard.from_group(None, 30), chunk_rows=4)
+    rows, clamped = chunked_topk_kl_rows(case.logits, case.ids, case.logprobs, settings)
     assert all(value.shape == (6,) for value in rows)
+    assert clamped.shape == (6,) and not clamped.any()  # no clamp_min: none clamped
     torch.testing.assert_close(rows.loss, rows.head + rows.tail)
     assert not rows.head.requires_grad
 
