@@ -1,10 +1,12 @@
 """The house rules a newcomer relies on, checked on the code itself: no import circle in
-the project's packages (type-checking imports included), and no production function over
-80 lines (docs/design.md, "House rules")."""
+the project's packages (type-checking imports included), no production function over 80
+lines, and a test file that mirrors each module of the student package, or a line in
+docs/design.md that says where it is tested (docs/design.md, "House rules")."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterable, Mapping
 
 import grimp
@@ -102,3 +104,32 @@ def test_no_production_function_is_over_80_lines() -> None:
             if lines > MAX_FUNCTION_LINES:
                 long.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {lines} lines")
     assert long == []
+
+
+#: The packages whose modules each have a mirrored test file (or a documented one).
+MIRRORED = ("student_client",)
+_ELSEWHERE = re.compile(r"^\| `([\w/]+\.py)` \| `(tests/[\w/]+\.py)` \|", re.M)
+
+
+def test_every_student_module_has_its_test_file_or_says_where() -> None:
+    """``student_client/a/b.py`` is tested in ``tests/student_client/a/test_b.py``, or
+    docs/design.md's table names the test that covers it."""
+    elsewhere = dict(_ELSEWHERE.findall((ROOT / "docs" / "design.md").read_text()))
+    assert len(elsewhere) > 10  # the table was read
+    missing, stale = [], []
+    for package in MIRRORED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            module = str(path.relative_to(ROOT))
+            mirror = (
+                ROOT / "tests" / path.parent.relative_to(ROOT) / f"test_{path.name.lstrip('_')}"
+            )
+            if mirror.exists():
+                continue
+            if module not in elsewhere:
+                missing.append(module)
+            elif not (ROOT / elsewhere[module]).exists():
+                stale.append(f"{module}: {elsewhere[module]}")
+    assert missing == [], "modules without a test file or a line in docs/design.md"
+    assert stale == [], "docs/design.md names a test file that is not there"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ServerProcess, start_server
-from test_client_live import requests_ok
+from test_aio import requests_ok
 
 from student_client.clients import window as window_mod
 from student_client.clients.aio import AsyncTeacherClient

@@ -4,7 +4,7 @@ path, tail and truncated forward KL, reverse KL on the union support, float32 an
 
 The tolerances are the CPU suite's for the same comparison (named beside each). Skipped,
 saying so, where no CUDA device is present; a GPU machine runs this file as it is
-(`benchmarks/gpu/run.sh`). The no-host-sync checks run under CUDA in `test_losses_nosync.py`.
+(`benchmarks/gpu/run.sh`). The no-host-sync checks run under CUDA in `test_no_host_sync.py`.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_logits_path_matches_the_oracle(mode: str, dtype: torch.dtype) -> None:
     reference = leaf.detach().double().requires_grad_(True)  # the same (rounded) values
     want = oracle_loss(reference, ids.cuda(), logprobs.cuda(), mode=mode, mask=mask)
     want.backward()
-    # test_losses_api (float32) and test_losses_support's bf16 logits case.
+    # test_topk_kl (float32) and test_support's bf16 logits case.
     loss_rtol, grad_rtol, grad_atol = (
         (1e-5, 1e-5, 1e-7) if dtype == torch.float32 else (1e-5, 1e-2, 2e-8)
     )
@@ -105,7 +105,7 @@ def test_fused_path_matches_the_oracle(
         references[0] @ references[1].T, ids.cuda(), logprobs.cuda(), mode=mode, mask=mask
     )
     want.backward()
-    # test_losses_fused.test_low_precision_inputs_match_oracle.
+    # kernels/test_fused.test_low_precision_inputs_match_oracle.
     rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (3e-2, 1e-2)
     torch.testing.assert_close(loss.double(), want.detach(), rtol=rtol, atol=atol)
     for leaf, reference in zip(leaves, references, strict=True):
@@ -170,7 +170,7 @@ def test_reverse_kl_on_the_union_logits_path(dtype: torch.dtype) -> None:
     reference = leaf.detach().double().cpu().requires_grad_(True)
     want = _union_reference(reference, problem)
     want.backward()
-    # test_losses_support: test_logits_path_matches_the_reference / test_logits_path_bf16.
+    # test_support: test_logits_path_matches_the_reference / test_logits_path_bf16.
     loss_rtol, grad_rtol = (2e-6, 1e-4) if dtype == torch.float32 else (1e-5, 1e-2)
     torch.testing.assert_close(loss.double().cpu(), want.detach(), rtol=loss_rtol, atol=1e-7)
     torch.testing.assert_close(_grad(leaf).cpu(), _grad(reference), rtol=grad_rtol, atol=2e-8)
@@ -189,7 +189,7 @@ def test_reverse_kl_on_the_union_fused_path(dtype: torch.dtype) -> None:
         logits64 = logits64 + (logits64.to(dtype).double() - logits64).detach()
     want = _union_reference(logits64, problem)
     want.backward()
-    # test_losses_support.test_fused_path_matches_the_reference.
+    # test_support.test_fused_path_matches_the_reference.
     rtol, grad_rtol, grad_atol = (
         (1e-5, 1e-4, 1e-6) if dtype == torch.float32 else (1e-5, 3e-2, 1e-2)
     )

@@ -16,7 +16,7 @@ from host_sync import NoHostSync
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
-from test_losses_nosync import _problem as nosync_problem
+from test_no_host_sync import _problem as nosync_problem
 
 from student_client.losses import (
     LossOptions,
@@ -333,7 +333,7 @@ def test_coarse_divergence_is_at_most_the_full_one(
 
 
 def _nosync_problem(seed: int):
-    """`test_losses_nosync`'s problem plus actual tokens (the last position has none)."""
+    """`test_no_host_sync`'s problem plus actual tokens (the last position has none)."""
     hidden, weight, ids, logprobs, mask = nosync_problem(seed)
     generator = torch.Generator().manual_seed(seed)
     sampled = torch.randint(0, weight.shape[0], mask.shape, generator=generator)

@@ -22,7 +22,7 @@ from conftest import ServerProcess, free_port, start_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
-from test_client_live import requests_ok
+from test_aio import requests_ok
 
 from devtools.tiny_model import write_tiny_model
 from student_client.clients.aio import AsyncTeacherClient

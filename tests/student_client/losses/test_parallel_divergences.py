@@ -1,6 +1,6 @@
 """Every divergence x mode vocab-parallel on real gloo process groups (2 and 4 spawned CPU
 processes), logits and fused paths, against the single-process result (as
-`test_losses_parallel.py` does for the forward KL's options). The actual tokens include
+`test_parallel.py` does for the forward KL's options). The actual tokens include
 ids at the shard borders, ids inside the top-k and rows without a next token."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from coarse_oracle import DIVERGENCE_CASES, MODES_OF
-from test_losses_parallel import _fused_loss_grads, _loss_grad, _problem
+from test_parallel import _fused_loss_grads, _loss_grad, _problem
 
 from student_client.losses import (
     get_divergence,
@@ -30,7 +30,7 @@ SCENARIOS: list[dict[str, Any]] = [
     {"chunk_size": None, "reduction": "none", "validate": False},
 ]
 CASES = [(name, params, mode) for name, params in DIVERGENCE_CASES for mode in MODES_OF[name]]
-CASES = [case for case in CASES if case[2] != "truncated"]  # covered by test_losses_parallel
+CASES = [case for case in CASES if case[2] != "truncated"]  # covered by test_parallel
 HIDDEN = 6
 
 
