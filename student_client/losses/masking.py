@@ -16,6 +16,7 @@ from student_client.losses.types import STAT_FIELDS, Reduction, RowTerms, TopKKL
 
 __all__ = [
     "counted_positions",
+    "counted_rows",
     "finish_loss",
     "masked_mean",
     "neutralize_uncounted",
@@ -69,6 +70,17 @@ def neutralize_uncounted(
     ids = torch.where(keep, teacher_ids, placeholder_ids)
     impossible = torch.full((), float("-inf"), dtype=teacher_logprobs.dtype, device=keep.device)
     return ids, torch.where(keep, teacher_logprobs, impossible)
+
+
+def counted_rows(
+    teacher_ids: Tensor, teacher_logprobs: Tensor, mask: Tensor | None, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The positions that count and the teacher rows the kernels see: `(counted` bool
+    `[N]` (:func:`counted_positions`), `ids`, `logprobs` `[N, K])` with placeholders where
+    a position does not count (:func:`neutralize_uncounted`; the counted rows as given)."""
+    counted = counted_positions(mask, teacher_ids.shape[0], device, teacher_logprobs)
+    ids, logprobs = neutralize_uncounted(teacher_ids, teacher_logprobs, counted)
+    return counted, ids, logprobs
 
 
 def _zero_uncounted(values: Tensor, counted: Tensor) -> Tensor:

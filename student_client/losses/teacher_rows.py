@@ -16,7 +16,7 @@ from student_client.losses.input_checks import (
     check_sampled,
     check_tensors,
 )
-from student_client.losses.masking import counted_positions, neutralize_uncounted
+from student_client.losses.masking import counted_rows
 from student_client.losses.options import LossOptions
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sampled import sampled_options, sampled_rows
@@ -60,20 +60,20 @@ def teacher_rows(
     )
     n_positions = student[..., 0].numel() if student.dim() else 0
     flat = _flat_rows(teacher, opts, n_positions, device)
-    if opts.validate:  # the values, once, before any row is built
+    counted, ids, logprobs = counted_rows(flat.ids, flat.logprobs, teacher.mask, device)
+    if opts.validate:  # the values a loss reads, once, before the support's columns
         check_counted_values(
             teacher.mask,
-            flat.counted,
-            (flat.ids, flat.logprobs),
+            counted,
+            (ids, logprobs),  # the counted rows as given
             candidates=flat.candidates,
             actual=flat.actual,
             global_vocab=shard.global_vocab,
         )
-    ids, logprobs = neutralize_uncounted(flat.ids, flat.logprobs, flat.counted)
     rows = support_columns(
         ids,
         logprobs,
-        flat.counted,
+        counted,
         support=opts.support,
         candidates=flat.candidates,
         actual=flat.actual,
@@ -82,12 +82,11 @@ def teacher_rows(
 
 
 class _FlatRows(NamedTuple):
-    """A teacher value's rows as `[N, ...]` tensors on the student's device (the log-probs
-    detached), and the positions that count (`masking.counted_positions`)."""
+    """A teacher value's rows as `[N, ...]` tensors (the log-probs detached; candidates
+    and actual token on the student's device)."""
 
     ids: Tensor  # [N, K]
     logprobs: Tensor  # [N, K]
-    counted: Tensor  # bool [N]
     candidates: tuple[Tensor, Tensor] | None  # [N, C] ids and log-probs
     actual: tuple[Tensor, Tensor] | None  # [N, 1] the actual token's id and log-prob
 
@@ -109,8 +108,7 @@ def _flat_rows(
     if opts.mode == "tail_actual":
         assert teacher.sampled_ids is not None and teacher.sampled_logprobs is not None
         actual = _flat((teacher.sampled_ids, teacher.sampled_logprobs), n_positions, 1, device)
-    counted = counted_positions(teacher.mask, n_positions, device, logprobs)
-    return _FlatRows(ids, logprobs, counted, candidates, actual)
+    return _FlatRows(ids, logprobs, candidates, actual)
 
 
 def _flat(
