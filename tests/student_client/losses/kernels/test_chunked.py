@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from losses_oracle import make_case, oracle_loss
 
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
 from student_client.losses.kernels.chunked import chunked_topk_kl_rows
@@ -13,6 +12,7 @@ from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
 from student_client.losses.types import LossMode, Reduction
 from tests.student_client.losses.calls import teacher_and_options
+from tests.student_client.losses.losses_oracle import make_case, oracle_loss
 
 MODES: tuple[LossMode, ...] = ("tail", "truncated")
 

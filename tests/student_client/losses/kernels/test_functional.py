@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
-from losses_oracle import analytic_gradient, full_kl, make_case, oracle_loss, oracle_rows
 
 from student_client.losses import (
     LossOptions,
@@ -19,6 +18,13 @@ from student_client.losses import (
 )
 from student_client.losses.types import LossMode
 from tests.student_client.losses.calls import teacher_and_options
+from tests.student_client.losses.losses_oracle import (
+    analytic_gradient,
+    full_kl,
+    make_case,
+    oracle_loss,
+    oracle_rows,
+)
 
 MODES: tuple[LossMode, ...] = ("tail", "truncated")
 

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from losses_oracle import oracle_loss, oracle_rows
 
 from student_client.losses import (
     LossOptions,
@@ -22,6 +21,7 @@ from student_client.losses import (
 )
 from student_client.losses.types import LossMode, Reduction
 from tests.student_client.losses.calls import teacher_and_options
+from tests.student_client.losses.losses_oracle import oracle_loss, oracle_rows
 
 LEAD, HIDDEN, VOCAB, TOP_K = (3, 47), 37, 123, 7  # N = 141: odd everywhere
 

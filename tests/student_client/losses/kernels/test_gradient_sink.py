@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from losses_oracle import oracle_loss
 
 from student_client.losses import (
     LossOptions,
@@ -18,6 +17,7 @@ from student_client.losses import (
     topk_kl_loss,
 )
 from tests.student_client.losses.calls import teacher_and_options
+from tests.student_client.losses.losses_oracle import oracle_loss
 
 ACCUMULATIONS = ("weight", "compensated", "float32")
 N_ROWS, HIDDEN, VOCAB, TOP_K = 256, 48, 300, 8

@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from losses_oracle import oracle_loss
 
 from student_client.losses import (
     LossOptions,
@@ -27,6 +26,7 @@ from student_client.losses.kernels.split_columns import (
     column_sums,
     zero_columns_,
 )
+from tests.student_client.losses.losses_oracle import oracle_loss
 
 N_ROWS, HIDDEN, VOCAB, TOP_K = 47, 37, 123, 7
 
