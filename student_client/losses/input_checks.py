@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from student_client.losses.masking import counted_rows
 from student_client.losses.types import LOSS_MODES, REDUCTIONS, SUPPORTS
+
+if TYPE_CHECKING:
+    from student_client.losses.teacher import TeacherTargets
 
 __all__ = [
     "LOGIT_DTYPES",
     "LOGPROB_TOLERANCE",
+    "CountedRows",
     "check_candidate_values",
     "check_candidates",
     "check_counted_values",
@@ -24,6 +29,7 @@ __all__ = [
     "check_sample_values",
     "check_sampled",
     "check_sampled_values",
+    "check_teacher",
     "check_teacher_values",
     "check_tensors",
     "dtensor_type",
@@ -157,6 +163,86 @@ def check_tensors(
     for name, other in others.items():
         if other is not None and other.device != logits.device:
             raise _fail(name, f"is on {other.device}, {student_name} on {logits.device}")
+
+
+class CountedRows(NamedTuple):
+    """A checked top-k teacher value's rows, flat: what the support's columns are built
+    from (`support.support_columns`). On the student's device; log-probs detached."""
+
+    counted: Tensor  # bool [N]: the positions that count (masking.counted_positions)
+    ids: Tensor  # [N, K], placeholders where a position does not count
+    logprobs: Tensor  # [N, K], -inf where a position does not count
+    candidates: tuple[Tensor, Tensor] | None  # [N, C] ids and log-probs (supports with candidates)
+    actual: tuple[Tensor, Tensor] | None  # [N, 1] the actual token's (mode "tail_actual")
+
+
+def check_teacher(
+    student: Tensor,
+    teacher: TeacherTargets,
+    *,
+    mode: str,
+    support: str,
+    validate: bool,
+    global_vocab: int,
+    names: dict[str, str],
+) -> CountedRows:
+    """Check a top-k teacher value against the student, all in this one call: types,
+    dtypes, devices and shapes (no sync), then the rows that count
+    (`masking.counted_rows`), then, with `validate`, the values a loss reads at those rows
+    only (`check_counted_values`, a few host syncs).
+
+    Args:
+        student: `[..., V_local]` logits or `[..., H]` hidden states (named by `names`,
+            `check_tensors`' keywords `student_name` / `last_dim`).
+        teacher: its `ids` / `logprobs` `[..., K]`, `mask` `[...]`; mode "tail_actual"'s
+            `sampled_ids` / `sampled_logprobs` `[...]`; supports "student" / "union"'s
+            `candidate_ids` / `candidate_logprobs` `[..., C]`.
+        mode, support, validate: as in `LossOptions`.
+        global_vocab: the whole vocabulary's size (all shards).
+    """
+    check_tensors(
+        student, teacher.ids, teacher.logprobs, teacher.mask, global_vocab=global_vocab, **names
+    )
+    positions, device = student.shape[:-1], student.device
+    check_sampled(mode, teacher.sampled_ids, teacher.sampled_logprobs, positions, device)
+    check_candidates(support, teacher.candidate_ids, teacher.candidate_logprobs, positions, device)
+    n_positions = student[..., 0].numel() if student.dim() else 0
+    top_k = teacher.ids.shape[-1]
+    logprobs = teacher.logprobs.detach().reshape(n_positions, top_k)
+    counted, ids, logprobs = counted_rows(
+        teacher.ids.reshape(n_positions, top_k), logprobs, teacher.mask, device
+    )
+    candidates = None
+    if support != "teacher":
+        assert teacher.candidate_ids is not None and teacher.candidate_logprobs is not None
+        pair = (teacher.candidate_ids, teacher.candidate_logprobs)
+        candidates = _flat(pair, n_positions, teacher.candidate_ids.shape[-1], device)
+    actual = None
+    if mode == "tail_actual":
+        assert teacher.sampled_ids is not None and teacher.sampled_logprobs is not None
+        actual = _flat((teacher.sampled_ids, teacher.sampled_logprobs), n_positions, 1, device)
+    if validate:  # the counted rows as given (the placeholders are elsewhere)
+        check_counted_values(
+            teacher.mask,
+            counted,
+            (ids, logprobs),
+            candidates=candidates,
+            actual=actual,
+            global_vocab=global_vocab,
+        )
+    return CountedRows(counted, ids, logprobs, candidates, actual)
+
+
+def _flat(
+    pair: tuple[Tensor, Tensor], n_rows: int, width: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """`(ids, logprobs)` `[..., width]` (or `[...]` for width 1) -> `[N, width]` on
+    `device`; the log-probs detached."""
+    ids, logprobs = pair
+    return (
+        ids.reshape(n_rows, width).to(device=device),
+        logprobs.detach().reshape(n_rows, width).to(device=device),
+    )
 
 
 def check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:

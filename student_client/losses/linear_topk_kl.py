@@ -7,8 +7,7 @@ import torch
 from torch import Tensor
 
 from student_client.losses.input_checks import check_linear
-from student_client.losses.kernels.chunked import localized_columns, statistics_dtype
-from student_client.losses.kernels.fused import FusedLinearTopKKLFunction
+from student_client.losses.kernels.fused import fused_topk_kl
 from student_client.losses.kernels.settings import ChunkedSettings, FusedSettings
 from student_client.losses.masking import finish_loss
 from student_client.losses.options import LossOptions
@@ -17,7 +16,7 @@ from student_client.losses.sizing import fused_chunks
 from student_client.losses.support import TeacherRows
 from student_client.losses.teacher import TeacherTargets
 from student_client.losses.teacher_rows import teacher_rows
-from student_client.losses.types import RowTerms, TopKKLStats
+from student_client.losses.types import TopKKLStats
 
 __all__ = ["linear_topk_kl_loss"]
 
@@ -52,15 +51,11 @@ def fused_loss(
     opts: LossOptions,
     shard: VocabShard,
 ) -> tuple[Tensor, TopKKLStats]:
-    """The fused kernel on validated inputs (`hidden` `[..., H]`; it reduces the loss
-    itself, to compute the gradients in forward) and the step after the kernel
+    """The fused kernel on validated inputs (`hidden` `[..., H]`; it clamps and reduces
+    the rows itself, as the chunked kernel does) and the step after the kernel
     (`masking.finish_loss`); top-k or sampled."""
     positions_shape = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    counted = rows_in.counted
-    teacher = localized_columns(
-        rows_in.ids, rows_in.logprobs, rows_in.present, shard, statistics_dtype(hidden.device)
-    )
     chunks = fused_chunks(
         flat_hidden.shape[0], weight.shape[0], weight.element_size(), weight.device, opts.chunk_size
     )
@@ -74,13 +69,16 @@ def fused_loss(
             grad_enabled and bias is not None and bias.requires_grad,
         ),
     )
-    outputs = FusedLinearTopKKLFunction.apply(flat_hidden, weight, bias, teacher, counted, settings)
-    loss, per_position, head, tail, teacher_mass, student_mass, overlap_rows, clamped = outputs
-    rows = RowTerms(per_position, head, tail, teacher_mass, student_mass, overlap_rows)
+    result = fused_topk_kl(
+        flat_hidden,
+        weight,
+        bias,
+        (rows_in.ids, rows_in.logprobs, rows_in.present),
+        rows_in.counted,
+        settings,
+    )
     return finish_loss(
-        loss.reshape(positions_shape) if opts.reduction == "none" else loss,
-        rows,
-        clamped,
+        result,
         rows_in,
         reduction=opts.reduction,
         positions_shape=positions_shape,

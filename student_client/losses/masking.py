@@ -1,7 +1,9 @@
 """Which positions count, and how per-position values become a loss and batch means.
 
 All masking of the loss package lives here: the bool mask of counted positions, the
-neutral teacher rows put at positions that do not count, the reduction and the means.
+neutral teacher rows put at positions that do not count, the reduction (and its
+gradient, which both kernels apply themselves), the means, and the one step after
+either kernel (`finish_loss`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ import torch
 from torch import Tensor
 
 from student_client.losses.support import TeacherRows
-from student_client.losses.types import STAT_FIELDS, Reduction, RowTerms, TopKKLStats
+from student_client.losses.types import (
+    STAT_FIELDS,
+    KernelResult,
+    Reduction,
+    RowTerms,
+    TopKKLStats,
+)
 
 __all__ = [
     "counted_positions",
@@ -20,7 +28,9 @@ __all__ = [
     "finish_loss",
     "masked_mean",
     "neutralize_uncounted",
+    "position_count",
     "reduce_positions",
+    "reduction_gradient",
     "summarize",
 ]
 
@@ -88,6 +98,11 @@ def _zero_uncounted(values: Tensor, counted: Tensor) -> Tensor:
     return torch.where(counted, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
+def position_count(counted: Tensor) -> Tensor:
+    """The divisor of "mean": how many positions count (bool `[N]`), at least 1 (0-dim, no sync)."""
+    return counted.sum().clamp_min(1)
+
+
 def reduce_positions(
     per_position: Tensor, counted: Tensor, reduction: Reduction, positions_shape: torch.Size
 ) -> Tensor:
@@ -95,6 +110,7 @@ def reduce_positions(
 
     Returns a scalar for "mean" (0 when nothing counts, never NaN) and "sum", and
     `positions_shape` `[...]` with zeros at positions that do not count for "none".
+    Its gradient w.r.t. each row is `reduction_gradient`'s.
     """
     values = _zero_uncounted(per_position, counted)
     if reduction == "none":
@@ -102,43 +118,61 @@ def reduce_positions(
     total = values.sum()
     if reduction == "sum":
         return total
-    return total / counted.sum().clamp_min(1).to(total.dtype)
+    return total / position_count(counted).to(total.dtype)
+
+
+def reduction_gradient(
+    upstream: Tensor, counted: Tensor, clamped: Tensor, divisor: Tensor, reduction: Reduction
+) -> Tensor:
+    """The upstream gradient of each row's loss before the clamp, `[n]`: the backward of
+    `reduce_positions` after the clamp, for the kernels that compute their gradient
+    themselves.
+
+    Args:
+        upstream: the gradient of the reduced loss: a scalar ("mean" / "sum") or `[n]`
+            ("none").
+        counted, clamped: bool `[n]`; a row that does not count or was clamped gets 0.
+        divisor: `position_count` of the whole call (read for "mean").
+        reduction: as in `LossOptions`.
+    """
+    kept = counted & ~clamped
+    scale = torch.where(kept, upstream, torch.zeros((), dtype=upstream.dtype))
+    if reduction == "mean":
+        scale = scale / divisor.to(scale.dtype)
+    return scale
 
 
 def masked_mean(values: Tensor, counted: Tensor) -> Tensor:
     """Means over the counted positions of each column of `values` `[N, C]` -> `[C]` (0 if none)."""
     kept = _zero_uncounted(values, counted.unsqueeze(-1))
-    return kept.sum(0) / counted.sum().clamp_min(1).to(kept.dtype)
+    return kept.sum(0) / position_count(counted).to(kept.dtype)
 
 
 def finish_loss(
-    reduced: Tensor,
-    rows: RowTerms,
-    clamped: Tensor,
+    result: KernelResult,
     teacher: TeacherRows,
     *,
     reduction: Reduction,
     positions_shape: torch.Size,
     overlap: bool,
 ) -> tuple[Tensor, TopKKLStats]:
-    """The step after either kernel, the same for both: the teacher's per-row offset (a
-    sampled teacher's loss value) added, and the statistics.
+    """The step after either kernel, the same for both: the loss in the positions' shape
+    ("none"), the teacher's per-row offset (a sampled teacher's loss value) added, and the
+    statistics.
 
     Args:
-        reduced: the kernel rows' loss reduced over the counted positions as
-            `reduce_positions` gives it (a scalar, or `positions_shape` for "none").
-        rows: the kernel's `RowTerms` `[N]`, `loss` already clamped (inside the kernel).
-        clamped: bool `[N]`, the rows the kernel clamped.
+        result: the kernel's `KernelResult` (its loss clamped and reduced, its rows `[N]`).
         teacher: the `TeacherRows` the kernel ran on (its `counted`, its `offset`).
         reduction, positions_shape, overlap: as in `LossOptions`, the positions' shape.
     """
-    per_position = rows.loss.detach()
-    loss = reduced
+    rows = result.rows
+    per_position = rows.loss
+    loss = result.loss.reshape(positions_shape) if reduction == "none" else result.loss
     if teacher.offset is not None:
         offset = teacher.offset.to(per_position.dtype)
         per_position = per_position + offset
         loss = loss + reduce_positions(offset, teacher.counted, reduction, positions_shape)
-    stats = summarize(rows, per_position, clamped, teacher.counted, overlap=overlap)
+    stats = summarize(rows, per_position, result.clamped, teacher.counted, overlap=overlap)
     return loss, stats
 
 

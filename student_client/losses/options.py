@@ -21,7 +21,7 @@ from student_client.losses.types import (
     Support,
 )
 
-__all__ = ["LossOptions", "loss_options"]
+__all__ = ["DEFAULT_OPTIONS", "LossOptions", "loss_options"]
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,14 @@ class LossOptions:
         return divergence
 
 
+DEFAULT_OPTIONS = LossOptions()
+"""What `options=None` means: `LossOptions()` (frozen, so one value serves every call)."""
+
+
 def loss_options(options: LossOptions | None) -> LossOptions:
-    """`options`, or `LossOptions()` for None; anything else is a ValueError."""
+    """`options`, or `DEFAULT_OPTIONS` for None; anything else is a ValueError."""
     if options is None:
-        return LossOptions()
+        return DEFAULT_OPTIONS
     if not isinstance(options, LossOptions):
         raise ValueError(f"options: must be a LossOptions, got {type(options).__name__}")
     return options

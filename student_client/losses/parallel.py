@@ -8,7 +8,7 @@ chunked loss has one code path for both cases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,12 +27,17 @@ class VocabShard:
         rank: this rank's index in `group` (0 without a group).
         world_size: number of ranks in `group` (1 without a group).
         local_vocab: `V_local`, the number of vocabulary columns on each rank.
+        global_vocab: the whole vocabulary's size, `V_local * world_size` (derived).
     """
 
     group: Any
     rank: int
     world_size: int
     local_vocab: int
+    global_vocab: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_vocab", self.local_vocab * self.world_size)
 
     @classmethod
     def from_group(cls, group: Any, local_vocab: int) -> VocabShard:
@@ -50,11 +55,6 @@ class VocabShard:
     def start(self) -> int:
         """First global id held by this rank (`v0`)."""
         return self.rank * self.local_vocab
-
-    @property
-    def global_vocab(self) -> int:
-        """Size of the whole vocabulary, `V_local * world_size`."""
-        return self.local_vocab * self.world_size
 
     @property
     def is_sharded(self) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from student_client.losses.kernels.chunked import chunked_topk_kl_rows
+from student_client.losses.kernels.chunked import chunked_topk_kl
 from student_client.losses.kernels.settings import ChunkedSettings
-from student_client.losses.masking import finish_loss, reduce_positions
+from student_client.losses.masking import finish_loss
 from student_client.losses.options import LossOptions, loss_options
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import auto_chunk_rows
@@ -103,21 +103,19 @@ def topk_kl_loss(
 def chunked_loss(
     logits: Tensor, teacher: TeacherRows, opts: LossOptions, shard: VocabShard
 ) -> tuple[Tensor, TopKKLStats]:
-    """The chunked kernel on validated inputs (`logits` `[..., V_local]`), the reduction,
-    and the step after the kernel (`masking.finish_loss`); top-k or sampled."""
+    """The chunked kernel on validated inputs (`logits` `[..., V_local]`; it clamps and
+    reduces the rows itself) and the step after the kernel (`masking.finish_loss`); top-k
+    or sampled."""
     positions_shape = logits.shape[:-1]
     local_vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, local_vocab)
     chunk_rows = opts.chunk_size if opts.chunk_size is not None else auto_chunk_rows(local_vocab)
     settings = ChunkedSettings(opts, shard, chunk_rows, teacher.teacher_columns)
-    rows, clamped = chunked_topk_kl_rows(
-        flat_logits, teacher.ids, teacher.logprobs, settings, teacher.present
+    result = chunked_topk_kl(
+        flat_logits, teacher.ids, teacher.logprobs, teacher.counted, settings, teacher.present
     )
-    reduced = reduce_positions(rows.loss, teacher.counted, opts.reduction, positions_shape)
     return finish_loss(
-        reduced,
-        rows,
-        clamped,
+        result,
         teacher,
         reduction=opts.reduction,
         positions_shape=positions_shape,

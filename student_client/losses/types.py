@@ -15,6 +15,7 @@ __all__ = [
     "STAT_FIELDS",
     "SUPPORTS",
     "GradAccumulation",
+    "KernelResult",
     "LossMode",
     "Reduction",
     "RowTerms",
@@ -64,6 +65,23 @@ class RowTerms(NamedTuple):
     teacher_mass: Tensor
     student_mass: Tensor
     overlap: Tensor
+
+
+class KernelResult(NamedTuple):
+    """What either kernel (chunked or fused) returns; the step after it
+    (`masking.finish_loss`) reads only this.
+
+    - `loss`: the rows' loss, each row clamped below at `clamp_min`, reduced over the
+      counted positions (`masking.reduce_positions`): a scalar, or `[N]` for "none".
+      The only tensor that carries a gradient.
+    - `rows`: `RowTerms` of `[N]` tensors, no gradient (`rows.loss` after the clamp,
+      before the mask).
+    - `clamped`: bool `[N]`, the rows the clamp changed (they get no gradient).
+    """
+
+    loss: Tensor
+    rows: RowTerms
+    clamped: Tensor
 
 
 STAT_FIELDS: tuple[str, ...] = (

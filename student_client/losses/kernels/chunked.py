@@ -28,8 +28,9 @@ from student_client.losses.kernels.functional import (
     teacher_mass,
 )
 from student_client.losses.kernels.settings import ChunkedSettings
+from student_client.losses.masking import position_count, reduce_positions, reduction_gradient
 from student_client.losses.parallel import VocabShard, gather_columns, put_columns
-from student_client.losses.types import RowTerms
+from student_client.losses.types import KernelResult, RowTerms
 
 # What users call lives in `sizing.py` (chunk sizes) and `topk_kl.py`; everything here (the
 # autograd function, the per-chunk kernels that `fused.py` and the entry points import by name)
@@ -309,17 +310,22 @@ def _chunked_gradient(
 
 
 class ChunkedTopKKLFunction(torch.autograd.Function):
-    """Per-position top-k KL terms with a chunked analytic backward.
+    """The chunked loss as one autograd node, with an analytic backward.
 
-    `apply(logits, teacher, settings)`: `logits` `[N, V_local]`; returns the six `[N]`
-    tensors of `RowTerms` in field order, `loss` clamped below at `settings.clamp_min`,
-    then which rows were clamped (bool `[N]`, no gradient flows through them). Only the
-    first (`loss`) is differentiable.
+    `apply(logits [N, V_local], teacher, counted [N], settings)` returns `(loss,
+    per_position, head, tail, teacher_mass, student_mass, overlap, clamped)`: `loss` the
+    rows clamped below at `settings.clamp_min` and reduced over the `counted` rows as
+    `settings.reduction` says (`[N]` for "none"), the rest `[N]` diagnostics
+    (`per_position` after the clamp; `clamped` bool). Only `loss` is differentiable.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, teacher: TeacherColumns, settings: ChunkedSettings
+        ctx: Any,
+        logits: Tensor,
+        teacher: TeacherColumns,
+        counted: Tensor,
+        settings: ChunkedSettings,
     ) -> tuple[Tensor, ...]:
         n_rows, local_vocab = logits.shape
         top_k = teacher.index.shape[1]
@@ -346,7 +352,10 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
         terms, coefficients, teacher_probs = terms_from_reductions(
             teacher.logprobs, reductions, settings, present=teacher.present
         )
-        loss, clamped = clamp_rows(terms.loss, settings.clamp_min)
+        clamped_loss, clamped = clamp_rows(terms.loss, settings.clamp_min)
+        diagnostics = [term.to(work_dtype) for term in terms._replace(loss=clamped_loss)]
+        per_position = diagnostics[0]
+        loss = reduce_positions(per_position, counted, settings.reduction, per_position.shape)
         ctx.save_for_backward(
             logits,
             teacher.index,
@@ -356,10 +365,11 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
             sum_outside + sum_inside,
             coefficients.outside.to(work_dtype),
             coefficients.inside_extra.to(work_dtype),
+            counted,
             clamped,
         )
         ctx.settings = settings
-        outputs = (*(term.to(work_dtype) for term in terms._replace(loss=loss)), clamped)
+        outputs = (loss, *diagnostics, clamped)
         ctx.mark_non_differentiable(*outputs[1:])  # only `loss` is differentiable
         return outputs
 
@@ -374,11 +384,15 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
             total,
             outside,
             inside_extra,
+            counted,
             clamped,
         ) = ctx.saved_tensors
+        settings: ChunkedSettings = ctx.settings
         grad_logits = None
-        grad_loss = torch.where(clamped, 0.0, grad_loss)  # a clamped row: no gradient
         if ctx.needs_input_grad[0]:
+            grad_rows = reduction_gradient(
+                grad_loss, counted, clamped, position_count(counted), settings.reduction
+            )
             grad_logits = _chunked_gradient(
                 logits,
                 index,
@@ -387,12 +401,13 @@ class ChunkedTopKKLFunction(torch.autograd.Function):
                 row_max,
                 total,
                 GradientCoefficients(outside=outside, inside_extra=inside_extra),
-                grad_loss,
-                ctx.settings,
+                grad_rows,
+                settings,
             )
         teacher_grad = None  # the teacher's top-k is data, not a parameter
+        counted_grad = None  # a mask
         settings_grad = None  # plain configuration
-        return grad_logits, teacher_grad, settings_grad
+        return grad_logits, teacher_grad, counted_grad, settings_grad
 
 
 def localized_columns(
@@ -421,31 +436,32 @@ def clamp_rows(loss: Tensor, clamp_min: float | None) -> tuple[Tensor, Tensor]:
     return loss.clamp_min(clamp_min), loss < clamp_min
 
 
-def chunked_topk_kl_rows(
+def chunked_topk_kl(
     logits: Tensor,
     teacher_ids: Tensor,
     teacher_logprobs: Tensor,
+    counted: Tensor,
     settings: ChunkedSettings,
     present: Tensor | None = None,
-) -> tuple[RowTerms, Tensor]:
-    """Per-position top-k terms of already validated inputs (no masking, no reduction).
+) -> KernelResult:
+    """The chunked kernel on already validated inputs.
 
     Args:
         logits: student logits `[N, V_local]` (this rank's vocab shard), float dtype.
         teacher_ids: global ids of the columns `[N, K']` (`support.py`), integer, distinct
             within a row among the `present` columns.
         teacher_logprobs: teacher log-probs `[N, K']` (`-inf` where absent).
-        settings: mode, divergence, temperature, guard, chunk rows and the vocab shard.
+        counted: bool `[N]`, the rows the reduction counts.
+        settings: the call's options, chunk rows and the vocab shard.
         present: bool `[N, K']`, the columns that are categories (None: all): a padded or
             repeated candidate, an actual token inside the support or unknown are absent.
 
     Returns:
-        `(rows, clamped)`: `RowTerms` of `[N]` tensors in the working dtype, `loss`
-        clamped below at `settings.clamp_min` and differentiable; which rows were clamped
-        (bool `[N]`).
+        A `KernelResult`: the loss clamped and reduced (differentiable), the `RowTerms` of
+        `[N]` tensors in the working dtype, which rows were clamped (bool `[N]`).
     """
     teacher = localized_columns(
         teacher_ids, teacher_logprobs, present, settings.shard, statistics_dtype(logits.device)
     )
-    *terms, clamped = ChunkedTopKKLFunction.apply(logits, teacher, settings)
-    return RowTerms(*terms), clamped
+    loss, *terms, clamped = ChunkedTopKKLFunction.apply(logits, teacher, counted, settings)
+    return KernelResult(loss, RowTerms(*terms), clamped)

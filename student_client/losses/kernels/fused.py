@@ -41,18 +41,21 @@ from student_client.losses.kernels.chunked import (
     TeacherColumns,
     chunk_bounds,
     clamp_rows,
+    localized_columns,
     logit_gradient_,
     recompute_logit_gradient_,
     reduce_chunk,
+    statistics_dtype,
     terms_from_reductions,
     working_dtype,
 )
 from student_client.losses.kernels.functional import GradientCoefficients, TeacherMass, teacher_mass
 from student_client.losses.kernels.gradient_sink import GradientSink
 from student_client.losses.kernels.settings import FusedSettings
-from student_client.losses.masking import reduce_positions
+from student_client.losses.masking import position_count, reduce_positions, reduction_gradient
+from student_client.losses.types import KernelResult, RowTerms
 
-__all__ = ["FusedLinearTopKKLFunction"]
+__all__ = ["FusedLinearTopKKLFunction", "fused_topk_kl"]
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor) -> Tensor:
@@ -65,16 +68,9 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, out: Tens
 def _row_scale(
     upstream: Tensor, clamped: Tensor, counted: Tensor, divisor: Tensor, settings: FusedSettings
 ) -> Tensor:
-    """Upstream gradient of each row's unclamped loss, divided by `T`, `[n]`.
-
-    `upstream` is `[n]` ("none") or a scalar ("mean" / "sum"); rows that do not count or
-    were clamped get 0. `divisor`: the number of counted positions of the whole call (for
-    "mean"; at least 1).
-    """
-    kept = counted & ~clamped
-    scale = torch.where(kept, upstream, torch.zeros((), dtype=upstream.dtype))
-    if settings.reduction == "mean":
-        scale = scale / divisor.to(scale.dtype)
+    """Upstream gradient of each row's unclamped loss (`masking.reduction_gradient`),
+    divided by `T`, `[n]`."""
+    scale = reduction_gradient(upstream, counted, clamped, divisor, settings.reduction)
     return scale * settings.loss.inv_temperature
 
 
@@ -134,7 +130,7 @@ def _forward_chunks(
     saved = _saved_rows(n_rows, teacher, factory) if keep_for_backward else {}
     masses = teacher_mass(teacher.logprobs)  # once: it depends on the teacher only
     unit = torch.ones((), **factory)
-    divisor = counted.sum().clamp_min(1)
+    divisor = position_count(counted)
 
     block_buffer, work_buffer = _buffers(n_rows, weight, settings)
     for rows in chunk_bounds(n_rows, settings.chunk_rows):
@@ -280,7 +276,7 @@ def _recomputed_gradients(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Backward of the recompute mode: the chunk logits again, then the same gradient."""
     hidden, weight, bias, index, owned, counted, clamped = saved[:7]
-    divisor = counted.sum().clamp_min(1)
+    divisor = position_count(counted)
     scale = _row_scale(
         grad_loss.to(working_dtype(weight.dtype)), clamped, counted, divisor, settings
     )
@@ -319,3 +315,34 @@ def _backward_chunks(
             if work is not logits:
                 logits.copy_(work)
         sink.add_chunk(rows, block, hidden[rows])
+
+
+def fused_topk_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    teacher: tuple[Tensor, Tensor, Tensor | None],
+    counted: Tensor,
+    settings: FusedSettings,
+) -> KernelResult:
+    """The fused kernel on already validated inputs, the chunked kernel's counterpart
+    (`chunked.chunked_topk_kl`).
+
+    Args:
+        hidden: `[N, H]`.
+        weight: this rank's `[V_local, H]`; `bias` `[V_local]` or None.
+        teacher: the columns `(ids [N, K'], logprobs [N, K'], present [N, K'] | None)`
+            (`support.py`).
+        counted: bool `[N]`, the rows the reduction counts.
+        settings: the call's options, chunk rows, vocab shard and needed gradients.
+
+    Returns:
+        A `KernelResult` (the loss clamped and reduced, differentiable w.r.t. `hidden`,
+        `weight`, `bias`).
+    """
+    ids, logprobs, present = teacher
+    shard = settings.loss.shard
+    columns = localized_columns(ids, logprobs, present, shard, statistics_dtype(hidden.device))
+    outputs = FusedLinearTopKKLFunction.apply(hidden, weight, bias, columns, counted, settings)
+    loss, *terms, clamped = outputs
+    return KernelResult(loss, RowTerms(*terms), clamped)

@@ -59,6 +59,11 @@ class ChunkedSettings:
         return self.options.resolved_divergence
 
     @property
+    def reduction(self) -> Reduction:
+        """How the kernel reduces its rows' loss (`masking.reduce_positions`)."""
+        return self.options.reduction
+
+    @property
     def clamp_min(self) -> float | None:
         """Each row's loss is clamped below at this inside the kernel (no gradient
         where it is), on both paths."""
@@ -78,7 +83,7 @@ class FusedSettings:
 
     @property
     def reduction(self) -> Reduction:
-        return self.loss.options.reduction
+        return self.loss.reduction
 
     @property
     def grad_in_forward(self) -> bool:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
 from losses_oracle import make_case, oracle_loss, oracle_rows
 
+import student_client.losses as losses_package
 from student_client.losses import (
     LossOptions,
     TeacherTargets,
@@ -303,3 +308,57 @@ def test_stats_are_plain_python_numbers(case) -> None:
     assert math.isnan(without_overlap.overlap)  # not computed unless asked for
     assert without_overlap.loss == stats.loss
     assert 0.0 < stats.teacher_mass <= 1.0 + 1e-6
+
+
+def _module_stops(call: Callable[[], object], kernel: str) -> list[str]:
+    """The losses' modules a call enters on its way into the module `kernel` (relative
+    path), in order: one entry per call from one module of the package into another,
+    recorded by a profile hook (no timing)."""
+    root = Path(losses_package.__file__).parent
+
+    def module_of(frame: FrameType | None) -> str | None:
+        if frame is None or not frame.f_code.co_filename.startswith(str(root)):
+            return None
+        return str(Path(frame.f_code.co_filename).relative_to(root))
+
+    stops: list[str] = []
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event != "call" or (stops and stops[-1] == kernel):
+            return
+        callee, caller = module_of(frame), module_of(frame.f_back)
+        if callee is not None and caller is not None and callee != caller:
+            stops.append(callee)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return stops
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        None,
+        LossOptions(mode="tail_actual", support="union", overlap=True),
+        LossOptions(mode="truncated", clamp_min=0.0, reduction="none"),
+    ],
+    ids=["default", "tail_actual-union", "truncated-clamped"],
+)
+def test_options_reach_the_kernel_through_each_module_once(options: LossOptions | None) -> None:
+    case = make_case((2, 3), 16, 4, seed=21)
+    positions = case.ids.shape[:-1]
+    teacher = TeacherTargets(
+        case.ids,
+        case.logprobs,
+        sampled_ids=torch.zeros(positions, dtype=torch.int64),
+        sampled_logprobs=torch.full(positions, -3.0),
+        candidate_ids=torch.arange(3).repeat(*positions, 1),
+        candidate_logprobs=torch.full((*positions, 3), -4.0),
+    )
+    stops = _module_stops(lambda: topk_kl_loss(case.logits, teacher, options), "kernels/chunked.py")
+    assert stops[-1] == "kernels/chunked.py"
+    assert "input_checks.py" in stops and "support.py" in stops
+    assert len(stops) == len(set(stops)), f"a module entered twice on the way: {stops}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
-from student_client.losses.kernels.chunked import chunked_topk_kl_rows
+from student_client.losses.kernels.chunked import chunked_topk_kl
 from student_client.losses.kernels.settings import ChunkedSettings
 from student_client.losses.parallel import VocabShard
 from student_client.losses.sizing import DEFAULT_CHUNK_BYTES, auto_chunk_rows
@@ -132,14 +132,20 @@ def test_gradient_has_logits_dtype_and_no_graph_through_vocab() -> None:
     assert logits.grad.dtype == torch.bfloat16
 
 
-def test_rows_function_returns_per_position_terms() -> None:
+def test_kernel_returns_the_reduced_loss_and_per_position_terms() -> None:
     case = make_case((6,), 30, 3, seed=14)
     settings = ChunkedSettings(LossOptions(), VocabShard.from_group(None, 30), chunk_rows=4)
-    rows, clamped = chunked_topk_kl_rows(case.logits, case.ids, case.logprobs, settings)
+    counted = torch.tensor([True, True, False, True, True, True])
+    logits = case.logits.detach().requires_grad_()
+    result = chunked_topk_kl(logits, case.ids, case.logprobs, counted, settings)
+    rows, clamped = result.rows, result.clamped
     assert all(value.shape == (6,) for value in rows)
     assert clamped.shape == (6,) and not clamped.any()  # no clamp_min: none clamped
     torch.testing.assert_close(rows.loss, rows.head + rows.tail)
-    assert not rows.head.requires_grad
+    assert not rows.loss.requires_grad and not rows.head.requires_grad
+    # "mean" over the counted rows, as masking.reduce_positions gives it
+    torch.testing.assert_close(result.loss, rows.loss[counted].mean())
+    assert result.loss.requires_grad
 
 
 def test_chunk_sizes_agree_to_rounding_for_rows_longer_than_torch_grain() -> None:
