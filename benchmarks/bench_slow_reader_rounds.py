@@ -84,7 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="pause the canary for this long after each kill (the server goes idle)",
     )
+    ap.add_argument(
+        "--gdb-trim",
+        action="store_true",
+        help="diagnosis (needs gdb and ptrace rights): after the last round, call "
+        "malloc_trim(0) in vLLM's engine-core and worker processes and print the RSS again",
+    )
     return ap
+
+
+def gdb_trim(pid: int) -> None:
+    """Call glibc's ``malloc_trim(0)`` in every vLLM process under ``pid`` through gdb."""
+    for child in psutil.Process(pid).children(recursive=True):
+        if _kind(child) != "other":
+            subprocess.run(
+                ["gdb", "-p", str(child.pid), "-batch", "-ex", "call (int) malloc_trim(0)"],
+                capture_output=True,
+                timeout=120,
+                check=False,
+            )
 
 
 def _kind(proc: psutil.Process) -> str:
@@ -115,21 +133,38 @@ def largest_anonymous_mapping(pid: int) -> tuple[float, float]:
     return best
 
 
+def resident_kinds(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB of a process (``RssAnon``, ``RssFile`` +
+    ``RssShmem`` of ``/proc/PID/status``): the first is what it allocated, the second the
+    pages of its libraries and files it has touched (bounded by their sizes)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile", "RssShmem"):
+            fields[name] = int(value.split()[0]) / 1024
+    return fields.get("RssAnon", 0.0), fields.get("RssFile", 0.0) + fields.get("RssShmem", 0.0)
+
+
 def tree_rss(pid: int) -> dict[str, float]:
     """RSS in MiB of the server process, vLLM's engine-core and worker processes, the
-    tree (every descendant included)."""
+    tree (every descendant included); ``<kind>_anon`` / ``<kind>_file`` split each of the
+    three into anonymous and file-backed pages."""
     root = psutil.Process(pid)
     out = {"server": root.memory_info().rss / MIB, "EngineCore": 0.0, "Worker": 0.0}
+    out["server_anon"], out["server_file"] = resident_kinds(pid)
     total = out["server"]
     for child in root.children(recursive=True):
         try:
             rss = child.memory_info().rss / MIB
-        except psutil.Error:
+            anon, file = resident_kinds(child.pid)
+        except (psutil.Error, OSError):
             continue
         total += rss
         kind = _kind(child)
         if kind in out:
             out[kind] += rss
+            out[f"{kind}_anon"] = out.get(f"{kind}_anon", 0.0) + anon
+            out[f"{kind}_file"] = out.get(f"{kind}_file", 0.0) + file
         if kind == "Worker":
             out["kv_size"], out["kv_resident"] = largest_anonymous_mapping(child.pid)
     out["tree"] = total
@@ -214,9 +249,16 @@ def _slow_clients(server: TeacherProcess, a: argparse.Namespace, r: int) -> list
     ]
 
 
+def _split(rss: dict[str, float], kind: str) -> str:
+    """``total (anonymous + file)`` MiB of one process kind."""
+    anon, file = rss.get(f"{kind}_anon", 0.0), rss.get(f"{kind}_file", 0.0)
+    return f"{rss[kind]:,.0f} ({anon:,.0f} + {file:,.0f})"
+
+
 def _row(label: str, rss: dict[str, float], g: dict[str, float], base: dict[str, float]) -> str:
     return (
-        f"| {label} | {rss['server']:,.0f} | {rss['EngineCore']:,.0f} | {rss['Worker']:,.0f} "
+        f"| {label} | {_split(rss, 'server')} | {_split(rss, 'EngineCore')} "
+        f"| {_split(rss, 'Worker')} "
         f"| {rss.get('kv_resident', 0):,.0f} of {rss.get('kv_size', 0):,.0f} "
         f"| {rss['tree']:,.0f} ({rss['tree'] - base['tree']:+,.0f}) | "
         f"{g['shared_rows_mib']:.1f} | {g['in_flight']:.0f} / {g['queued']:.0f} |"
@@ -234,7 +276,8 @@ def main() -> None:
             with Canary(server.target) as canary:
                 time.sleep(5)
                 base = tree_rss(server.proc.pid)
-                print("| when | server MiB | EngineCore | Worker | Worker's largest anonymous "
+                print("| when | server MiB (anonymous + file) | EngineCore | Worker | Worker's "
+                      "largest anonymous "
                       "mapping (KV cache), resident of size | tree (vs baseline) | "
                       "shared rows MiB | in flight / queued |")  # fmt: skip
                 print("|---|---:|---:|---:|---:|---:|---:|---|")
@@ -260,6 +303,12 @@ def main() -> None:
                     lat = canary.take()
                     canary_rows.append((r, np.median(lat) * 1e3, max(lat), len(lat)))
                     sys.stdout.flush()
+                if a.gdb_trim:
+                    gdb_trim(server.proc.pid)
+                    rss = tree_rss(server.proc.pid)
+                    print(
+                        _row("malloc_trim(0) in vLLM's processes", rss, gauges(server.http), base)
+                    )
             print()
             print("| round | canary calls | p50 ms | slowest s |")
             print("|---:|---:|---:|---:|")
