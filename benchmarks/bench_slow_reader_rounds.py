@@ -133,41 +133,50 @@ def largest_anonymous_mapping(pid: int) -> tuple[float, float]:
     return best
 
 
-def resident_kinds(pid: int) -> tuple[float, float]:
-    """(anonymous, file-backed) resident MiB of a process (``RssAnon``, ``RssFile`` +
-    ``RssShmem`` of ``/proc/PID/status``): the first is what it allocated, the second the
-    pages of its libraries and files it has touched (bounded by their sizes)."""
-    fields = {}
+def resident_kinds(pid: int) -> dict[str, float]:
+    """Resident MiB of a process by kind (``/proc/PID/status``, ``smaps_rollup``): ``anon``
+    (what it allocated), ``file`` (pages of its libraries and files, bounded by their
+    sizes), ``shm`` (shared memory: vLLM's message queues between its processes, counted
+    in each process that maps them) and ``pss`` (its proportional share: every shared
+    page divided among the processes that map it, so a sum over processes counts it
+    once)."""
+    names = {"RssAnon": "anon", "RssFile": "file", "RssShmem": "shm"}
+    out = dict.fromkeys(("anon", "file", "shm", "pss"), 0.0)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("RssAnon", "RssFile", "RssShmem"):
-            fields[name] = int(value.split()[0]) / 1024
-    return fields.get("RssAnon", 0.0), fields.get("RssFile", 0.0) + fields.get("RssShmem", 0.0)
+        if name in names:
+            out[names[name]] = int(value.split()[0]) / 1024
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            out["pss"] = int(line.split()[1]) / 1024
+    return out
 
 
 def tree_rss(pid: int) -> dict[str, float]:
     """RSS in MiB of the server process, vLLM's engine-core and worker processes, the
-    tree (every descendant included); ``<kind>_anon`` / ``<kind>_file`` split each of the
-    three into anonymous and file-backed pages."""
+    tree (every descendant included); ``<kind>_anon`` / ``_file`` / ``_shm`` split each of
+    the three (:func:`resident_kinds`); ``tree_pss`` the tree with shared pages once."""
     root = psutil.Process(pid)
     out = {"server": root.memory_info().rss / MIB, "EngineCore": 0.0, "Worker": 0.0}
-    out["server_anon"], out["server_file"] = resident_kinds(pid)
-    total = out["server"]
+    kinds = resident_kinds(pid)
+    out.update({f"server_{k}": v for k, v in kinds.items()})
+    total, pss = out["server"], kinds["pss"]
     for child in root.children(recursive=True):
         try:
             rss = child.memory_info().rss / MIB
-            anon, file = resident_kinds(child.pid)
+            kinds = resident_kinds(child.pid)
         except (psutil.Error, OSError):
             continue
         total += rss
+        pss += kinds["pss"]
         kind = _kind(child)
         if kind in out:
             out[kind] += rss
-            out[f"{kind}_anon"] = out.get(f"{kind}_anon", 0.0) + anon
-            out[f"{kind}_file"] = out.get(f"{kind}_file", 0.0) + file
+            for k, v in kinds.items():
+                out[f"{kind}_{k}"] = out.get(f"{kind}_{k}", 0.0) + v
         if kind == "Worker":
             out["kv_size"], out["kv_resident"] = largest_anonymous_mapping(child.pid)
-    out["tree"] = total
+    out["tree"], out["tree_pss"] = total, pss
     return out
 
 
@@ -250,9 +259,9 @@ def _slow_clients(server: TeacherProcess, a: argparse.Namespace, r: int) -> list
 
 
 def _split(rss: dict[str, float], kind: str) -> str:
-    """``total (anonymous + file)`` MiB of one process kind."""
-    anon, file = rss.get(f"{kind}_anon", 0.0), rss.get(f"{kind}_file", 0.0)
-    return f"{rss[kind]:,.0f} ({anon:,.0f} + {file:,.0f})"
+    """``total (anonymous + file + shared memory)`` MiB of one process kind."""
+    parts = (rss.get(f"{kind}_{k}", 0.0) for k in ("anon", "file", "shm"))
+    return f"{rss[kind]:,.0f} ({' + '.join(f'{v:,.0f}' for v in parts)})"
 
 
 def _row(label: str, rss: dict[str, float], g: dict[str, float], base: dict[str, float]) -> str:
@@ -260,8 +269,20 @@ def _row(label: str, rss: dict[str, float], g: dict[str, float], base: dict[str,
         f"| {label} | {_split(rss, 'server')} | {_split(rss, 'EngineCore')} "
         f"| {_split(rss, 'Worker')} "
         f"| {rss.get('kv_resident', 0):,.0f} of {rss.get('kv_size', 0):,.0f} "
-        f"| {rss['tree']:,.0f} ({rss['tree'] - base['tree']:+,.0f}) | "
+        f"| {rss['tree']:,.0f} ({rss['tree'] - base['tree']:+,.0f}) "
+        f"| {rss['tree_pss']:,.0f} ({rss['tree_pss'] - base['tree_pss']:+,.0f}) | "
         f"{g['shared_rows_mib']:.1f} | {g['in_flight']:.0f} / {g['queued']:.0f} |"
+    )
+
+
+def _summary(name: str, after: list[float], base: float, settle: float, target: float) -> str:
+    """One line: ``after`` (MiB, one per round) against ``base``, and their slope."""
+    over = [t - base for t in after]
+    slope = float(np.polyfit(np.arange(1, len(after) + 1), after, 1)[0]) if len(after) > 1 else 0.0
+    return (
+        f"{name} {settle:g} s after each kill vs the baseline ({base:,.0f} MiB): "
+        f"{', '.join(f'{d:+.0f}' for d in over)} MiB; worst {max(over):+.0f} "
+        f"(target within {target:g}); slope over the rounds {slope:+.2f} MiB/round"
     )
 
 
@@ -276,13 +297,13 @@ def main() -> None:
             with Canary(server.target) as canary:
                 time.sleep(5)
                 base = tree_rss(server.proc.pid)
-                print("| when | server MiB (anonymous + file) | EngineCore | Worker | Worker's "
-                      "largest anonymous "
-                      "mapping (KV cache), resident of size | tree (vs baseline) | "
+                print("| when | server MiB (anonymous + file + shared memory) | EngineCore "
+                      "| Worker | Worker's largest anonymous mapping (KV cache), resident of "
+                      "size | tree RSS (vs baseline) | tree PSS (vs baseline) | "
                       "shared rows MiB | in flight / queued |")  # fmt: skip
-                print("|---|---:|---:|---:|---:|---:|---:|---|")
+                print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
                 print(_row("baseline", base, gauges(server.http), base), flush=True)
-                after: list[float] = []
+                after: list[dict[str, float]] = []
                 canary_rows = []
                 for r in range(1, a.rounds + 1):
                     canary.take()
@@ -299,7 +320,7 @@ def main() -> None:
                         time.sleep(max(0.0, t_kill + s - time.monotonic()))
                         rss = tree_rss(server.proc.pid)
                         print(_row(f"round {r}, kill + {s:g} s", rss, gauges(server.http), base))
-                    after.append(rss["tree"])
+                    after.append(rss)
                     lat = canary.take()
                     canary_rows.append((r, np.median(lat) * 1e3, max(lat), len(lat)))
                     sys.stdout.flush()
@@ -314,15 +335,9 @@ def main() -> None:
             print("|---:|---:|---:|---:|")
             for r, p50, worst, n in canary_rows:
                 print(f"| {r} | {n} | {p50:.1f} | {worst:.2f} |")
-            rounds = np.arange(1, len(after) + 1)
-            slope = float(np.polyfit(rounds, after, 1)[0]) if len(after) > 1 else 0.0
-            over = [t - base["tree"] for t in after]
             print()
-            print(
-                f"tree RSS {settle[-1]:g} s after each kill vs the baseline ({base['tree']:,.0f} "
-                f"MiB): {', '.join(f'{d:+.0f}' for d in over)} MiB; worst {max(over):+.0f} "
-                f"(target within {a.target_mib:g}); slope over the rounds {slope:+.2f} MiB/round"
-            )
+            for key, name in (("tree", "tree RSS"), ("tree_pss", "tree PSS")):
+                print(_summary(name, [r[key] for r in after], base[key], settle[-1], a.target_mib))
         finally:
             server.stop()
 

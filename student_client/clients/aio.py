@@ -109,16 +109,13 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
 
     def __init__(self, target: str | Sequence[str], **options: Unpack[ClientOptions]) -> None:
         self.settings = settings = ClientSettings(**options)
-        self._timeout_s = settings.timeout_s
-        self._student_tokenizer = settings.student_tokenizer
-        self._max_message_bytes = settings.max_message_bytes
         token = settings.token
         connecting = Connecting(
             credentials=channel_credentials(settings.tls),
             tls_server_name=settings.tls_server_name,
-            max_message_bytes=self._max_message_bytes,
+            max_message_bytes=settings.max_message_bytes,
             metadata=(("authorization", f"Bearer {token}"),) if token else (),
-            timeout_s=self._timeout_s,
+            timeout_s=settings.timeout_s,
         )
         retry = RetryPolicy(settings.retries + 1, settings.backoff_s, settings.max_backoff_s)
         self._targets = TargetSet(parse_targets(target), connecting, retry, self._check_info)
@@ -148,8 +145,9 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         recorded with."""
         info = TeacherInfo.from_message(msg)
         info.check_schema()
-        if self._student_tokenizer is not None:  # its ids are the student tokenizer's
-            info = info.for_student(self._student_tokenizer)
+        student = self.settings.student_tokenizer
+        if student is not None:  # its ids are the student tokenizer's
+            info = info.for_student(student)
             msg = _as_student(msg, info)
         info.check_expected(f"teacher {target}", **self.settings.expected)
         return info, msg
@@ -170,13 +168,14 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         its answer into (it travels with the request's answer, nowhere else)."""
         item = batch if isinstance(batch, ScoreBatch) else ScoreBatch(batch)
         asked = item.request_options(options)
-        if self._student_tokenizer is not None:
-            if asked.student_tokenizer not in (None, self._student_tokenizer):
+        student = self.settings.student_tokenizer
+        if student is not None:
+            if asked.student_tokenizer not in (None, student):
                 raise ValueError(
                     f"student_tokenizer: the request names {asked.student_tokenizer!r}, this "
-                    f"client sends {self._student_tokenizer!r} ids"
+                    f"client sends {student!r} ids"
                 )
-            asked = replace(asked, student_tokenizer=self._student_tokenizer)
+            asked = replace(asked, student_tokenizer=student)
         self._recorder.check(asked)  # refused before the teacher works, by name
         request, layout = build_aligned_request(
             item.sequences,
@@ -187,10 +186,10 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             candidate_ids=item.candidate_ids,
         )
         size = request.ByteSize()
-        if size > self._max_message_bytes:  # gRPC would refuse it with a bare status
+        if size > self.settings.max_message_bytes:  # gRPC would refuse it with a bare status
             raise ResourceExhaustedError(
                 f"request: {size} bytes (token ids and candidate ids) exceeds the client's "
-                f"max_message_mb {self._max_message_bytes >> 20} MiB; split the batch",
+                f"max_message_mb {self.settings.max_message_bytes >> 20} MiB; split the batch",
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
         return request, layout, asked
@@ -201,7 +200,7 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
         return align(answer.response.payload(device), answer.layout)
 
     def _deadline(self, timeout_s: float | None) -> float:
-        return self._timeout_s if timeout_s is None else positive("timeout_s", timeout_s)
+        return self.settings.timeout_s if timeout_s is None else positive("timeout_s", timeout_s)
 
     async def score(
         self,
@@ -255,7 +254,8 @@ class AsyncTeacherClient(AsyncCloseable, DecodedStream[Answer]):
             return Answer(asm, layout)
 
         info = await targets.call(targets.fetch_info, targets.next_index())
-        limit = min(self._max_message_bytes, info.max_message_bytes or self._max_message_bytes)
+        ours = self.settings.max_message_bytes
+        limit = min(ours, info.max_message_bytes or ours)
         if not fits_one_message(
             response_bytes(request, info.vocab_size, asked), len(request.sequences), limit
         ):
