@@ -538,7 +538,7 @@ def test_trainer_routes_by_column_and_logs_per_teacher(
             logits[rows],
             TeacherTargets(payload.ids[rows], payload.logprobs[rows], mask=payload.mask[rows]),
         )
-        return float(value)
+        return float(value.detach())
 
     assert first["kd_loss"] == pytest.approx(loss(list(range(4))), abs=1e-5)
     for name in set(names):
