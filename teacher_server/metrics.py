@@ -12,8 +12,9 @@ from prometheus_client.registry import Collector
 
 from teacher_server.alignment import RowKind
 from teacher_server.backends.base import ComputeCounts
+from teacher_server.process_memory import tree_resident_bytes
 
-__all__ = ["ComputeCollector", "TeacherMetrics"]
+__all__ = ["ComputeCollector", "ProcessMemoryCollector", "TeacherMetrics"]
 
 
 class ComputeCollector(Collector):
@@ -57,6 +58,24 @@ class ComputeCollector(Collector):
             "Cached tokens / engine tokens since start-up (0 to 1; 0 before any request).",
             value=c.cached_tokens / c.tokens if c.tokens else 0.0,
         )
+
+
+class ProcessMemoryCollector(Collector):
+    """Resident bytes of the server's process tree by process and kind
+    (:mod:`teacher_server.process_memory`), read from ``/proc`` at every scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "topk_teacher_process_resident_bytes",
+            "Resident bytes of the server's process tree, by process (server, engine_core, "
+            "worker: vLLM's; other) and kind (anonymous; file: libraries, shared with "
+            "other processes; shared: shared memory such as vLLM's message queues, mapped "
+            "by the engine core and the worker both, so counted in each).",
+            labels=["process", "kind"],
+        )
+        for (process, kind), value in sorted(tree_resident_bytes().items()):
+            family.add_metric([process, kind], value)
+        yield family
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -140,6 +159,7 @@ class TeacherMetrics:
             "gRPC (slow readers' answers), summed over the streams.",
             registry=self.registry,
         )
+        self.registry.register(ProcessMemoryCollector())
 
     def watch_compute(self, counts: ComputeCounts | None) -> None:
         """Export a backend's compute counts (:class:`ComputeCollector`); None: nothing."""
