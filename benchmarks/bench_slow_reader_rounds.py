@@ -40,6 +40,7 @@ import psutil
 
 from devtools.launch import TeacherProcess, start_teacher
 from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
+from teacher_server.process_memory import process_label, resident_bytes
 from topk_protocol import build_request, pb_grpc
 
 MIB = 1024 * 1024
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 def gdb_trim(pid: int) -> None:
     """Call glibc's ``malloc_trim(0)`` in every vLLM process under ``pid`` through gdb."""
     for child in psutil.Process(pid).children(recursive=True):
-        if _kind(child) != "other":
+        if _kind(child, pid) != "other":
             subprocess.run(
                 ["gdb", "-p", str(child.pid), "-batch", "-ex", "call (int) malloc_trim(0)"],
                 capture_output=True,
@@ -105,14 +106,14 @@ def gdb_trim(pid: int) -> None:
             )
 
 
-def _kind(proc: psutil.Process) -> str:
-    """``EngineCore`` or ``Worker`` (vLLM names its processes ``VLLM::EngineCore`` and
-    ``VLLM::Worker``), else ``other``."""
-    try:
-        name = proc.name()
-    except psutil.Error:
-        return "other"
-    return next((k for k in ("EngineCore", "Worker") if k in name), "other")
+#: ``process_memory.process_label``'s names of vLLM's processes -> this table's columns.
+_COLUMNS = {"engine_core": "EngineCore", "worker": "Worker"}
+
+
+def _kind(proc: psutil.Process, root: int) -> str:
+    """``EngineCore`` or ``Worker`` (by vLLM's process titles, as ``/metrics`` names
+    them), else ``other``."""
+    return _COLUMNS.get(process_label(proc.pid, root), "other")
 
 
 def largest_anonymous_mapping(pid: int) -> tuple[float, float]:
@@ -134,18 +135,14 @@ def largest_anonymous_mapping(pid: int) -> tuple[float, float]:
 
 
 def resident_kinds(pid: int) -> dict[str, float]:
-    """Resident MiB of a process by kind (``/proc/PID/status``, ``smaps_rollup``): ``anon``
-    (what it allocated), ``file`` (pages of its libraries and files, bounded by their
-    sizes), ``shm`` (shared memory: vLLM's message queues between its processes, counted
-    in each process that maps them) and ``pss`` (its proportional share: every shared
-    page divided among the processes that map it, so a sum over processes counts it
-    once)."""
-    names = {"RssAnon": "anon", "RssFile": "file", "RssShmem": "shm"}
-    out = dict.fromkeys(("anon", "file", "shm", "pss"), 0.0)
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in names:
-            out[names[name]] = int(value.split()[0]) / 1024
+    """Resident MiB of a process by kind: ``anon``, ``file``, ``shm`` (the split
+    ``/metrics`` exports, :func:`teacher_server.process_memory.resident_bytes`: shared
+    memory is counted in each process that maps it) and ``pss`` (``smaps_rollup``: every
+    shared page divided among the processes that map it, so a sum counts it once)."""
+    kinds = resident_bytes(pid)
+    labels = {"anon": "anonymous", "file": "file", "shm": "shared"}
+    out = {short: kinds.get(label, 0) / MIB for short, label in labels.items()}
+    out["pss"] = 0.0
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         if line.startswith("Pss:"):
             out["pss"] = int(line.split()[1]) / 1024
@@ -169,7 +166,7 @@ def tree_rss(pid: int) -> dict[str, float]:
             continue
         total += rss
         pss += kinds["pss"]
-        kind = _kind(child)
+        kind = _kind(child, pid)
         if kind in out:
             out[kind] += rss
             for k, v in kinds.items():
