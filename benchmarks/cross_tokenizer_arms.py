@@ -27,6 +27,7 @@ import torch
 
 from student_client.data.payload import TeacherPayload
 from student_client.losses import LossOptions, TeacherTargets, topk_kl_loss
+from student_client.losses.types import LossMode
 
 __all__ = [
     "ARMS",
@@ -96,12 +97,12 @@ def masked_rows(payload: TeacherPayload) -> torch.Tensor:
 
 
 def topk_tail_kl(
-    logits: torch.Tensor, ids: torch.Tensor, payload: TeacherPayload, mode: str = "tail"
+    logits: torch.Tensor, ids: torch.Tensor, payload: TeacherPayload, mode: LossMode = "tail"
 ) -> torch.Tensor:
     """The tail-aware top-k forward KL of ``logits`` ``[B, S, V]`` against ``payload``
     (mean over the rows it answers; masked rows skipped). ``ids`` ``[B, S]``: the batch's
     tokens, whose next one is the actual token of mode "tail_actual". Scalar."""
-    options = LossOptions(mode=mode, chunk_size=CHUNK_ROWS)  # type: ignore[arg-type]
+    options = LossOptions(mode=mode, chunk_size=CHUNK_ROWS)
     targets = TeacherTargets.from_payload(payload, input_ids=ids)
     loss, _ = topk_kl_loss(logits, targets, options)
     return loss
