@@ -39,8 +39,8 @@ __all__ = [
     "topk_tail_kl",
 ]
 
-#: Arm letter -> what its student learns from besides the text's cross-entropy (b: the
-#: cross-entropy alone; f: the teacher term alone).
+#: Arm letter -> its teacher signal, which a, c and d add to the text's cross-entropy (b:
+#: the cross-entropy alone; e, as TRL ships GOLD, and f: the teacher term alone).
 ARMS: dict[str, str] = {
     "a": "same tokenizer as the teacher, served top-k + tail (upper bound)",
     "b": "cross-entropy on the text alone (floor)",
