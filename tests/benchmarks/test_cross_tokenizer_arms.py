@@ -148,3 +148,12 @@ def test_nats_per_byte_does_not_depend_on_the_batching() -> None:
     many = nats_per_byte(model, seqs, lengths, batch=8)
     assert many == pytest.approx(one, rel=1e-5)
     assert model.training  # restored
+
+
+def test_the_modules_example_runs() -> None:
+    import doctest
+
+    import benchmarks.cross_tokenizer_arms as arms
+
+    result = doctest.testmod(arms)
+    assert result.attempted >= 3 and result.failed == 0
