@@ -64,6 +64,7 @@ from benchmarks.cross_tokenizer_arms import (
     nats_per_byte,
     topk_tail_kl,
 )
+from benchmarks.seed_cells import mean_and_range
 from examples.cross_tokenizer import student_model, text_windows
 from examples.data import load_stdlib_corpus, split_documents
 from student_client.data.payload import TeacherPayload
@@ -300,13 +301,6 @@ def _teacher_seconds(arm: str, signals: SeedSignals, gold: GoldLoss | None) -> f
     return 0.0 if arm == "b" else signals.cross_s
 
 
-def _cell(values: list[float]) -> str:
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return f"{mean:.4f}"
-    return f"{mean:.4f} ({min(values):.4f}-{max(values):.4f})"
-
-
 def _by_arm(runs: list[RunResult], pair: str) -> dict[str, list[RunResult]]:
     out: dict[str, list[RunResult]] = {}
     for r in runs:
@@ -330,7 +324,7 @@ def format_table(
         lines += [
             f"**{pair}**: masked rows {100 * float(np.nanmean(masked)):.1f}% of the served "
             f"rows; the teacher {references.get(pair, float('nan')):.4f} nats/byte, an "
-            f"untrained student {_cell(untrained)}.",
+            f"untrained student {mean_and_range(untrained, 4)}.",
             "",
             "| arm | signal | held-out nats/byte | vs (b) | teacher s/run | train s/run |",
             "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -344,7 +338,7 @@ def format_table(
                 else f"{np.mean(final) - np.mean([r.heldout[-1] for r in ce]):+.4f}"
             )
             lines.append(
-                f"| ({arm}) | {ARMS[arm]} | {_cell(final)} | {delta} "
+                f"| ({arm}) | {ARMS[arm]} | {mean_and_range(final, 4)} | {delta} "
                 f"| {np.mean([r.teacher_s for r in rs]):.1f} "
                 f"| {np.mean([r.train_s for r in rs]):.1f} |"
             )

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.seed_cells import mean_and_range
 from examples.distill import EvalResult
 from examples.onpolicy import OnPolicyConfig, OnPolicyResult, run_onpolicy
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
@@ -180,13 +181,6 @@ def _evaluate_snapshot(student: Any, teacher_dir: Path, cfg: OnPolicyConfig) -> 
     return evaluate_with_onpolicy(student, teacher, heldout, prompts, cfg.response)
 
 
-def _cell(values: list[float], digits: int = 3) -> str:
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def _per_token(runs: list[GroupRun]) -> str:
     computed = sum(r.result.teacher_positions_computed for r in runs)
     tokens = sum(r.result.full_rows for r in runs)
@@ -214,10 +208,10 @@ def format_table(pairs: list[tuple[OnPolicyConfig, GroupRun, GroupRun]]) -> str:
 
     def row(name: str, steps: list[int], cpu: list[float], ev: list[EvalResult], ratio: str) -> str:
         return (
-            f"| {name} | {_steps(steps)} | {_cell(cpu, 1) if cpu else ''} | {ratio} "
-            f"| {_cell([e.kl_teacher_student for e in ev])} "
-            f"| {_cell([e.kl_student_teacher for e in ev])} "
-            f"| {_cell([e.onpolicy_kl for e in ev])} |"
+            f"| {name} | {_steps(steps)} | {mean_and_range(cpu, 1) if cpu else ''} | {ratio} "
+            f"| {mean_and_range([e.kl_teacher_student for e in ev])} "
+            f"| {mean_and_range([e.kl_student_teacher for e in ev])} "
+            f"| {mean_and_range([e.onpolicy_kl for e in ev])} |"
         )
 
     def ratio(runs: list[GroupRun]) -> str:

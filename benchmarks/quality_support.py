@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.seed_cells import mean_and_range
 from examples.distill import EvalResult
 from examples.onpolicy import OnPolicyConfig, OnPolicyResult, bytes_per_row, run_onpolicy
 from examples.teacher_pretrain import DEFAULT_CACHE_DIR
@@ -78,14 +79,6 @@ def _load(path: Path, cfg: OnPolicyConfig) -> OnPolicyResult | None:
     )
 
 
-def _cell(values: list[float]) -> str:
-    """The mean, and the range over seeds when there are several."""
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return f"{mean:.3f}"
-    return f"{mean:.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def format_table(runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]]) -> str:
     """The markdown table: one row per (divergence, support), the seeds' mean (range)."""
     first = runs[0][0][0]
@@ -103,10 +96,10 @@ def format_table(runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]]) -> str
         "| divergence | support | KL(teacher \\|\\| student) | KL(student \\|\\| teacher) "
         "| on-policy KL(student \\|\\| teacher) | student CE | bytes/row up | bytes/row down |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| (untrained) | | {_cell([b.kl_teacher_student for b in befores])} "
-        f"| {_cell([b.kl_student_teacher for b in befores])} "
-        f"| {_cell([b.onpolicy_kl for b in befores])} "
-        f"| {_cell([b.student_ce for b in befores])} | | |",
+        f"| (untrained) | | {mean_and_range([b.kl_teacher_student for b in befores])} "
+        f"| {mean_and_range([b.kl_student_teacher for b in befores])} "
+        f"| {mean_and_range([b.onpolicy_kl for b in befores])} "
+        f"| {mean_and_range([b.student_ce for b in befores])} | | |",
     ]
     for seeds_of_row in runs:
         cfg = seeds_of_row[0][0]
@@ -117,10 +110,11 @@ def format_table(runs: list[list[tuple[OnPolicyConfig, OnPolicyResult]]]) -> str
         up = bytes_per_row(results[0].request_bytes, results[0].response_rows)
         down = bytes_per_row(results[0].payload_bytes, results[0].response_rows)
         lines.append(
-            f"| {name} | {cfg.support} | {_cell([r.after.kl_teacher_student for r in results])} "
-            f"| {_cell([r.after.kl_student_teacher for r in results])} "
-            f"| {_cell([r.after.onpolicy_kl for r in results])} "
-            f"| {_cell([r.after.student_ce for r in results])} | {up:.1f} | {down:.1f} |"
+            f"| {name} | {cfg.support} "
+            f"| {mean_and_range([r.after.kl_teacher_student for r in results])} "
+            f"| {mean_and_range([r.after.kl_student_teacher for r in results])} "
+            f"| {mean_and_range([r.after.onpolicy_kl for r in results])} "
+            f"| {mean_and_range([r.after.student_ce for r in results])} | {up:.1f} | {down:.1f} |"
         )
     return "\n".join(lines)
 
