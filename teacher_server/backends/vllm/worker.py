@@ -33,8 +33,10 @@ append each request's candidate log-probs to its log-prob rows, gathered from th
 ``[N, V]`` log-probs as the top-k (:mod:`teacher_server.backends.vllm.candidates`).
 
 **Memory.** :meth:`TeacherWorkerExtension.topk_distill_malloc_trim` hands the freed heap
-memory of the worker's process back to the OS (:mod:`teacher_server.malloc_trim`); the
-server calls it once it has been idle for ``--memory-trim-idle-s``.
+memory of the worker's process back to the OS (:mod:`teacher_server.malloc_trim`) and the
+pages of vLLM's shared-memory message queues that hold no unread message
+(:mod:`teacher_server.backends.vllm.message_queue_pages`); the server calls it once it
+has been quiet for ``--memory-trim-idle-s``.
 """
 
 from __future__ import annotations
@@ -224,11 +226,15 @@ class TeacherWorkerExtension:
         return install(getattr(worker, "model_runner", None))
 
     def topk_distill_malloc_trim(self) -> int:
-        """``malloc_trim(0)`` in this worker's process; returns the resident bytes given
-        back."""
+        """Give memory back: the pages of vLLM's shared-memory message queues that hold
+        no unread message (:mod:`teacher_server.backends.vllm.message_queue_pages`),
+        then ``malloc_trim(0)`` in this worker's process; returns the bytes given back."""
+        from teacher_server.backends.vllm.message_queue_pages import (
+            release_message_queue_pages,
+        )
         from teacher_server.malloc_trim import malloc_trim
 
-        return malloc_trim()
+        return release_message_queue_pages() + malloc_trim()
 
 
 #: Method names called on every worker with ``collective_rpc``.
