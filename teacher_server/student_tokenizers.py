@@ -41,11 +41,11 @@ from teacher_server.alignment import (
     token_bytes,
 )
 from teacher_server.alignment.rows import student_rows, teacher_candidates, teacher_span
-from teacher_server.backends.base import tokenizer_fingerprint
 from teacher_server.config import STUDENT_TOKENIZER_FLAG, student_tokenizer_spec
 from teacher_server.validation import Limits, ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, pb
 from topk_protocol.errors import InvalidRequestError
+from topk_protocol.info import tokenizer_fingerprint
 
 __all__ = ["AlignedSequence", "StudentTokenizer", "StudentTokenizers"]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from topk_protocol._generated import teacher_pb2 as pb
 from topk_protocol.codec import DTYPE_NAMES, ENCODING_NAMES, SCHEMA_VERSION, dtype_name
@@ -10,7 +13,16 @@ from topk_protocol.errors import TeacherError, TeacherMismatchError, VocabMismat
 from topk_protocol.fingerprint import AnswerFingerprint
 from topk_protocol.temperature import DEFAULT_TEACHER_TEMPERATURE, teacher_temperature
 
-__all__ = ["StudentTokenizerInfo", "TeacherInfo"]
+__all__ = ["StudentTokenizerInfo", "TeacherInfo", "tokenizer_fingerprint"]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 (hex) of a tokenizer's token -> id map (``tokenizer.get_vocab()``), which is
+    what must match between a teacher and its student: what a teacher announces as
+    :attr:`TeacherInfo.tokenizer_fingerprint`, and what a student computes to compare."""
+    vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

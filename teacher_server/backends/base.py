@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import abc
 import argparse
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -31,7 +29,6 @@ __all__ = [
     "gather_candidates",
     "sampled_arrays",
     "sampled_from_logprobs",
-    "tokenizer_fingerprint",
     "topk_from_logprobs",
 ]
 
@@ -202,14 +199,6 @@ class Backend(abc.ABC):
         With ``sequence.candidate_ids`` (``[S, C]``; only when ``info.max_candidates``
         allows): ``candidate_ids`` as given and ``candidate_logprobs`` ``[S, C]`` from the
         same log-softmax as the top-k (:func:`gather_candidates`)."""
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 (hex) of the tokenizer's token -> id map, which is what must match between
-    a teacher and its student."""
-    vocab = tokenizer.get_vocab()
-    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def topk_from_logprobs(

@@ -21,7 +21,6 @@ from teacher_server.backends.base import (
     ModelFlags,
     gather_candidates,
     sampled_from_logprobs,
-    tokenizer_fingerprint,
     topk_from_logprobs,
 )
 from teacher_server.backends.cpu_dtype import CpuDtype, cpu_dtype_for
@@ -29,6 +28,7 @@ from teacher_server.config import ServerConfig
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
 from topk_protocol.checks import MAX_SAMPLES
+from topk_protocol.info import tokenizer_fingerprint
 
 __all__ = ["TransformersBackend"]
 

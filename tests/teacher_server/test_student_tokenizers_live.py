@@ -390,8 +390,8 @@ def test_a_recording_of_a_student_tokenizers_answers_replays(
     option: replay answers the same rows (masked ones NaN as sent), refuses a request in
     the teacher's own ids and a student expecting the teacher's tokenizer, by name."""
     from student_client.offline.replay_client import ReplayClient
-    from teacher_server.backends.base import tokenizer_fingerprint
     from topk_protocol.errors import NotRecordedError, VocabMismatchError
+    from topk_protocol.info import tokenizer_fingerprint
 
     student_tok = _tokenizer(student_dir)
     seqs = _student_batch(student_tok)

@@ -36,18 +36,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from teacher_server.backends.base import (
-    Backend,
-    BackendInfo,
-    ComputeCounts,
-    tokenizer_fingerprint,
-)
+from teacher_server.backends.base import Backend, BackendInfo, ComputeCounts
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
 from teacher_server.backends.vllm import array_logprobs as vllm_arrays
 from teacher_server.backends.vllm import hooks, topk_choice
 from teacher_server.backends.vllm import sampled_draws as vllm_sampling
 from teacher_server.backends.vllm.candidates import extra_args
+from teacher_server.backends.vllm.engine_core_plugin import ENGINE_CORE_TRIM_METHOD
 from teacher_server.backends.vllm.engine_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
 from teacher_server.backends.vllm.prefix import (
@@ -73,6 +69,7 @@ from teacher_server.lifecycle import ENGINE_SHUTDOWN_S
 from teacher_server.validation import ParsedSequence
 from topk_protocol import RequestOptions, SequenceArrays, check_temperature
 from topk_protocol.checks import MAX_SAMPLES
+from topk_protocol.info import tokenizer_fingerprint
 
 __all__ = ["NO_ENGINE_ENV", "VLLMBackend", "flat_to_topk"]
 
@@ -131,6 +128,8 @@ class VLLMBackend(Backend):
         self.engine_topk_reason = ""
         self._temperature = check_temperature(temperature, "teacher_temperature")
         self._own_extension = not (engine_kwargs or {}).get("worker_extension_cls")
+        #: False once the engine core could not trim (the plugin not loaded): not asked again.
+        self._engine_core_trims = True
         if not self._own_extension and (self._temperature != 1.0 or engine_topk == KERNEL):
             raise ValueError(
                 "worker_extension_cls: the teacher temperature and engine_topk kernel need "
@@ -357,13 +356,35 @@ class VLLMBackend(Backend):
             self.compute.set_shared_row_bytes(0)
 
     async def trim_memory(self) -> int:
-        """``malloc_trim`` every worker's process (the model, its buffers: where the
-        engine's memory is) between engine steps; the bytes given back, summed.
-        0 when the worker extension slot is the caller's."""
-        if self._engine is None or not self._own_extension:
+        """Give memory back between engine steps, in every worker's process (the model,
+        its buffers: glibc's free memory and the pages of vLLM's message queues; skipped
+        when the worker extension slot is the caller's) and in the engine core's
+        (:mod:`teacher_server.backends.vllm.engine_core_plugin`); the bytes, summed."""
+        if self._engine is None:
             return 0
-        answers = await self._engine.collective_rpc(MALLOC_TRIM_METHOD)
-        return sum(int(a) for a in answers)
+        given = 0
+        if self._own_extension:
+            answers = await self._engine.collective_rpc(MALLOC_TRIM_METHOD)
+            given += sum(int(a) for a in answers)
+        return given + await self._trim_engine_core()
+
+    async def _trim_engine_core(self) -> int:
+        """``malloc_trim`` in the engine-core process; 0, logged once, where vLLM did not
+        load this project's plugin (not installed as a package, or left out by
+        ``VLLM_PLUGINS``)."""
+        if self._engine is None or not self._engine_core_trims:
+            return 0
+        try:
+            return int(await self._engine.engine_core.call_utility_async(ENGINE_CORE_TRIM_METHOD))
+        except Exception as exc:  # vLLM answers a missing method with a plain Exception
+            self._engine_core_trims = False
+            log.warning(
+                "the engine core's memory is not trimmed (%s): vLLM did not load the "
+                "plugin topk_distill_engine_core (is topk-distill installed as a package, "
+                "and named in VLLM_PLUGINS where that is set?)",
+                exc,
+            )
+            return 0
 
     async def close(self) -> None:
         if self._engine is not None:

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -247,12 +248,34 @@ def _wait_for(condition: Any, what: str, safety_s: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+def _message_queue_bytes(server_pid: int) -> int:
+    """Bytes of shared memory that hold pages in vLLM's message queues between its engine
+    core and its worker: the ``/dev/shm`` files the worker (the server's largest
+    descendant) maps, each counted once."""
+    worker = max(
+        psutil.Process(server_pid).children(recursive=True), key=lambda c: c.memory_info().rss
+    )
+    files = {
+        line.split()[-1]
+        for line in Path(f"/proc/{worker.pid}/maps").read_text().splitlines()
+        if "/dev/shm/" in line
+    }
+    return sum(os.stat(f).st_blocks * 512 for f in files if os.path.exists(f))
+
+
+#: What vLLM's message queues may hold once trimmed: the pages of the trim's own call and
+#: answer (a chunk each: the one message not yet read when the trim ran), with room.
+QUEUES_TRIMMED_BYTES = 256 * 1024
+
+
 @pytest.mark.vllm
 def test_a_killed_slow_reader_leaves_no_stream_state_behind(vllm_teacher) -> None:  # type: ignore[no-untyped-def]
     """A client that sends requests and reads nothing is SIGKILLed with answers waiting for
     it: the server lets go of its stream's state (the budget, the answers reserved and not
     sent; counted by the objects still alive, ``topk_teacher_streams_open``) and of those
-    bytes (``topk_teacher_stream_unsent_bytes``), and keeps serving."""
+    bytes (``topk_teacher_stream_unsent_bytes``), and keeps serving. Once it is quiet, the
+    pages the stream's answers left in vLLM's shared-memory message queues go too
+    (``teacher_server.backends.vllm.message_queue_pages``)."""
     server = vllm_teacher
     _wait_for(lambda: _stream_state(server.http) == (0.0, 0.0), "no stream open before")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -268,10 +291,15 @@ def test_a_killed_slow_reader_leaves_no_stream_state_behind(vllm_teacher) -> Non
             lambda: _stream_state(server.http)[0] == 1 and _stream_state(server.http)[1] > 0,
             "the slow stream holds answers its client has not read",
         )
+        assert _message_queue_bytes(server.proc.pid) > 4 * QUEUES_TRIMMED_BYTES
     finally:
         client.send_signal(signal.SIGKILL)
         client.wait()
     _wait_for(lambda: _stream_state(server.http) == (0.0, 0.0), "the stream's state released")
+    _wait_for(
+        lambda: _message_queue_bytes(server.proc.pid) <= QUEUES_TRIMMED_BYTES,
+        "the message queues' pages given back once quiet",
+    )
     with TeacherClient(server.target) as good:
         tokens = np.random.default_rng(0).integers(0, 512, 64).astype(np.int32)
         assert good.score([tokens], 16).ids.shape[-1] == 16
