@@ -50,6 +50,7 @@ import torch
 
 from benchmarks.bench_teacher import ROOT, _stop, _wait_http, add_workload_args, workload
 from devtools.launch import free_port, start_teacher
+from devtools.vllm_alias import vllm_alias
 from student_client.integrations.trl_client import TRLTeacherClient
 
 #: The engine settings of every server here (those of benchmarks/bench_teacher.py).
@@ -65,15 +66,6 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
 TEMPERATURES = (1.0, 2.0)
 
 Result = dict[str, list[Any]]
-
-
-def vllm_alias(tmp: Path) -> Path:
-    """A directory holding a metadata-only ``vllm-<version>+cpu.dist-info``."""
-    version = importlib.metadata.version("vllm-cpu")
-    info = tmp / "vllm-alias" / f"vllm-{version}+cpu.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
-    return info.parent
 
 
 def _timed(call: Callable[[], Result], reps: int) -> tuple[float, Result]:
@@ -226,7 +218,7 @@ def run_trl_serve(
         "--dtype", "float32", "--max_model_len", "4096", "--max-num-batched-tokens", "16384",
     ]  # fmt: skip
     path = os.environ.get("PYTHONPATH", "")
-    env = {**os.environ, **ENV, "PYTHONPATH": f"{vllm_alias(tmp)}{os.pathsep}{path}"}
+    env = {**os.environ, **ENV, "PYTHONPATH": f"{vllm_alias(tmp / 'vllm-alias')}{os.pathsep}{path}"}
     log = (tmp / "trl-vllm-serve.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:

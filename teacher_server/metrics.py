@@ -125,8 +125,9 @@ class TeacherMetrics:
         )
         self.memory_trimmed = Counter(
             "topk_teacher_memory_trimmed_bytes",
-            "Resident bytes that malloc_trim gave back to the OS (--memory-trim-idle-s), by "
-            "process (server, engine).",
+            "Resident bytes the quiet-spell trim gave back to the OS (--memory-trim-idle-s): "
+            "malloc_trim, and vLLM's message-queue pages, by process (server; engine: "
+            "vLLM's engine core and workers).",
             ["process"],
             registry=self.registry,
         )
