@@ -55,7 +55,7 @@ def multi_teacher_model_manager(config: Any, resource_pool: Any = None) -> Any:
         tokenizer_path, trust_remote_code=bool(model.get("trust_remote_code", False))
     )
     loss = config.distillation.get("distillation_loss") or {}
-    served = ServedTeachers(config, teachers)
+    served = ServedTeachers(teachers)
     served.check(tokenizer, _top_k(loss))
     return served
 

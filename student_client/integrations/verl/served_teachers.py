@@ -87,13 +87,11 @@ class ServedTeachers:
     """Takes the place of verl's ``MultiTeacherModelManager`` for running teachers.
 
     Args:
-        config: verl's whole config (``distillation``, ``actor_rollout_ref.model``).
-        teachers: :func:`served_teachers` of it.
+        teachers: :func:`served_teachers` of verl's ``distillation`` config.
         **options: every client's options (:class:`VerlTeacherClient`).
     """
 
-    def __init__(self, config: Any, teachers: list[ServedTeacher], **options: Any) -> None:
-        self.config = config
+    def __init__(self, teachers: list[ServedTeacher], **options: Any) -> None:
         self.teachers = teachers
         self._options = options
 

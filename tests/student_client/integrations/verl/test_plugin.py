@@ -36,7 +36,7 @@ def config(model_path):
 served = config(URL)
 dc = omega_conf_to_dataclass(served.distillation)
 seen["validated"] = {k: [t.num_replicas, t.world_size] for k, t in dc.teacher_models.items()}
-clients = plugin.ServedTeachers(served, plugin.served_teachers(served.distillation)).get_client()
+clients = plugin.ServedTeachers(plugin.served_teachers(served.distillation)).get_client()
 seen["clients"] = {k: [type(c).__name__, c.target] for k, c in clients.items()}
 
 # verl's v1 trainer sets up its resource pools (hydra's compose of its ppo_trainer config)

@@ -62,9 +62,7 @@ def test_a_mix_and_an_empty_url_are_refused_naming_the_setting() -> None:
 
 
 def _teachers(target: str) -> ServedTeachers:
-    return ServedTeachers(
-        None, [ServedTeacher("distillation.teacher_models.t.model_path", "k", target)]
-    )
+    return ServedTeachers([ServedTeacher("distillation.teacher_models.t.model_path", "k", target)])
 
 
 def _tokenizer(model_dir: Path, extra: str | None = None):  # type: ignore[no-untyped-def]
@@ -103,7 +101,6 @@ def test_a_wrong_url_names_the_setting(tiny_model_dir) -> None:  # type: ignore[
         ValueError, match=r"^distillation.teacher_models.t.model_path: the teacher at 127"
     ):
         ServedTeachers(
-            None,
             [ServedTeacher("distillation.teacher_models.t.model_path", "k", f"127.0.0.1:{port}")],
             retries=1,
             timeout_s=5,
