@@ -35,6 +35,7 @@ __all__ = [
     "CAPPED_SCHEDULER",
     "ENGINE_TOPK_KERNEL",
     "HOOKS",
+    "MESSAGE_QUEUE_PAGES",
     "NATIVE_BF16_PROBE",
     "SIMULATE_VERSION_ENV",
     "TEACHER_TEMPERATURE",
@@ -230,8 +231,38 @@ NATIVE_BF16_PROBE = Hook(
     fallback=None,
 )
 
+_SHM_RING = "vllm.distributed.device_communicators.shm_broadcast.ShmRingBuffer"
+
+MESSAGE_QUEUE_PAGES = Hook(
+    name="message_queue_pages",
+    package="vllm",
+    targets=(),
+    relies_on=(
+        f"{_SHM_RING}.get_metadata",
+        f"{_SHM_RING}.shared_memory",
+        f"{_SHM_RING}.metadata_size",
+        f"{_SHM_RING}.max_chunks",
+        f"{_SHM_RING}.max_chunk_bytes",
+        f"{_SHM_RING}.data_offset",
+        "multiprocessing.shared_memory.SharedMemory._mmap",
+        "multiprocessing.shared_memory.SharedMemory._fd",
+    ),
+    replaces=(
+        "nothing: reads the layout and flags of vLLM's shared-memory ring buffers and "
+        "punches the pages of the chunks every reader has read (at the quiet-spell trim)"
+    ),
+    installed_by="teacher_server.backends.vllm.message_queue_pages:release_message_queue_pages",
+    checked_versions=_VLLM_CHECKED,
+    fallback="the queues' pages stay resident (the trim gives back glibc's free memory only)",
+    fallback_tests=(
+        "tests/teacher_server/backends/vllm/test_message_queue_pages.py"
+        "::test_another_vllm_release_releases_nothing",
+    ),
+)
+
 #: Every hook.
 HOOKS: tuple[Hook, ...] = (
+    MESSAGE_QUEUE_PAGES,
     CAPPED_SCHEDULER,
     TEACHER_TEMPERATURE,
     ENGINE_TOPK_KERNEL,

@@ -31,6 +31,7 @@ garbage collector's objects (under 0.1 s here), remembered weakly for the next c
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import mmap
@@ -38,12 +39,23 @@ import os
 import weakref
 from typing import Any
 
+from teacher_server.backends.vllm.hooks import MESSAGE_QUEUE_PAGES, report, version_problem
+
 __all__ = ["release_message_queue_pages", "release_read_chunks", "ring_buffers"]
 
 log = logging.getLogger(__name__)
 
 #: The ring buffers found by the last scan, while they live.
 _found: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@functools.cache
+def _layout_checked() -> bool:
+    """Whether the installed vLLM is one the ring buffer's layout was checked for (the
+    hook's start-up line, once)."""
+    problem = version_problem(MESSAGE_QUEUE_PAGES)
+    report(MESSAGE_QUEUE_PAGES, problem)
+    return problem is None
 
 
 def ring_buffers() -> list[Any]:
@@ -102,8 +114,12 @@ def release_read_chunks(ring: Any) -> int:
 
 def release_message_queue_pages() -> int:
     """:func:`release_read_chunks` on every ring buffer of this process; the bytes of
-    shared memory given back, summed. A failure is logged and counted as 0: this is a
-    cleanup, never a reason for the engine step around it to fail."""
+    shared memory given back, summed. Nothing (0) under a vLLM release the ring buffer's
+    layout was not checked for (:data:`~teacher_server.backends.vllm.hooks.MESSAGE_QUEUE_PAGES`,
+    reported once). A failure is logged and counted as 0: this is a cleanup, never a
+    reason for the engine step around it to fail."""
+    if not _layout_checked():
+        return 0
     total = 0
     for ring in ring_buffers():
         try:

@@ -15,6 +15,8 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
+from teacher_server.backends.vllm import message_queue_pages
+from teacher_server.backends.vllm.hooks import SIMULATE_VERSION_ENV
 from teacher_server.backends.vllm.message_queue_pages import (
     release_message_queue_pages,
     release_read_chunks,
@@ -86,3 +88,22 @@ def test_the_process_s_queues_are_found_and_released_together(queues) -> None:  
     assert reader.dequeue() == b"y" * MESSAGE
     held = _allocated(writer)
     assert release_message_queue_pages() >= held - _allocated(writer) >= MESSAGE
+
+
+def test_another_vllm_release_releases_nothing(queues, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The hook's fallback: under a vLLM release the layout was not checked for, the read
+    chunks keep their pages, and one warning names the hook."""
+    writer, reader = queues
+    writer.enqueue(b"z" * MESSAGE)
+    assert reader.dequeue() == b"z" * MESSAGE
+    held = _allocated(writer)
+    monkeypatch.setenv(SIMULATE_VERSION_ENV, "0.99.0")
+    message_queue_pages._layout_checked.cache_clear()
+    try:
+        assert release_message_queue_pages() == 0
+        assert release_message_queue_pages() == 0
+    finally:
+        message_queue_pages._layout_checked.cache_clear()
+    assert _allocated(writer) == held
+    warnings = [r for r in caplog.records if "message_queue_pages fell back" in r.getMessage()]
+    assert len(warnings) == 1
