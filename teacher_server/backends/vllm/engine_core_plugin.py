@@ -9,7 +9,8 @@ offers plugins), and it answers utility calls by method name between engine step
 (``EngineCoreClient.call_utility_async``). :func:`register`, this package's
 ``vllm.general_plugins`` entry (``topk_distill_engine_core``), adds one such method to
 vLLM's ``EngineCore``: ``malloc_trim(0)`` in the process, returning the resident bytes
-given back. It adds nothing else, and nothing runs until the server calls it.
+given back. It adds nothing else, and nothing runs until the server calls it. It is
+listed with vLLM's internals it relies on in :mod:`teacher_server.backends.vllm.hooks`.
 
 ``VLLM_PLUGINS`` (vLLM's allow-list of plugin names) can leave it out; the server then
 trims the worker only and logs once why (``VLLMBackend.trim_memory``).
@@ -32,8 +33,15 @@ def _malloc_trim(self: object) -> int:
 
 def register() -> None:
     """Add :data:`ENGINE_CORE_TRIM_METHOD` to vLLM's ``EngineCore`` (idempotent: vLLM
-    may load plugins more than once per process)."""
+    may load plugins more than once per process); nothing under a vLLM release the
+    utility-call path was not checked for (``hooks.ENGINE_CORE_TRIM``, one warning)."""
     from vllm.v1.engine.core import EngineCore
 
-    if not hasattr(EngineCore, ENGINE_CORE_TRIM_METHOD):
+    from teacher_server.backends.vllm.hooks import ENGINE_CORE_TRIM, report, version_problem
+
+    if hasattr(EngineCore, ENGINE_CORE_TRIM_METHOD):
+        return
+    problem = version_problem(ENGINE_CORE_TRIM)
+    report(ENGINE_CORE_TRIM, problem)
+    if problem is None:
         setattr(EngineCore, ENGINE_CORE_TRIM_METHOD, _malloc_trim)

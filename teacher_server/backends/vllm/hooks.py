@@ -33,6 +33,7 @@ __all__ = [
     "ARRAY_LOGPROBS",
     "CANDIDATE_COLUMNS",
     "CAPPED_SCHEDULER",
+    "ENGINE_CORE_TRIM",
     "ENGINE_TOPK_KERNEL",
     "HOOKS",
     "MESSAGE_QUEUE_PAGES",
@@ -260,9 +261,32 @@ MESSAGE_QUEUE_PAGES = Hook(
     ),
 )
 
+ENGINE_CORE_TRIM = Hook(
+    name="engine_core_trim",
+    package="vllm",
+    targets=(),
+    relies_on=(
+        "vllm.v1.engine.async_llm.AsyncLLM.engine_core",
+        "vllm.v1.engine.core_client.AsyncMPClient.call_utility_async",
+        "vllm.v1.engine.core.EngineCoreProc._handle_client_request",
+    ),
+    replaces=(
+        "nothing of vLLM's: adds one method of its own to EngineCore (a vLLM general "
+        "plugin), which the server calls by name as a utility call between engine steps"
+    ),
+    installed_by="teacher_server.backends.vllm.engine_core_plugin:register",
+    checked_versions=_VLLM_CHECKED,
+    fallback="the engine core is not trimmed (the server and the worker still are)",
+    fallback_tests=(
+        "tests/teacher_server/backends/vllm/test_engine_core_plugin.py"
+        "::test_another_vllm_release_adds_nothing",
+    ),
+)
+
 #: Every hook.
 HOOKS: tuple[Hook, ...] = (
     MESSAGE_QUEUE_PAGES,
+    ENGINE_CORE_TRIM,
     CAPPED_SCHEDULER,
     TEACHER_TEMPERATURE,
     ENGINE_TOPK_KERNEL,

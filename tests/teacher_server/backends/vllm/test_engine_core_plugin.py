@@ -14,6 +14,7 @@ from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 from vllm.v1.engine.core import EngineCore
 
 from teacher_server.backends.vllm.engine_core_plugin import ENGINE_CORE_TRIM_METHOD, register
+from teacher_server.backends.vllm.hooks import SIMULATE_VERSION_ENV
 
 
 def test_vllm_finds_the_plugin_in_its_general_plugins_group() -> None:
@@ -29,3 +30,14 @@ def test_register_adds_one_trim_method_once() -> None:
     assert getattr(EngineCore, ENGINE_CORE_TRIM_METHOD) is method
     given = method(None)  # the method reads nothing of the engine core
     assert isinstance(given, int) and given >= 0
+
+
+def test_another_vllm_release_adds_nothing(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The hook's fallback: under a release it was not checked for, no method is added
+    (the server's trim then logs once and trims the worker only), one warning names it."""
+    monkeypatch.delattr(EngineCore, ENGINE_CORE_TRIM_METHOD, raising=False)
+    monkeypatch.setenv(SIMULATE_VERSION_ENV, "0.99.0")
+    register()
+    assert not hasattr(EngineCore, ENGINE_CORE_TRIM_METHOD)
+    warnings = [r for r in caplog.records if "engine_core_trim fell back" in r.getMessage()]
+    assert len(warnings) == 1
