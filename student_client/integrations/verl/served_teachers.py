@@ -27,25 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from student_client.integrations.teacher_url import SCHEME, served_target
 from student_client.integrations.verl.teacher_client import VerlTeacherClient
 from topk_protocol.errors import TeacherError
 from topk_protocol.info import TeacherInfo, tokenizer_fingerprint
 
-__all__ = ["SCHEME", "ServedTeacher", "ServedTeachers", "served_target"]
-
-#: ``model_path`` prefix of a running topk-distill teacher.
-SCHEME = "topk-distill://"
-
-
-def served_target(model_path: Any) -> str | None:
-    """The gRPC target(s) in ``model_path`` (``topk-distill://host:port[,host:port]``), or
-    None for a path verl launches itself."""
-    if not isinstance(model_path, str) or not model_path.startswith(SCHEME):
-        return None
-    target = model_path[len(SCHEME) :].strip().rstrip("/")
-    if not target:
-        raise ValueError(f"model_path: {model_path!r} names no host:port after {SCHEME}")
-    return target
+__all__ = ["ServedTeacher", "ServedTeachers", "served_teachers"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +56,7 @@ def served_teachers(distillation: Mapping[str, Any]) -> list[ServedTeacher]:
     out, launched = [], []
     for name, entry in entries.items():
         setting = f"distillation.teacher_models.{name}.model_path"
-        target = served_target(entry.get("model_path"))
+        target = served_target(entry.get("model_path"), setting)
         if target is None:
             launched.append(setting)
             continue

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from student_client.integrations.teacher_url import SCHEME
 from student_client.integrations.verl.served_teachers import (
-    SCHEME,
     ServedTeacher,
     ServedTeachers,
-    served_target,
     served_teachers,
 )
 
@@ -44,7 +43,6 @@ def test_several_teachers_drop_verl_s_default_entry_and_keep_their_keys() -> Non
 def test_teachers_verl_launches_are_left_to_verl() -> None:
     cfg = {"teacher_models": {"teacher_model": _entry(None, "Qwen/Qwen3-8B")}}
     assert served_teachers(cfg) == []
-    assert served_target("/models/qwen") is None and served_target(None) is None
 
 
 def test_a_mix_and_an_empty_url_are_refused_naming_the_setting() -> None:
@@ -57,8 +55,11 @@ def test_a_mix_and_an_empty_url_are_refused_naming_the_setting() -> None:
     }
     with pytest.raises(ValueError, match=r"^distillation.teacher_models.b.model_path: every"):
         served_teachers(cfg)
-    with pytest.raises(ValueError, match=r"^model_path: 'topk-distill://' names no host:port"):
-        served_target(SCHEME)
+    empty = {"teacher_models": {"a": _entry("x", SCHEME)}}
+    with pytest.raises(
+        ValueError, match=r"^distillation.teacher_models.a.model_path: 'topk-distill://' names no"
+    ):
+        served_teachers(empty)
 
 
 def _teachers(target: str) -> ServedTeachers:
