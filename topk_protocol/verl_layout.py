@@ -23,25 +23,12 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from topk_protocol.errors import InvalidRequestError
+from topk_protocol.prompt_logprobs import payload_top_k
 
-__all__ = ["VerlRows", "payload_top_k", "verl_rows"]
+__all__ = ["VerlRows", "verl_rows"]
 
 #: ``(prompt_ids [L, max(K, 1)] int32, prompt_logprobs [L, max(K, 1)] float32)``.
 VerlRows = tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]
-
-
-def payload_top_k(num_logprobs: int) -> int:
-    """The K to ask our teacher for when verl asks for ``num_logprobs`` prompt log-probs
-    (its ``sampling_params["prompt_logprobs"]``): K itself, or 1 for verl's ``K = 0``
-    (whose rows come from the actual token's log-prob; our K is at least 1). Raises
-    :class:`~topk_protocol.errors.InvalidRequestError` naming ``prompt_logprobs``."""
-    if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
-        raise InvalidRequestError(
-            f"prompt_logprobs: expected an int >= 0 (verl's distillation top-k, 0 for "
-            f"the actual token only), got {num_logprobs!r}"
-        )
-    return max(num_logprobs, 1)
 
 
 def verl_rows(

@@ -25,7 +25,8 @@ import numpy as np
 from student_client.clients.aio import AsyncTeacherClient
 from student_client.clients.client_options import ClientOptions
 from topk_protocol.errors import InvalidRequestError
-from topk_protocol.verl_layout import payload_top_k, verl_rows
+from topk_protocol.prompt_logprobs import payload_top_k
+from topk_protocol.verl_layout import verl_rows
 
 __all__ = ["VerlTeacherClient"]
 
