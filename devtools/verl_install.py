@@ -22,11 +22,9 @@ benchmark runs verl's own vLLM teacher path on it).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from devtools.side_site import side_env, side_site
 from devtools.vllm_alias import vllm_alias
 
 __all__ = ["VERL_REQUIREMENTS", "VERL_VERSION", "verl_env", "verl_site"]
@@ -51,33 +49,17 @@ VERL_REQUIREMENTS = (
     "peft==0.19.1",
 )
 
-_ROOT = Path(__file__).resolve().parent.parent
-
 
 def verl_site(cache: Path | None = None) -> Path:
     """The folder holding verl :data:`VERL_VERSION` and :data:`VERL_REQUIREMENTS`,
-    installed there first if missing. Raises ``subprocess.CalledProcessError`` with pip's
-    output if pip fails."""
-    site = (cache or _ROOT / ".cache" / "topk-distill") / f"verl-{VERL_VERSION}"
-    done = site / ".installed"
-    if done.exists():
-        return site
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-         *VERL_REQUIREMENTS],
-        check=True,
-        capture_output=True,
-        text=True,
-    )  # fmt: skip
-    vllm_alias(site)
-    done.write_text("\n".join(VERL_REQUIREMENTS) + "\n")
-    return site
+    installed there first if missing (:func:`devtools.side_site.side_site`)."""
+    return side_site(f"verl-{VERL_VERSION}", VERL_REQUIREMENTS, cache, then=vllm_alias)
 
 
 def verl_env() -> dict[str, str]:
     """This process's environment with the project, then :func:`verl_site`, on
     ``PYTHONPATH``: for a subprocess that imports verl."""
-    return {**os.environ, "PYTHONPATH": f"{_ROOT}{os.pathsep}{verl_site()}"}
+    return side_env(verl_site())
 
 
 if __name__ == "__main__":
