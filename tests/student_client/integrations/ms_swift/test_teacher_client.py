@@ -1,0 +1,207 @@
+"""ms-swift 4.6.0's own teacher path around the plugin's client, against live teachers.
+
+ms-swift is installed beside the project (``devtools.swift_install``: a folder of its
+own, no GPU packages) and runs in a subprocess with that folder on ``PYTHONPATH``. The
+driver loads the plugin as ``--external_plugins`` does (swift's ``import_external_file``),
+builds the teacher clients with swift's own ``RolloutTrainerMixin._setup_teacher`` from a
+``--teacher_model_server`` value (one URL, or swift's JSON list with tags for two
+teachers), renders multi-turn chat samples whose completions are given as token ids with
+swift's ``chatml`` template, builds the requests with swift's ``build_teacher_requests``,
+routes and asks with swift's ``fetch_teacher_parsed_by_routing`` and
+``_infer_teacher_requests`` (its ``RequestConfig``, its ``parse_prompt_logprobs``), and
+assembles with swift's ``assemble_teacher_output`` (GKD, top-K) and
+``assemble_teacher_completion_logprobs`` (GRPO's OPD-RL, the actual tokens). The tensors
+are compared here with a dense float64 transformers forward of each teacher's weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from devtools.swift_install import swift_env
+from devtools.tiny_model import write_tiny_model
+from student_client.integrations.ms_swift.plugin import PLUGIN_FILE
+
+#: The tolerance of the verl plugin's test, against the float64 reference.
+TOLERANCE = 2e-4
+TOP_K = 8
+
+#: Runs swift's teacher path: ARGV spec.json out.npz.
+_DRIVER = r"""
+import json, sys
+from pathlib import Path
+from types import SimpleNamespace
+import numpy as np, torch
+from swift.utils import import_external_file
+from swift.model import get_processor
+from swift.template import get_template
+from swift.rl_core.data import GKDSample, OnPolicySample
+from swift.rlhf_trainers.rollout_mixin import RolloutTrainerMixin
+from swift.rlhf_trainers.gkd_helpers import (
+    assemble_teacher_completion_logprobs, assemble_teacher_output, build_teacher_requests,
+    encode_gkd_samples, fetch_teacher_parsed_by_routing)
+
+spec = json.loads(Path(sys.argv[1]).read_text())
+import_external_file(spec["plugin"])  # what --external_plugins does
+processor = get_processor(spec["student"], model_type="qwen2", download_model=False)
+template = get_template(processor, template_type="chatml")
+template.set_mode("train")  # GKD's and GRPO's mode (swift's rlhf pipeline)
+
+class Trainer(RolloutTrainerMixin):
+    pass
+
+def trainer(topk):
+    t = object.__new__(Trainer)
+    t.__dict__.update(
+        _teacher_model=None, teacher_model_server=spec["server"],
+        _teacher_use_disable_adapter=False, args=SimpleNamespace(), template=template,
+        accelerator=SimpleNamespace(is_main_process=True, process_index=0),
+        gkd_logits_topk=topk)
+    t._setup_teacher()
+    return t
+
+def fetch(t, samples, requests, topk):
+    return fetch_teacher_parsed_by_routing(
+        samples, requests, t.teacher_configs, t.teacher_clients,
+        gather_fn=t._gather_teacher_requests,
+        infer_fn=lambda handle, client: t._infer_teacher_requests(handle, topk, client),
+        scatter_fn=t._scatter_teacher_parsed, is_main_process=True)
+
+out = {}
+gkd = trainer(spec["topk"])
+out["clients"] = np.array([type(c).__name__ for c in gkd.teacher_clients])
+samples = [GKDSample(messages=s["messages"], response_token_ids=[s["response"]],
+                     extra={"dataset": s["tag"]}) for s in spec["samples"]]
+requests = build_teacher_requests(samples, template)
+_, teacher_view, _ = encode_gkd_samples(samples, template)
+inputs = template.data_collator(teacher_view)
+parsed = fetch(gkd, samples, requests, spec["topk"])
+teacher = assemble_teacher_output(parsed, inputs, spec["topk"], template.padding_free,
+                                  torch.device("cpu"))
+out["input_ids"], out["attention_mask"] = inputs["input_ids"].numpy(), inputs["attention_mask"].numpy()
+out["topk_logprobs"], out["topk_indices"] = teacher.topk_logprobs.numpy(), teacher.topk_indices.numpy()
+for i, r in enumerate(requests):
+    out[f"encoded_{i}"] = np.array(gkd.teacher_clients[0].encode(r))
+
+grpo = trainer(None)
+on_policy = [OnPolicySample(messages=s["messages"], response_token_ids=[s["response"]],
+                            extra={"dataset": s["tag"]}) for s in spec["samples"]]
+requests = build_teacher_requests(on_policy, template)
+parsed = fetch(grpo, on_policy, requests, 0)
+lengths = [len(s["response"]) for s in spec["samples"]]
+mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+for i, n in enumerate(lengths):
+    mask[i, :n] = 1
+completion = assemble_teacher_completion_logprobs(
+    parsed, mask, torch.device("cpu"), [s.response_token_ids for s in on_policy])
+out["completion_logprobs"] = completion.topk_logprobs.numpy()
+out["completion_indices"] = completion.topk_indices.numpy()
+for i, r in enumerate(requests):
+    out[f"grpo_encoded_{i}"] = np.array(grpo.teacher_clients[0].encode(r))
+np.savez(sys.argv[2], **out)
+"""
+
+
+def run_swift(spec: dict, tmp_path: Path) -> dict[str, np.ndarray]:
+    """Run :data:`_DRIVER` on ``spec`` with ms-swift on the path; its arrays."""
+    spec_path, out = tmp_path / "spec.json", tmp_path / "out.npz"
+    spec_path.write_text(json.dumps({"plugin": str(PLUGIN_FILE), **spec}))
+    done = subprocess.run(
+        [sys.executable, "-c", _DRIVER, str(spec_path), str(out)],
+        env=swift_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    with np.load(out) as arrays:
+        return dict(arrays)
+
+
+def dense_logprobs(model_dir: Path, tokens: list[int]) -> np.ndarray:
+    """``[L, V]`` float64 log-softmax of the model's logits at each position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def _samples(seed: int) -> list[dict]:
+    """Multi-turn chats (a system prompt, an earlier exchange, a question), each with a
+    student completion of token ids, routed by ``dataset`` tag."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate((5, 37, 123)):
+        messages = [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": f"Hi, I am user {i}."},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "What is " + "six times seven? " * (i + 1)},
+            {"role": "assistant", "content": None},
+        ]
+        completion = rng.integers(32, 127, n).tolist()  # printable bytes, as sampled
+        out.append({"messages": messages, "response": completion, "tag": ("math", "code")[i % 2]})
+    return out
+
+
+def _unpadded(arrays: dict[str, np.ndarray], i: int) -> list[int]:
+    return arrays["input_ids"][i][arrays["attention_mask"][i].astype(bool)].tolist()
+
+
+@pytest.mark.vllm
+def test_swift_s_teacher_path_on_live_teachers(
+    vllm_teacher, teacher_factory, tiny_model_dir, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """GKD at K = 8 and GRPO's actual-token log-probs, two teachers routed by tag: the
+    vLLM teacher of the tiny model and a transformers teacher of other weights."""
+    other_dir = write_tiny_model(tmp_path / "other-teacher", seed=1)
+    other = teacher_factory(["--backend", "transformers", "--model", str(other_dir)])
+    server = json.dumps([
+        {"url": f"topk-distill://{vllm_teacher.target}", "tags": ["math"]},
+        {"url": f"topk-distill://{other.target}", "tags": ["code"]},
+    ])  # fmt: skip
+    samples = _samples(0)
+    spec = {"student": str(tiny_model_dir), "server": server, "topk": TOP_K, "samples": samples}
+    got = run_swift(spec, tmp_path)
+    assert got["clients"].tolist() == ["SwiftTeacherClient", "SwiftTeacherClient"]
+    weights = {"math": tiny_model_dir, "code": other_dir}
+    for i, sample in enumerate(samples):
+        tokens = _unpadded(got, i)
+        n = len(tokens)
+        # the client renders what swift's trainer encodes: the same ids, the completion
+        # as given, then the template's end of turn
+        assert got[f"encoded_{i}"].tolist() == tokens
+        start = tokens.index(sample["response"][0], n - len(sample["response"]) - 12)
+        assert tokens[start : start + len(sample["response"])] == sample["response"]
+        dense = dense_logprobs(weights[sample["tag"]], tokens)[: n - 1]
+        lps, ids = got["topk_logprobs"][i], got["topk_indices"][i]
+        best = -np.sort(-dense, axis=-1)[:, :TOP_K]
+        np.testing.assert_allclose(lps[: n - 1], best, rtol=0, atol=TOLERANCE)
+        np.testing.assert_allclose(
+            np.take_along_axis(dense, ids[: n - 1], -1), lps[: n - 1], rtol=0, atol=TOLERANCE
+        )
+        assert np.isneginf(lps[n - 1 :]).all()  # swift's fill past the sequence
+
+        # GRPO: no end of turn after the completion; its tokens' own log-probs
+        grpo = got[f"grpo_encoded_{i}"].tolist()
+        count = len(sample["response"])
+        assert grpo[-count:] == sample["response"] and grpo == tokens[: len(grpo)]
+        dense = dense_logprobs(weights[sample["tag"]], grpo)
+        positions = np.arange(len(grpo) - count, len(grpo))
+        np.testing.assert_array_equal(got["completion_indices"][i, :count, 0], sample["response"])
+        np.testing.assert_allclose(
+            got["completion_logprobs"][i, :count, 0],
+            dense[positions - 1, sample["response"]],
+            rtol=0,
+            atol=TOLERANCE,
+        )
+    # the two teachers differ, so each sample matching its own shows where it was routed
+    assert not np.allclose(
+        dense_logprobs(tiny_model_dir, _unpadded(got, 1))[:5],
+        dense_logprobs(other_dir, _unpadded(got, 1))[:5],
+    )
