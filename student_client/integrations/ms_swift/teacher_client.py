@@ -90,10 +90,6 @@ class SwiftTeacherClient:
         """The token ids swift's server would score for ``request`` (a swift
         ``InferRequest`` or its dict). Raises :class:`InvalidRequestError` naming the
         field for multi-modal inputs, ``RuntimeError`` before :meth:`bind_template`."""
-        if self._template is None:
-            raise RuntimeError(
-                "SwiftTeacherClient: no template bound (the plugin binds the trainer's)"
-            )
         fields = (
             asdict(request)
             if is_dataclass(request) and not isinstance(request, type)
@@ -105,6 +101,10 @@ class SwiftTeacherClient:
                     f"infer_requests[].{name}: a topk-distill teacher scores token ids "
                     "only; multi-modal teachers are served by swift's own teacher server"
                 )
+        if self._template is None:
+            raise RuntimeError(
+                "SwiftTeacherClient: no template bound (the plugin binds the trainer's)"
+            )
         return list(self._template.encode(fields)["input_ids"])
 
     def infer(

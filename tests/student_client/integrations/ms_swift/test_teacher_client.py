@@ -16,6 +16,7 @@ are compared here with a dense float64 transformers forward of each teacher's we
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ import torch
 from devtools.swift_install import swift_env
 from devtools.tiny_model import write_tiny_model
 from student_client.integrations.ms_swift.plugin import PLUGIN_FILE
+from student_client.integrations.ms_swift.teacher_client import SwiftTeacherClient
+from topk_protocol.errors import InvalidRequestError
 
 #: The tolerance of the verl plugin's test, against the float64 reference.
 TOLERANCE = 2e-4
@@ -84,8 +87,10 @@ inputs = template.data_collator(teacher_view)
 parsed = fetch(gkd, samples, requests, spec["topk"])
 teacher = assemble_teacher_output(parsed, inputs, spec["topk"], template.padding_free,
                                   torch.device("cpu"))
-out["input_ids"], out["attention_mask"] = inputs["input_ids"].numpy(), inputs["attention_mask"].numpy()
-out["topk_logprobs"], out["topk_indices"] = teacher.topk_logprobs.numpy(), teacher.topk_indices.numpy()
+out["input_ids"] = inputs["input_ids"].numpy()
+out["attention_mask"] = inputs["attention_mask"].numpy()
+out["topk_logprobs"] = teacher.topk_logprobs.numpy()
+out["topk_indices"] = teacher.topk_indices.numpy()
 for i, r in enumerate(requests):
     out[f"encoded_{i}"] = np.array(gkd.teacher_clients[0].encode(r))
 
@@ -205,3 +210,57 @@ def test_swift_s_teacher_path_on_live_teachers(
         dense_logprobs(tiny_model_dir, _unpadded(got, 1))[:5],
         dense_logprobs(other_dir, _unpadded(got, 1))[:5],
     )
+
+
+def _tokenizer(model_dir: Path, extra: str | None = None):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if extra:
+        tok.add_tokens([extra])
+    return tok
+
+
+@pytest.mark.vllm
+def test_the_start_up_check_passes_a_matching_teacher(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    info = SwiftTeacherClient(vllm_teacher.target).check(_tokenizer(tiny_model_dir), 8, "--s")
+    assert info.max_top_k == 256
+
+
+@pytest.mark.vllm
+def test_another_tokenizer_names_the_setting(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    other = _tokenizer(tiny_model_dir, extra="<not-in-the-teacher>")
+    with pytest.raises(ValueError, match=r"^--teacher_model_server: the teacher at .*tokenizer"):
+        SwiftTeacherClient(vllm_teacher.target).check(other, 8, "--teacher_model_server")
+
+
+@pytest.mark.vllm
+def test_a_top_k_over_the_teacher_s_names_gkd_logits_topk(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=r"^--gkd_logits_topk: 300, but the teacher at"):
+        SwiftTeacherClient(vllm_teacher.target).check(_tokenizer(tiny_model_dir), 300, "--s")
+
+
+def test_a_wrong_url_names_the_setting(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = SwiftTeacherClient(f"127.0.0.1:{port}", retries=1, timeout_s=5)
+    with pytest.raises(ValueError, match=r"^--teacher_model_server: the teacher at 127"):
+        client.check(_tokenizer(tiny_model_dir), 8, "--teacher_model_server")
+
+
+@pytest.mark.parametrize("config", [None, {}, {"prompt_logprobs": None}])
+def test_a_call_without_prompt_logprobs_names_the_field(config: object) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^request_config.prompt_logprobs: a topk"):
+        SwiftTeacherClient("127.0.0.1:1").infer([{"messages": []}], config)
+
+
+def test_bad_prompt_logprobs_and_multi_modal_requests_name_the_field() -> None:
+    client = SwiftTeacherClient("127.0.0.1:1")
+    with pytest.raises(InvalidRequestError, match=r"^prompt_logprobs: expected an int >= 0"):
+        client.infer([{"messages": []}], {"prompt_logprobs": -1})
+    with pytest.raises(InvalidRequestError, match=r"^infer_requests\[\].images: a topk"):
+        client.encode({"messages": [], "images": ["a.png"]})
+    with pytest.raises(RuntimeError, match="no template bound"):
+        client.encode({"messages": [{"role": "user", "content": "hi"}]})
+    assert client.infer([], {"prompt_logprobs": 8}) == []
