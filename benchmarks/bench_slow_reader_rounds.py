@@ -11,9 +11,11 @@ tree is read at the kill and ``--settle`` seconds after it (5, 15, 30).
 Printed per round: the RSS of the server process, vLLM's engine-core and worker
 processes and the tree, at the kill and after each settle time; the rows the server keeps
 to share (``topk_teacher_shared_rows_bytes``), the in-flight and queued gauges; the
-canary's p50 and slowest call. Then the tree's RSS at the last settle time against the
-baseline (before the first round), per round, and its least-squares slope over the
-rounds (MiB per round).
+canary's p50 and slowest call; the probes (``/healthz``, ``/readyz``, gRPC health, every
+0.5 s from a process of their own: :class:`devtools.probes.ProbeWatcher`) asked during
+the round, the slowest and how many took over 1 s. Then the tree's RSS at the last
+settle time against the baseline (before the first round), per round, and its
+least-squares slope over the rounds (MiB per round).
 
     python -m benchmarks.bench_slow_reader_rounds [--rounds 10] [--round-s 60]
         [--settle 5,15,30] [--server-args "..."]
@@ -39,6 +41,7 @@ import numpy as np
 import psutil
 
 from devtools.launch import TeacherProcess, start_teacher
+from devtools.probes import ProbeWatcher
 from devtools.tiny_model import TINY_SERVE_ARGS, write_tiny_model
 from teacher_server.process_memory import process_label, resident_bytes
 from topk_protocol import build_request, pb_grpc
@@ -304,22 +307,27 @@ def main() -> None:
                 canary_rows = []
                 for r in range(1, a.rounds + 1):
                     canary.take()
-                    clients = _slow_clients(server, a, r)
-                    time.sleep(a.round_s)
-                    rss = tree_rss(server.proc.pid)
-                    for c in clients:
-                        c.send_signal(signal.SIGKILL)
-                        c.wait()
-                    canary.pause(a.canary_pause_s)
-                    print(_row(f"round {r}, at the kill", rss, gauges(server.http), base))
-                    t_kill = time.monotonic()
-                    for s in settle:
-                        time.sleep(max(0.0, t_kill + s - time.monotonic()))
+                    with ProbeWatcher(server.http, server.target, interval_s=0.5) as probes:
+                        clients = _slow_clients(server, a, r)
+                        time.sleep(a.round_s)
                         rss = tree_rss(server.proc.pid)
-                        print(_row(f"round {r}, kill + {s:g} s", rss, gauges(server.http), base))
+                        for c in clients:
+                            c.send_signal(signal.SIGKILL)
+                            c.wait()
+                        canary.pause(a.canary_pause_s)
+                        print(_row(f"round {r}, at the kill", rss, gauges(server.http), base))
+                        t_kill = time.monotonic()
+                        for s in settle:
+                            time.sleep(max(0.0, t_kill + s - time.monotonic()))
+                            rss = tree_rss(server.proc.pid)
+                            g = gauges(server.http)
+                            print(_row(f"round {r}, kill + {s:g} s", rss, g, base))
                     after.append(rss)
                     lat = canary.take()
-                    canary_rows.append((r, np.median(lat) * 1e3, max(lat), len(lat)))
+                    canary_rows.append(
+                        (r, np.median(lat) * 1e3, max(lat), len(lat), probes.count(),
+                         probes.max_s() * 1e3, probes.late(1.0))
+                    )  # fmt: skip
                     sys.stdout.flush()
                 if a.gdb_trim:
                     gdb_trim(server.proc.pid)
@@ -328,10 +336,14 @@ def main() -> None:
                         _row("malloc_trim(0) in vLLM's processes", rss, gauges(server.http), base)
                     )
             print()
-            print("| round | canary calls | p50 ms | slowest s |")
-            print("|---:|---:|---:|---:|")
-            for r, p50, worst, n in canary_rows:
-                print(f"| {r} | {n} | {p50:.1f} | {worst:.2f} |")
+            print("| round | canary calls | p50 ms | slowest s | probes | slowest probe ms "
+                  "| probes over 1 s |")  # fmt: skip
+            print("|---:|---:|---:|---:|---:|---:|---:|")
+            for r, p50, worst, n, n_probes, probe_ms, late in canary_rows:
+                print(
+                    f"| {r} | {n} | {p50:.1f} | {worst:.2f} | {n_probes} | {probe_ms:.0f} "
+                    f"| {late} |"
+                )
             print()
             for key, name in (("tree", "tree RSS"), ("tree_pss", "tree PSS")):
                 print(_summary(name, [r[key] for r in after], base[key], settle[-1], a.target_mib))
