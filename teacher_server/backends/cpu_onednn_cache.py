@@ -6,8 +6,9 @@ step), which each layer's handler keeps for its last 32 sizes. oneDNN keeps ever
 primitive it creates in a process-wide cache as well, of 1024 entries by default
 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). A scoring server's steps come in a new size almost
 every time (requests of every length, packed as they arrive), so that cache fills over
-hours: measured here, +0.28 MiB of heap for each new size, to hundreds of MiB in vLLM's
-worker, held for good (docs/operations.md, "What vLLM keeps"). With the process-wide cache
+hours, each new size adding a primitive per layer to vLLM's worker's heap, held for good
+(docs/operations.md, "What vLLM keeps"; the growth is measured on vLLM's own layers in
+this module's test). With the process-wide cache
 off, a layer's handler still serves its last 32 sizes; a size outside them is a new
 primitive (oneDNN's JIT, tens of microseconds per layer).
 
