@@ -39,7 +39,6 @@ import numpy.typing as npt
 from teacher_server.backends.base import Backend, BackendInfo, ComputeCounts
 from teacher_server.backends.cpu_dtype import cpu_dtype_for
 from teacher_server.backends.cpu_kv_cache import cpu_kv_cache_bytes
-from teacher_server.backends.cpu_onednn_cache import bound_primitive_cache
 from teacher_server.backends.vllm import array_logprobs as vllm_arrays
 from teacher_server.backends.vllm import hooks, topk_choice
 from teacher_server.backends.vllm import sampled_draws as vllm_sampling
@@ -47,6 +46,7 @@ from teacher_server.backends.vllm.candidates import extra_args
 from teacher_server.backends.vllm.engine_core_plugin import ENGINE_CORE_TRIM_METHOD
 from teacher_server.backends.vllm.engine_flags import VLLMFlags, engine_kwargs, engine_parser
 from teacher_server.backends.vllm.flat import flat_payload, flat_to_topk
+from teacher_server.backends.vllm.onednn_caches import bound_caches
 from teacher_server.backends.vllm.prefix import (
     CAP_KEY,
     SCHEDULER_QUALNAME,
@@ -292,7 +292,7 @@ class VLLMBackend(Backend):
             kwargs["max_model_len"] = self._max_model_len
         kwargs.update(self._engine_kwargs)
         if current_platform.is_cpu():
-            bound_primitive_cache()  # before vLLM starts its processes, which inherit it
+            bound_caches()  # before vLLM starts its processes, which inherit them
             kwargs["dtype"] = self._cpu_dtype()
             kv_bytes = cpu_kv_cache_bytes(kwargs.get("kv_cache_memory_bytes"))
             if kv_bytes is not None:

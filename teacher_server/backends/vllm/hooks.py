@@ -283,8 +283,28 @@ ENGINE_CORE_TRIM = Hook(
     ),
 )
 
+ONEDNN_LAYER_CACHE = Hook(
+    name="onednn_layer_cache",
+    package="vllm",
+    targets=("vllm._custom_ops.create_onednn_mm",),
+    relies_on=("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",),
+    replaces=(
+        "the number of batch sizes each CPU oneDNN linear layer keeps a primitive for "
+        "(vLLM asks for 32): at most TOPK_DISTILL_ONEDNN_LAYER_CACHE, in the vLLM "
+        "processes the server starts (a vLLM general plugin)"
+    ),
+    installed_by="teacher_server.backends.vllm.onednn_caches:register",
+    checked_versions=_VLLM_CHECKED,
+    fallback="vLLM's 32 sizes per layer (the same answers, more of the worker's memory)",
+    fallback_tests=(
+        "tests/teacher_server/backends/vllm/test_onednn_caches.py"
+        "::test_another_vllm_release_keeps_vllm_s_cache",
+    ),
+)
+
 #: Every hook.
 HOOKS: tuple[Hook, ...] = (
+    ONEDNN_LAYER_CACHE,
     MESSAGE_QUEUE_PAGES,
     ENGINE_CORE_TRIM,
     CAPPED_SCHEDULER,
