@@ -18,7 +18,9 @@ from teacher_server.backends.vllm.hooks import SIMULATE_VERSION_ENV
 
 
 def test_vllm_finds_the_plugin_in_its_general_plugins_group() -> None:
-    (entry,) = [e for e in entry_points(group=DEFAULT_PLUGINS_GROUP) if e.name.startswith("topk")]
+    (entry,) = [
+        e for e in entry_points(group=DEFAULT_PLUGINS_GROUP) if e.name == "topk_distill_engine_core"
+    ]
     assert entry.load() is register
     assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)[entry.name] is register
 

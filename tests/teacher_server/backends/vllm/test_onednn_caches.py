@@ -74,6 +74,20 @@ def _env(**values: str) -> dict[str, str]:
     return {**base, **values}
 
 
+def test_vllm_finds_the_plugin_in_its_general_plugins_group() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    (entry,) = [
+        e
+        for e in entry_points(group=DEFAULT_PLUGINS_GROUP)
+        if e.name == "topk_distill_onednn_layers"
+    ]
+    assert entry.load() is register
+    assert load_plugins_by_group(DEFAULT_PLUGINS_GROUP)[entry.name] is register
+
+
 def test_the_server_s_values_unless_the_operator_set_them() -> None:
     env: dict[str, str] = {}
     assert bound_caches(env) == {
