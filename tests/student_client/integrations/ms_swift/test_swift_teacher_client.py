@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from dense_reference import dense_logprobs_f64
+from side_frameworks import run_driver, student_tokenizer
 
 from devtools.swift_install import swift_env
 from devtools.tiny_model import write_tiny_model
@@ -113,29 +111,6 @@ np.savez(sys.argv[2], **out)
 """
 
 
-def run_swift(spec: dict, tmp_path: Path) -> dict[str, np.ndarray]:
-    """Run :data:`_DRIVER` on ``spec`` with ms-swift on the path; its arrays."""
-    spec_path, out = tmp_path / "spec.json", tmp_path / "out.npz"
-    spec_path.write_text(json.dumps({"plugin": str(PLUGIN_FILE), **spec}))
-    done = subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(spec_path), str(out)],
-        env=swift_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    with np.load(out) as arrays:
-        return dict(arrays)
-
-
-def dense_logprobs(model_dir: Path, tokens: list[int]) -> np.ndarray:
-    """``[L, V]`` float64 log-softmax of the model's logits at each position."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0]
-    return torch.log_softmax(logits, -1).numpy()
-
-
 def _samples(seed: int) -> list[dict]:
     """Multi-turn chats (a system prompt, an earlier exchange, a question), each with a
     student completion of token ids, routed by ``dataset`` tag."""
@@ -172,7 +147,7 @@ def test_swift_s_teacher_path_on_live_teachers(
     ])  # fmt: skip
     samples = _samples(0)
     spec = {"student": str(tiny_model_dir), "server": server, "topk": TOP_K, "samples": samples}
-    got = run_swift(spec, tmp_path)
+    got = run_driver(_DRIVER, {"plugin": str(PLUGIN_FILE), **spec}, tmp_path, swift_env())
     assert got["clients"].tolist() == ["SwiftTeacherClient", "SwiftTeacherClient"]
     weights = {"math": tiny_model_dir, "code": other_dir}
     for i, sample in enumerate(samples):
@@ -183,7 +158,7 @@ def test_swift_s_teacher_path_on_live_teachers(
         assert got[f"encoded_{i}"].tolist() == tokens
         start = tokens.index(sample["response"][0], n - len(sample["response"]) - 12)
         assert tokens[start : start + len(sample["response"])] == sample["response"]
-        dense = dense_logprobs(weights[sample["tag"]], tokens)[: n - 1]
+        dense = dense_logprobs_f64(weights[sample["tag"]], tokens)[: n - 1]
         lps, ids = got["topk_logprobs"][i], got["topk_indices"][i]
         best = -np.sort(-dense, axis=-1)[:, :TOP_K]
         np.testing.assert_allclose(lps[: n - 1], best, rtol=0, atol=TOLERANCE)
@@ -196,7 +171,7 @@ def test_swift_s_teacher_path_on_live_teachers(
         grpo = got[f"grpo_encoded_{i}"].tolist()
         count = len(sample["response"])
         assert grpo[-count:] == sample["response"] and grpo == tokens[: len(grpo)]
-        dense = dense_logprobs(weights[sample["tag"]], grpo)
+        dense = dense_logprobs_f64(weights[sample["tag"]], grpo)
         positions = np.arange(len(grpo) - count, len(grpo))
         np.testing.assert_array_equal(got["completion_indices"][i, :count, 0], sample["response"])
         np.testing.assert_allclose(
@@ -207,29 +182,22 @@ def test_swift_s_teacher_path_on_live_teachers(
         )
     # the two teachers differ, so each sample matching its own shows where it was routed
     assert not np.allclose(
-        dense_logprobs(tiny_model_dir, _unpadded(got, 1))[:5],
-        dense_logprobs(other_dir, _unpadded(got, 1))[:5],
+        dense_logprobs_f64(tiny_model_dir, _unpadded(got, 1))[:5],
+        dense_logprobs_f64(other_dir, _unpadded(got, 1))[:5],
     )
-
-
-def _tokenizer(model_dir: Path, extra: str | None = None):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    if extra:
-        tok.add_tokens([extra])
-    return tok
 
 
 @pytest.mark.vllm
 def test_the_start_up_check_passes_a_matching_teacher(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    info = SwiftTeacherClient(vllm_teacher.target).check(_tokenizer(tiny_model_dir), 8, "--s")
+    info = SwiftTeacherClient(vllm_teacher.target).check(
+        student_tokenizer(tiny_model_dir), 8, "--s"
+    )
     assert info.max_top_k == 256
 
 
 @pytest.mark.vllm
 def test_another_tokenizer_names_the_setting(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    other = _tokenizer(tiny_model_dir, extra="<not-in-the-teacher>")
+    other = student_tokenizer(tiny_model_dir, extra="<not-in-the-teacher>")
     with pytest.raises(ValueError, match=r"^--teacher_model_server: the teacher at .*tokenizer"):
         SwiftTeacherClient(vllm_teacher.target).check(other, 8, "--teacher_model_server")
 
@@ -237,7 +205,7 @@ def test_another_tokenizer_names_the_setting(vllm_teacher, tiny_model_dir) -> No
 @pytest.mark.vllm
 def test_a_top_k_over_the_teacher_s_names_gkd_logits_topk(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=r"^--gkd_logits_topk: 300, but the teacher at"):
-        SwiftTeacherClient(vllm_teacher.target).check(_tokenizer(tiny_model_dir), 300, "--s")
+        SwiftTeacherClient(vllm_teacher.target).check(student_tokenizer(tiny_model_dir), 300, "--s")
 
 
 def test_a_wrong_url_names_the_setting(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -246,7 +214,7 @@ def test_a_wrong_url_names_the_setting(tiny_model_dir) -> None:  # type: ignore[
         port = s.getsockname()[1]
     client = SwiftTeacherClient(f"127.0.0.1:{port}", retries=1, timeout_s=5)
     with pytest.raises(ValueError, match=r"^--teacher_model_server: the teacher at 127"):
-        client.check(_tokenizer(tiny_model_dir), 8, "--teacher_model_server")
+        client.check(student_tokenizer(tiny_model_dir), 8, "--teacher_model_server")
 
 
 @pytest.mark.parametrize("config", [None, {}, {"prompt_logprobs": None}])

@@ -4,9 +4,9 @@ against a live teacher: each failure a ``ValueError`` naming the setting."""
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
+from side_frameworks import student_tokenizer
 
 from student_client.integrations.teacher_url import SCHEME
 from student_client.integrations.verl.served_teachers import (
@@ -66,24 +66,15 @@ def _teachers(target: str) -> ServedTeachers:
     return ServedTeachers([ServedTeacher("distillation.teacher_models.t.model_path", "k", target)])
 
 
-def _tokenizer(model_dir: Path, extra: str | None = None):  # type: ignore[no-untyped-def]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    if extra:
-        tok.add_tokens([extra])
-    return tok
-
-
 @pytest.mark.vllm
 def test_a_matching_teacher_passes_and_announces_itself(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    infos = _teachers(vllm_teacher.target).check(_tokenizer(tiny_model_dir), 8)
+    infos = _teachers(vllm_teacher.target).check(student_tokenizer(tiny_model_dir), 8)
     assert infos["k"].max_top_k == 256
 
 
 @pytest.mark.vllm
 def test_another_tokenizer_names_the_setting(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    other = _tokenizer(tiny_model_dir, extra="<not-in-the-teacher>")
+    other = student_tokenizer(tiny_model_dir, extra="<not-in-the-teacher>")
     with pytest.raises(ValueError, match=r"^distillation.teacher_models.t.model_path: .*tokenizer"):
         _teachers(vllm_teacher.target).check(other, 8)
 
@@ -91,7 +82,7 @@ def test_another_tokenizer_names_the_setting(vllm_teacher, tiny_model_dir) -> No
 @pytest.mark.vllm
 def test_a_top_k_over_the_teacher_s_names_the_loss_setting(vllm_teacher, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=r"^distillation.distillation_loss.topk: 300, but"):
-        _teachers(vllm_teacher.target).check(_tokenizer(tiny_model_dir), 300)
+        _teachers(vllm_teacher.target).check(student_tokenizer(tiny_model_dir), 300)
 
 
 def test_a_wrong_url_names_the_setting(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -105,4 +96,4 @@ def test_a_wrong_url_names_the_setting(tiny_model_dir) -> None:  # type: ignore[
             [ServedTeacher("distillation.teacher_models.t.model_path", "k", f"127.0.0.1:{port}")],
             retries=1,
             timeout_s=5,
-        ).check(_tokenizer(tiny_model_dir), 8)
+        ).check(student_tokenizer(tiny_model_dir), 8)

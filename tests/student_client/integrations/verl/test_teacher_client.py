@@ -12,14 +12,10 @@ transformers forward pass of each teacher's weights, in verl's layout."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
+from dense_reference import dense_logprobs_f64
+from side_frameworks import run_driver
 
 from devtools.tiny_model import write_tiny_model
 from devtools.verl_install import verl_env
@@ -63,29 +59,6 @@ for c, case in enumerate(spec["cases"]):
         out[f"{c}_{i}_padded"] = pad_lps.numpy()
 np.savez(sys.argv[2], **out)
 """
-
-
-def run_verl(spec: dict, tmp_path: Path) -> dict[str, np.ndarray]:
-    """Run :data:`_DRIVER` on ``spec`` with verl on the path; its arrays."""
-    spec_path, out = tmp_path / "spec.json", tmp_path / "out.npz"
-    spec_path.write_text(json.dumps(spec))
-    done = subprocess.run(
-        [sys.executable, "-c", _DRIVER, str(spec_path), str(out)],
-        env=verl_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    with np.load(out) as arrays:
-        return dict(arrays)
-
-
-def dense_logprobs(model_dir: Path, tokens: list[int]) -> np.ndarray:
-    """``[L, V]`` float64 log-softmax of the model's logits at each position."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).double().eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0]
-    return torch.log_softmax(logits, -1).numpy()
 
 
 def _ragged(seed: int) -> list[list[int]]:
@@ -140,16 +113,18 @@ def test_verl_s_teacher_path_on_live_teachers(
              "sequences": routed},
         ],
     }  # fmt: skip
-    got = run_verl(spec, tmp_path)
+    got = run_driver(_DRIVER, spec, tmp_path, verl_env())
 
     assert str(got["manager0"]) == str(got["manager1"]) == "ServedTeachers"
     models = {"math": tiny_model_dir, "code": other_dir}
     for i, seq in enumerate(seqs):  # K = 0: verl's k3 reads the actual token's log-prob
         check_rows(
-            got[f"0_{i}_ids"], got[f"0_{i}_lps"], dense_logprobs(models["math"], seq), seq, 0
+            got[f"0_{i}_ids"], got[f"0_{i}_lps"], dense_logprobs_f64(models["math"], seq), seq, 0
         )
     for i, (seq, key) in enumerate(routed):  # each sequence to both teachers
-        check_rows(got[f"1_{i}_ids"], got[f"1_{i}_lps"], dense_logprobs(models[key], seq), seq, 8)
+        check_rows(
+            got[f"1_{i}_ids"], got[f"1_{i}_lps"], dense_logprobs_f64(models[key], seq), seq, 8
+        )
         assert got[f"1_{i}_padded"].shape == (1, 4 + len(seq), 8)  # verl's own padding
     # the two teachers' answers differ well beyond the tolerance: each matched its own
     assert np.abs(got["1_0_lps"] - got["1_1_lps"]).max() > 100 * TOLERANCE
